@@ -1,0 +1,35 @@
+# One-command setup: `make test` creates .venv when missing, installs the project with
+# its test and engine extras, then lints, type-checks and runs the suite.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvquota-installed
+
+.PHONY: test demo lint typecheck crds install clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test,engine]'
+	# Beside torch 2.13.0+cpu these break `import transformers` (torchvision::nms).
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+typecheck: $(STAMP)
+	$(PY) -m mypy
+
+crds: $(STAMP)
+	$(VENV)/bin/kvquota crds
+
+test: $(STAMP) lint typecheck
+	$(VENV)/bin/kvquota crds --check
+	$(PY) -m pytest
+
+demo: $(STAMP)
+	$(VENV)/bin/kvquota demo
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,188 @@
+"""EnginePolicy: the per-pool policy the operator renders and every engine applies.
+
+The engine side owns this schema; the operator imports it to render. All block and
+concurrency limits here are *per engine replica* (the operator has already split the
+pool-wide quotas across ready replicas). JSON field names are camelCase, like the CRDs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+API_VERSION = "kvquota.dev/v1alpha1"
+TENANT_ID_PATTERN = r"^[a-z0-9]([-a-z0-9_.]{0,61}[a-z0-9])?$"
+TenantId = Annotated[str, Field(pattern=TENANT_ID_PATTERN, max_length=63)]
+
+
+JwtAlgorithm = Literal[
+    "HS256", "HS384", "HS512", "RS256", "RS384", "RS512", "ES256", "ES384", "ES512", "PS256"
+]
+
+
+def default_algorithms() -> list[JwtAlgorithm]:
+    return ["RS256"]
+
+
+class Tier(StrEnum):
+    PREMIUM = "premium"
+    STANDARD = "standard"
+    FREE = "free"
+
+
+class Isolation(StrEnum):
+    TENANT = "Tenant"
+    SHARED = "Shared"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
+    )
+
+
+class LeasePolicy(_Model):
+    seconds: int = Field(0, ge=0, le=86_400, description="Pin an idle session's KV this long.")
+    max_sessions: int = Field(0, ge=0, description="Leased sessions per engine (0: no cap).")
+    max_blocks: int = Field(0, ge=0, description="Leased blocks per engine (0: no cap).")
+
+
+class TenantPolicy(_Model):
+    tenant_id: TenantId
+    tier: Tier
+    priority: int = Field(ge=0, le=2, description="vLLM priority; lower runs first.")
+    guaranteed_blocks: int = Field(ge=0)
+    max_blocks: int = Field(ge=0)
+    lease: LeasePolicy = LeasePolicy()
+    max_tokens: int = Field(ge=1, description="Ceiling that max_tokens is clamped to.")
+    default_max_tokens: int = Field(ge=1, description="max_tokens when the client sends none.")
+    max_prompt_tokens: int | None = Field(None, ge=1)
+    max_concurrent_requests: int | None = Field(None, ge=1)
+    prefix_cache_isolation: Isolation = Isolation.TENANT
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> TenantPolicy:
+        if self.max_blocks < self.guaranteed_blocks:
+            raise ValueError(
+                f"tenant {self.tenant_id}: maxBlocks ({self.max_blocks}) must be >= "
+                f"guaranteedBlocks ({self.guaranteed_blocks})"
+            )
+        if self.default_max_tokens > self.max_tokens:
+            raise ValueError(
+                f"tenant {self.tenant_id}: defaultMaxTokens ({self.default_max_tokens}) "
+                f"must be <= maxTokens ({self.max_tokens})"
+            )
+        return self
+
+
+class JwtPolicy(_Model):
+    """Where the sidecar finds the verification key: `keyFile` names a file inside the
+    mounted Secret directory (the Secret itself never enters the policy)."""
+
+    key_file: str = Field(min_length=1, max_length=253)
+    algorithms: list[JwtAlgorithm] = Field(
+        default_factory=default_algorithms, min_length=1, max_length=8
+    )
+    issuer: str | None = Field(None, max_length=512)
+    audience: str | None = Field(None, max_length=512)
+    tenant_claim: str = Field("tenant_id", min_length=1, max_length=128)
+    leeway_seconds: int = Field(30, ge=0, le=300)
+
+    @model_validator(mode="after")
+    def _one_key_family(self) -> JwtPolicy:
+        families = {alg[:2] for alg in self.algorithms}
+        if "HS" in families and len(families) > 1:
+            raise ValueError("jwt.algorithms: do not mix HMAC (HS*) with public-key algorithms")
+        return self
+
+
+class AnonymousPolicy(_Model):
+    allowed: bool = False
+    tenant_id: TenantId | None = None
+
+    @model_validator(mode="after")
+    def _tenant_when_allowed(self) -> AnonymousPolicy:
+        if self.allowed and not self.tenant_id:
+            raise ValueError("auth.anonymous.tenantId is required when anonymous is allowed")
+        return self
+
+
+class AuthPolicy(_Model):
+    jwt: JwtPolicy | None = None
+    anonymous: AnonymousPolicy = AnonymousPolicy()
+    trusted_tenant_header: str | None = Field(None, max_length=128)
+
+
+class EnginePolicy(_Model):
+    api_version: Literal["kvquota.dev/v1alpha1"] = "kvquota.dev/v1alpha1"
+    kind: Literal["EnginePolicy"] = "EnginePolicy"
+    pool: str = Field(min_length=1, max_length=253, description="namespace/name of the pool")
+    model: str = Field(min_length=1, max_length=512)
+    block_size: int = Field(16, ge=1, le=1024)
+    capacity_blocks: int | None = Field(
+        None, ge=1, description="Per-engine KV capacity override; else the engine's own."
+    )
+    watermark: float = Field(0.15, ge=0.0, lt=0.5)
+    recompute_below_blocks: int = Field(128, ge=0)
+    replicas: int = Field(1, ge=1, description="Ready replicas the quotas were split over.")
+    auth: AuthPolicy = AuthPolicy()
+    tenants: dict[str, TenantPolicy] = Field(default_factory=dict)
+    version: str = Field("", description="Content hash; set by with_version().")
+
+    @model_validator(mode="after")
+    def _keys_match_ids(self) -> EnginePolicy:
+        for key, tenant in self.tenants.items():
+            if key != tenant.tenant_id:
+                raise ValueError(f"tenants[{key!r}] holds tenantId {tenant.tenant_id!r}")
+        return self
+
+    def content_hash(self) -> str:
+        body = self.model_dump(mode="json", by_alias=True, exclude={"version"})
+        raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+        return "sha256:" + hashlib.sha256(raw).hexdigest()[:16]
+
+    def with_version(self) -> EnginePolicy:
+        return self.model_copy(update={"version": self.content_hash()})
+
+    def to_json(self) -> str:
+        return self.model_dump_json(by_alias=True, indent=2)
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> EnginePolicy:
+        """Parse and check the version: a policy whose hash does not match is refused."""
+        policy = cls.model_validate_json(raw)
+        if policy.version and policy.version != policy.content_hash():
+            raise ValueError(
+                f"policy version {policy.version} does not match its content "
+                f"({policy.content_hash()})"
+            )
+        return policy
+
+    def tenant(self, tenant_id: str | None) -> TenantPolicy | None:
+        return self.tenants.get(tenant_id) if tenant_id else None
+
+
+def write_atomically(path: str | Path, text: str) -> None:
+    """Replace `path` so readers see the old or the new content, never a torn file."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def dump(obj: BaseModel) -> dict[str, Any]:
+    return obj.model_dump(mode="json", by_alias=True, exclude_none=True)

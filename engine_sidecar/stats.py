@@ -1,0 +1,82 @@
+"""Wire formats between the engine-side parts and the operator.
+
+- `EngineStats`: what the scheduler plugin (EngineCore process) publishes at
+  `KVQUOTA_STATS_PATH`: a JSON file replaced atomically at least twice a second while
+  the engine steps. The sidecar reads it.
+- `SidecarStatus`: what the sidecar serves at `GET /kvquota/status`: the plugin's view
+  merged with the admission ledger. The operator polls it and writes CR status.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+POLICY_PATH_ENV = "KVQUOTA_POLICY_PATH"
+STATS_PATH_ENV = "KVQUOTA_STATS_PATH"
+STATUS_ROUTE = "/kvquota/status"
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+
+class TenantEngineStats(_Wire):
+    running_blocks: int = 0
+    leased_blocks: int = 0
+    leased_sessions: int = 0
+    running: int = 0
+    waiting: int = 0
+    preemptions: dict[str, int] = Field(default_factory=dict, description="by reason")
+    lease_breaks: int = 0
+    degraded_events: int = 0
+    prefix_hit_tokens: int = 0
+    prompt_tokens: int = 0
+
+    @property
+    def used_blocks(self) -> int:
+        """Pinned blocks count as the tenant's usage."""
+        return self.running_blocks + self.leased_blocks
+
+
+class EngineStats(_Wire):
+    timestamp: float = Field(description="time.time() when written")
+    policy_version: str | None = None
+    policy_error: str | None = None
+    total_blocks: int = 0
+    free_blocks: int = 0
+    preemption_mode: str = "recompute"
+    degraded: bool = False
+    tenants: dict[str, TenantEngineStats] = Field(default_factory=dict)
+
+
+class TenantCounters(_Wire):
+    admitted: int = 0
+    rejected_quota: int = 0
+    rejected_watermark: int = 0
+    preemptions: int = 0
+    lease_breaks: int = 0
+    degraded_events: int = 0
+
+
+class TenantUsage(_Wire):
+    blocks: int = 0
+    reserved_blocks: int = 0
+    leased_blocks: int = 0
+    leased_sessions: int = 0
+    inflight: int = 0
+
+
+class TenantStatus(_Wire):
+    usage: TenantUsage = TenantUsage()
+    counters: TenantCounters = TenantCounters()
+
+
+class SidecarStatus(_Wire):
+    ready: bool
+    policy_version: str | None = None
+    policy_error: str | None = None
+    total_blocks: int = 0
+    free_blocks: int = 0
+    degraded: bool = False
+    tenants: dict[str, TenantStatus] = Field(default_factory=dict)

@@ -1,0 +1,84 @@
+-- Argo CD health of an InferencePool (inferencepools.kvquota.dev), from status.conditions.
+--   Healthy      Ready=True and Synced=True
+--   Degraded     Oversubscribed=True (the accepted guarantees do not fit the capacity),
+--                or Ready=False with a reason that needs a person (a bad spec, a missing
+--                Secret or gateway pool, ...)
+--   Progressing  anything else: no status yet, status older than the spec
+--                (observedGeneration < metadata.generation), Unknown conditions, Synced
+--                not yet True, and Ready=False for a reason in TRANSIENT below: engines
+--                take minutes to pull an image and load a model, and the pool is not
+--                broken meanwhile.
+local TRANSIENT = {
+  NoEngines = true,          -- the selector matches no engine pod (yet)
+  EnginesNotReady = true,    -- engine pods exist but none is ready
+  CapacityUnknown = true,    -- no engine has reported its KV capacity yet
+  Reconciling = true,
+}
+
+local function find(conditions, type)
+  for _, c in ipairs(conditions) do
+    if c.type == type then
+      return c
+    end
+  end
+  return nil
+end
+
+local function is(c, status)
+  return c ~= nil and c.status == status
+end
+
+local function describe(c)
+  local text = c.type .. "=" .. c.status
+  if c.reason ~= nil and c.reason ~= "" then
+    text = text .. " (" .. c.reason .. ")"
+  end
+  if c.message ~= nil and c.message ~= "" then
+    text = text .. ": " .. c.message
+  end
+  return text
+end
+
+local function stale(generation, status, conditions)
+  if generation == nil then
+    return false
+  end
+  if status.observedGeneration ~= nil and status.observedGeneration < generation then
+    return true
+  end
+  for _, c in ipairs(conditions) do
+    if c.observedGeneration ~= nil and c.observedGeneration < generation then
+      return true
+    end
+  end
+  return false
+end
+
+local hs = { status = "Progressing", message = "Waiting for the KVQuota operator" }
+if obj.status == nil or obj.status.conditions == nil then
+  return hs
+end
+local conditions = obj.status.conditions
+if stale(obj.metadata.generation, obj.status, conditions) then
+  hs.message = "Waiting for the operator to observe generation " .. obj.metadata.generation
+  return hs
+end
+
+local ready = find(conditions, "Ready")
+local synced = find(conditions, "Synced")
+local oversubscribed = find(conditions, "Oversubscribed")
+if is(oversubscribed, "True") then
+  hs.status = "Degraded"
+  hs.message = describe(oversubscribed)
+elseif is(ready, "False") and not TRANSIENT[ready.reason or ""] then
+  hs.status = "Degraded"
+  hs.message = describe(ready)
+elseif is(ready, "True") and is(synced, "True") then
+  hs.status = "Healthy"
+  hs.message = describe(ready)
+elseif ready ~= nil and ready.status ~= "True" then
+  hs.message = describe(ready)
+elseif synced ~= nil then
+  hs.message = describe(synced)
+end
+return hs

@@ -1,0 +1,365 @@
+"""The v1alpha1 API: `InferencePool` and `TenantQuota` (spec and status).
+
+These models are the source of truth for the CRDs (`kvquota crds` generates them):
+defaults, bounds and patterns come from the fields, CEL rules from `_rules(...)`.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from engine_sidecar.policy import (
+    TENANT_ID_PATTERN,
+    Isolation,
+    JwtAlgorithm,
+    Tier,
+    default_algorithms,
+)
+
+NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+Name = Annotated[str, Field(min_length=1, max_length=253, pattern=NAME_PATTERN)]
+ShortString = Annotated[str, Field(max_length=256)]
+CONDITION_TYPE_PATTERN = (
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$"
+)
+CONDITION_REASON_PATTERN = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
+
+
+def _rules(*pairs: tuple[str, str]) -> ConfigDict:
+    """Config for a model whose object carries CEL rules (rule, message)."""
+    return ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        json_schema_extra={
+            "x-kubernetes-validations": [{"rule": r, "message": m} for r, m in pairs]
+        },
+    )
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+# ---------------------------------------------------------------- shared pieces
+
+
+class Condition(_Model):
+    """metav1.Condition."""
+
+    type: str = Field(max_length=316, pattern=CONDITION_TYPE_PATTERN)
+    status: Literal["True", "False", "Unknown"]
+    observed_generation: int | None = Field(None, ge=0)
+    last_transition_time: datetime
+    reason: str = Field(min_length=1, max_length=1024, pattern=CONDITION_REASON_PATTERN)
+    message: str = Field("", max_length=32768)
+
+
+Conditions = Annotated[
+    list[Condition],
+    Field(
+        default_factory=list,
+        max_length=8,
+        json_schema_extra={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["type"],
+        },
+    ),
+]
+
+
+class LocalObjectRef(_Model):
+    name: Name
+
+
+class SecretKeyRef(_Model):
+    name: Name
+    key: str = Field(min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")
+
+
+class LabelSelectorRequirement(_Model):
+    key: str = Field(min_length=1, max_length=317)
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
+    values: list[Annotated[str, Field(max_length=63)]] = Field(
+        default_factory=list, max_length=64
+    )
+
+
+class LabelSelector(BaseModel):
+    model_config = _rules(
+        (
+            "size(self.matchLabels) + size(self.matchExpressions) > 0",
+            "selector must have matchLabels or matchExpressions",
+        )
+    )
+    match_labels: dict[str, Annotated[str, Field(max_length=63)]] = Field(
+        default_factory=dict, json_schema_extra={"maxProperties": 32}
+    )
+    match_expressions: list[LabelSelectorRequirement] = Field(
+        default_factory=list, max_length=16
+    )
+
+
+# ---------------------------------------------------------------- InferencePool
+
+
+class KVCacheSpec(BaseModel):
+    model_config = _rules(
+        (
+            "self.watermark >= 0.0 && self.watermark < 0.5",
+            "kvCache.watermark must be >= 0 and < 0.5",
+        )
+    )
+    block_size: int = Field(16, ge=1, le=1024, description="vLLM --block-size (tokens).")
+    capacity_blocks: int | None = Field(
+        None, ge=1, le=100_000_000,
+        description="KV blocks per engine; when unset, the minimum the engines report.",
+    )
+    watermark: float = Field(
+        0.15, description="Free-block fraction below which borrowing requests get 503."
+    )
+
+
+class TierSpec(BaseModel):
+    """Overrides of one tier's built-in defaults (see `TIER_DEFAULTS`)."""
+
+    model_config = _rules(
+        (
+            "!has(self.defaultMaxTokens) || !has(self.maxTokens) || "
+            "self.defaultMaxTokens <= self.maxTokens",
+            "defaultMaxTokens must be <= maxTokens",
+        )
+    )
+    priority: int | None = Field(None, ge=0, le=2, description="vLLM priority; 0 runs first.")
+    lease_seconds: int | None = Field(None, ge=0, le=86_400)
+    max_tokens: int | None = Field(
+        None, ge=1, le=1_048_576, description="Ceiling max_tokens is clamped to."
+    )
+    default_max_tokens: int | None = Field(None, ge=1, le=1_048_576)
+
+
+class TiersSpec(_Model):
+    premium: TierSpec = Field(default_factory=TierSpec)
+    standard: TierSpec = Field(default_factory=TierSpec)
+    free: TierSpec = Field(default_factory=TierSpec)
+
+
+# (priority, leaseSeconds, maxTokens, defaultMaxTokens) when the pool does not override.
+TIER_DEFAULTS: dict[Tier, tuple[int, int, int, int]] = {
+    Tier.PREMIUM: (0, 300, 4096, 1024),
+    Tier.STANDARD: (1, 60, 2048, 512),
+    Tier.FREE: (2, 0, 512, 256),
+}
+
+
+class PreemptionSpec(_Model):
+    recompute_below_blocks: int = Field(
+        128, ge=0, le=1_000_000,
+        description="With KV offloading configured, swap victims holding more blocks.",
+    )
+
+
+class JwtSpec(BaseModel):
+    model_config = _rules(
+        (
+            "self.algorithms.all(a, a.startsWith('HS')) || "
+            "self.algorithms.all(a, !a.startsWith('HS'))",
+            "jwt.algorithms must not mix HMAC (HS*) with public-key algorithms",
+        )
+    )
+    secret_ref: SecretKeyRef
+    algorithms: list[JwtAlgorithm] = Field(
+        default_factory=default_algorithms, min_length=1, max_length=8
+    )
+    issuer: ShortString | None = None
+    audience: ShortString | None = None
+    tenant_claim: str = Field("tenant_id", min_length=1, max_length=128)
+
+
+class AnonymousSpec(BaseModel):
+    model_config = _rules(
+        ("!self.allowed || has(self.tenantId)", "anonymous.tenantId is required when allowed")
+    )
+    allowed: bool = False
+    tenant_id: str | None = Field(None, max_length=63, pattern=TENANT_ID_PATTERN)
+
+
+class AuthSpec(_Model):
+    jwt: JwtSpec | None = None
+    anonymous: AnonymousSpec = Field(default_factory=AnonymousSpec)
+    trusted_tenant_header: str | None = Field(
+        None, max_length=128, pattern=r"^[A-Za-z0-9-]+$",
+        description="Take the tenant from this header (only behind a trusted gateway).",
+    )
+
+
+class InferencePoolSpec(BaseModel):
+    model_config = _rules(
+        (
+            "has(self.selector) != has(self.gatewayPoolRef)",
+            "exactly one of selector or gatewayPoolRef must be set",
+        )
+    )
+    selector: LabelSelector | None = None
+    gateway_pool_ref: LocalObjectRef | None = None
+    model: str = Field(min_length=1, max_length=512)
+    kv_cache: KVCacheSpec = Field(default_factory=KVCacheSpec)
+    tiers: TiersSpec = Field(default_factory=TiersSpec)
+    preemption: PreemptionSpec = Field(default_factory=PreemptionSpec)
+    auth: AuthSpec = Field(default_factory=AuthSpec)
+
+
+class EngineCounts(_Model):
+    ready: int = 0
+    synced: int = 0
+
+
+class InferencePoolStatus(_Model):
+    observed_generation: int | None = None
+    conditions: Conditions
+    engines: EngineCounts = Field(default_factory=EngineCounts)
+    capacity_blocks: int | None = None
+    guaranteed_blocks: int | None = None
+    used_blocks: int | None = None
+    leased_blocks: int | None = None
+    tenants: int | None = None
+    policy_hash: str | None = Field(None, max_length=128)
+
+
+# ---------------------------------------------------------------- TenantQuota
+
+
+class LeaseSpec(_Model):
+    seconds: int | None = Field(None, ge=0, le=86_400, description="Overrides the tier's.")
+    max_sessions: int | None = Field(None, ge=0, le=1_000_000)
+    max_blocks: int | None = Field(None, ge=0, le=100_000_000)
+
+
+class TenantKVCacheSpec(BaseModel):
+    model_config = _rules(
+        ("self.maxBlocks >= self.guaranteedBlocks", "maxBlocks must be >= guaranteedBlocks")
+    )
+    guaranteed_blocks: int = Field(0, ge=0, le=100_000_000)
+    max_blocks: int = Field(ge=0, le=100_000_000)
+    lease: LeaseSpec = Field(default_factory=LeaseSpec)
+
+
+class LimitsSpec(BaseModel):
+    model_config = _rules(
+        (
+            "!has(self.defaultMaxTokens) || !has(self.maxTokens) || "
+            "self.defaultMaxTokens <= self.maxTokens",
+            "limits.defaultMaxTokens must be <= limits.maxTokens",
+        )
+    )
+    max_tokens: int | None = Field(None, ge=1, le=1_048_576)
+    default_max_tokens: int | None = Field(None, ge=1, le=1_048_576)
+    max_prompt_tokens: int | None = Field(None, ge=1, le=10_485_760)
+    max_concurrent_requests: int | None = Field(None, ge=1, le=1_000_000)
+
+
+class PrefixCacheSpec(_Model):
+    isolation: Isolation = Isolation.TENANT
+
+
+class TenantQuotaSpec(BaseModel):
+    model_config = _rules(
+        (
+            "!has(oldSelf.tenantId) || (has(self.tenantId) && self.tenantId == oldSelf.tenantId)",
+            "tenantId is immutable",
+        )
+    )
+    tenant_id: str | None = Field(
+        None, max_length=63, pattern=TENANT_ID_PATTERN,
+        description="Defaults to metadata.name.",
+    )
+    pool_ref: LocalObjectRef
+    tier: Tier
+    kv_cache: TenantKVCacheSpec
+    limits: LimitsSpec = Field(default_factory=LimitsSpec)
+    prefix_cache: PrefixCacheSpec = Field(default_factory=PrefixCacheSpec)
+
+
+class EffectiveSettings(_Model):
+    tenant_id: str | None = None
+    tier: Tier | None = None
+    priority: int | None = None
+    guaranteed_blocks: int | None = None
+    max_blocks: int | None = None
+    replicas: int | None = None
+    guaranteed_blocks_per_engine: int | None = None
+    max_blocks_per_engine: int | None = None
+    lease_seconds: int | None = None
+    lease_max_sessions: int | None = None
+    lease_max_blocks: int | None = None
+    max_tokens: int | None = None
+    default_max_tokens: int | None = None
+    max_prompt_tokens: int | None = None
+    max_concurrent_requests: int | None = None
+    prefix_cache_isolation: Isolation | None = None
+
+
+class Usage(_Model):
+    blocks: int = 0
+    reserved_blocks: int = 0
+    leased_blocks: int = 0
+    leased_sessions: int = 0
+    inflight: int = 0
+
+
+class Counters(_Model):
+    admitted: int = 0
+    rejected_quota: int = 0
+    rejected_watermark: int = 0
+    preemptions: int = 0
+    lease_breaks: int = 0
+
+
+class TenantQuotaStatus(_Model):
+    observed_generation: int | None = None
+    conditions: Conditions
+    effective: EffectiveSettings | None = None
+    usage: Usage | None = None
+    counters: Counters | None = None
+    last_sync_time: datetime | None = None
+
+
+# ---------------------------------------------------------------- objects
+
+
+class ObjectMeta(BaseModel):
+    """The parts of metav1.ObjectMeta the operator reads; the rest passes through."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="allow")
+    name: str
+    namespace: str = "default"
+    generation: int | None = None
+    uid: str | None = None
+    creation_timestamp: datetime | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class InferencePool(_Model):
+    api_version: Literal["kvquota.dev/v1alpha1"] = "kvquota.dev/v1alpha1"
+    kind: Literal["InferencePool"] = "InferencePool"
+    metadata: ObjectMeta
+    spec: InferencePoolSpec
+    status: InferencePoolStatus | None = None
+
+
+class TenantQuota(_Model):
+    api_version: Literal["kvquota.dev/v1alpha1"] = "kvquota.dev/v1alpha1"
+    kind: Literal["TenantQuota"] = "TenantQuota"
+    metadata: ObjectMeta
+    spec: TenantQuotaSpec
+    status: TenantQuotaStatus | None = None
+
+    @property
+    def tenant_id(self) -> str:
+        return self.spec.tenant_id or self.metadata.name

@@ -1,0 +1,115 @@
+"""Build the per-pool EnginePolicy and the ConfigMap that carries it to the engines.
+
+Pure builders: the operator writes what these return, local mode writes the JSON to
+a file, and tests assert on both without an API server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from typing import Any
+
+from engine_sidecar.policy import (
+    AnonymousPolicy,
+    AuthPolicy,
+    EnginePolicy,
+    JwtPolicy,
+    TenantPolicy,
+)
+from kvquota import API_VERSION, GROUP
+from kvquota.api import AuthSpec, InferencePoolSpec
+
+POLICY_KEY = "policy.json"
+HASH_ANNOTATION = f"{GROUP}/policy-hash"
+POOL_LABEL = f"{GROUP}/pool"
+MANAGED_BY = {"app.kubernetes.io/managed-by": "kvquota", "app.kubernetes.io/component": "policy"}
+_SUFFIX = "-kvquota-policy"
+_MAX_NAME = 253
+
+
+def configmap_name(pool_name: str) -> str:
+    """`<pool>-kvquota-policy`; a pool name near the 253-character limit is shortened
+    with a hash so two long names never collide."""
+    name = pool_name + _SUFFIX
+    if len(name) <= _MAX_NAME:
+        return name
+    digest = hashlib.sha256(pool_name.encode()).hexdigest()[:8]
+    return f"{pool_name[: _MAX_NAME - len(_SUFFIX) - 9]}-{digest}{_SUFFIX}"
+
+
+def render_auth(auth: AuthSpec) -> AuthPolicy:
+    jwt = None
+    if auth.jwt is not None:
+        jwt = JwtPolicy(
+            key_file=auth.jwt.secret_ref.key,
+            algorithms=list(auth.jwt.algorithms),
+            issuer=auth.jwt.issuer,
+            audience=auth.jwt.audience,
+            tenant_claim=auth.jwt.tenant_claim,
+        )
+    return AuthPolicy(
+        jwt=jwt,
+        anonymous=AnonymousPolicy(
+            allowed=auth.anonymous.allowed, tenant_id=auth.anonymous.tenant_id
+        ),
+        trusted_tenant_header=auth.trusted_tenant_header,
+    )
+
+
+def render_policy(
+    namespace: str,
+    name: str,
+    spec: InferencePoolSpec,
+    tenants: Iterable[TenantPolicy],
+    *,
+    replicas: int,
+) -> EnginePolicy:
+    """The versioned policy every engine of the pool applies (tenants sorted by id,
+    so equal content always serialises to equal JSON)."""
+    policy = EnginePolicy(
+        pool=f"{namespace}/{name}",
+        model=spec.model,
+        block_size=spec.kv_cache.block_size,
+        capacity_blocks=spec.kv_cache.capacity_blocks,
+        watermark=spec.kv_cache.watermark,
+        recompute_below_blocks=spec.preemption.recompute_below_blocks,
+        replicas=max(replicas, 1),
+        auth=render_auth(spec.auth),
+        tenants={t.tenant_id: t for t in sorted(tenants, key=lambda t: t.tenant_id)},
+    )
+    return policy.with_version()
+
+
+def build_configmap(
+    namespace: str, name: str, uid: str | None, policy: EnginePolicy
+) -> dict[str, Any]:
+    """The ConfigMap owned by the pool (deleted with it by the garbage collector)."""
+    metadata: dict[str, Any] = {
+        "name": configmap_name(name),
+        "namespace": namespace,
+        "labels": {**MANAGED_BY, POOL_LABEL: name},
+        "annotations": {HASH_ANNOTATION: policy.version},
+    }
+    if uid:
+        metadata["ownerReferences"] = [
+            {
+                "apiVersion": API_VERSION,
+                "kind": "InferencePool",
+                "name": name,
+                "uid": uid,
+                "controller": True,
+            }
+        ]
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": metadata,
+        "data": {POLICY_KEY: policy.to_json() + "\n"},
+    }
+
+
+def tenant_digest(tenant: TenantPolicy) -> str:
+    """Identifies one tenant's rendered settings across policy versions."""
+    raw = tenant.model_dump_json(by_alias=True).encode()
+    return hashlib.sha256(raw).hexdigest()[:16]

@@ -1,0 +1,60 @@
+"""Session-wide fixtures: the tiny model and one real vLLM CPU engine with the plugin.
+
+Heavy things are made once per test session; the model is cached across sessions in
+`.cache/` (or `$KVQUOTA_TEST_CACHE`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvquota.processes import EngineOptions, ManagedProcess, free_port, vllm_engine
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE = Path(os.environ.get("KVQUOTA_TEST_CACHE", REPO / ".cache"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    from kvquota.tinymodel import generate
+
+    return generate(CACHE / "tiny-model")
+
+
+@dataclass(frozen=True)
+class Engine:
+    """A running vLLM OpenAI server (CPU) with TenantAwareScheduler loaded.
+
+    Write an EnginePolicy JSON to `policy_path` (atomically) to change its policy;
+    the plugin publishes its stats at `stats_path`.
+    """
+
+    url: str
+    model: Path
+    policy_path: Path
+    stats_path: Path
+    block_size: int
+    process: ManagedProcess
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    run_dir = tmp_path_factory.mktemp("engine")
+    opts = EngineOptions(
+        model=tiny_model,
+        port=free_port(),
+        policy_path=run_dir / "policy.json",
+        stats_path=run_dir / "stats.json",
+    )
+    proc = vllm_engine(opts, run_dir / "vllm.log").start()
+    try:
+        url = f"http://127.0.0.1:{opts.port}"
+        proc.wait_http(url + "/health", timeout=240)
+        yield Engine(url, tiny_model, opts.policy_path, opts.stats_path, opts.block_size, proc)
+    finally:
+        proc.stop()

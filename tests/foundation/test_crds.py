@@ -1,0 +1,80 @@
+"""The CRDs are generated from the models and carry the API conventions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvquota.cli import main
+from kvquota.crdgen import DEFAULT_OUT, KINDS, build_crd, crd_path, write_or_check
+
+
+def test_committed_crds_match_the_models() -> None:
+    assert main(["crds", "--check"]) == 0, "models changed: run `kvquota crds` and commit"
+
+
+def test_check_reports_drift_after_a_hand_edit(tmp_path: Path, capsys: Any) -> None:
+    write_or_check(tmp_path, check=False)
+    path = crd_path(tmp_path, "TenantQuota")
+    path.write_text(path.read_text().replace("maxBlocks must be", "maxBlocks should be"))
+    assert main(["crds", "--check", "--out", str(tmp_path)]) == 1
+    assert "maxBlocks must be >= guaranteedBlocks" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_crd_shape(kind: str) -> None:
+    crd = yaml.safe_load(crd_path(DEFAULT_OUT, kind).read_text())
+    spec = crd["spec"]
+    assert crd["metadata"]["name"] == f"{KINDS[kind]['plural']}.kvquota.dev"
+    assert spec["group"] == "kvquota.dev" and spec["scope"] == "Namespaced"
+    assert spec["names"]["categories"] == ["kvquota"]
+    assert spec["names"]["shortNames"] == {"InferencePool": ["kvpool"], "TenantQuota": ["tq"]}[kind]
+    (version,) = spec["versions"]
+    assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
+    columns = [c["name"] for c in version["additionalPrinterColumns"] if "priority" not in c]
+    assert columns == {
+        "InferencePool": ["Model", "Engines", "Capacity", "Used", "Ready", "Age"],
+        "TenantQuota": ["Pool", "Tier", "Guaranteed", "Max", "Used", "Ready", "Age"],
+    }[kind]
+    conditions = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"][
+        "conditions"
+    ]
+    assert conditions["x-kubernetes-list-type"] == "map"
+    assert conditions["x-kubernetes-list-map-keys"] == ["type"]
+    assert conditions["maxItems"] <= 16
+    item = conditions["items"]
+    assert set(item["required"]) >= {"type", "status", "lastTransitionTime", "reason"}
+    assert "pattern" in item["properties"]["reason"]
+
+
+def _unbounded(node: dict[str, Any], path: str) -> list[str]:
+    """Strings without a length/enum bound and lists without maxItems blow the CEL budget."""
+    found = []
+    if node.get("type") == "string" and not ({"maxLength", "enum", "format"} & node.keys()):
+        found.append(path)
+    if node.get("type") == "array" and "maxItems" not in node:
+        found.append(path)
+    for name, sub in node.get("properties", {}).items():
+        found += _unbounded(sub, f"{path}.{name}")
+    if isinstance(node.get("items"), dict):
+        found += _unbounded(node["items"], f"{path}[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        found += _unbounded(node["additionalProperties"], f"{path}{{}}")
+    return found
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_spec_strings_and_lists_are_bounded(kind: str) -> None:
+    schema = build_crd(kind)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    assert _unbounded(schema["properties"]["spec"], "spec") == []
+
+
+def test_nested_defaults_are_declared_for_kubectl_apply() -> None:
+    schema = build_crd("InferencePool")["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    kv = schema["properties"]["spec"]["properties"]["kvCache"]
+    assert kv["default"] == {"blockSize": 16, "watermark": 0.15}
+    assert kv["properties"]["blockSize"]["default"] == 16
+    assert kv["properties"]["watermark"]["default"] == 0.15

@@ -1,0 +1,66 @@
+"""What a newcomer meets first: the CLI, the package layout, the tiny model."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvquota.cli import build_parser
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_stdlib_operator_is_not_shadowed_from_the_repo_root() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", "import operator; print(operator.itemgetter)"],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    )
+    assert "<class 'operator.itemgetter'>" in out.stdout
+
+
+def test_every_subcommand_has_help() -> None:
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if a.dest == "command"]
+    commands = set(sub.choices)  # type: ignore[arg-type]
+    assert {"crds", "tiny-model"} <= commands
+    for name in commands:
+        out = subprocess.run(
+            [sys.executable, "-m", "kvquota.cli", name, "--help"],
+            capture_output=True, text=True, cwd=REPO,
+        )
+        assert out.returncode == 0, out.stderr
+        assert "usage: kvquota" in out.stdout
+
+
+def _digest(directory: Path) -> dict[str, str]:
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.iterdir()) if p.is_file()
+    }
+
+
+def test_tiny_model_is_deterministic_and_offline(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvquota.tinymodel import generate
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    again = generate(tmp_path / "again")
+    assert _digest(again) == _digest(tiny_model)
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(_digest(again))
+
+
+def test_tiny_model_tokenizer_has_a_chat_template(tiny_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "premium tenant asks"}], add_generation_prompt=True
+    )
+    text = tokenizer.decode(ids if isinstance(ids, list) else ids["input_ids"])
+    assert text.startswith("<|user|>premium tenant asks</s>")
+    assert text.endswith("<|assistant|>")
