@@ -32,6 +32,15 @@ class TenantEngineStats(_Wire):
     degraded_events: int = 0
     prefix_hit_tokens: int = 0
     prompt_tokens: int = 0
+    swapped_blocks: int = Field(
+        0, description="blocks of preempted requests held offloaded (KV connector); 0 "
+        "without offloading. Exported as vllm_tenant_active_swapped_blocks."
+    )
+    lease_drops: dict[str, int] = Field(
+        default_factory=dict,
+        description="leases ended without memory pressure, by reason (expired, cap, policy, "
+        "reset); not evictions",
+    )
 
     @property
     def used_blocks(self) -> int:
@@ -47,6 +56,11 @@ class EngineStats(_Wire):
     free_blocks: int = 0
     preemption_mode: str = "recompute"
     degraded: bool = False
+    degraded_episodes: int = 0
+    preemptions_by_mode: dict[str, int] = Field(
+        default_factory=dict, description="running-request preemptions: recompute / offload"
+    )
+    vllm_version: str | None = None
     tenants: dict[str, TenantEngineStats] = Field(default_factory=dict)
 
 
@@ -80,3 +94,7 @@ class SidecarStatus(_Wire):
     free_blocks: int = 0
     degraded: bool = False
     tenants: dict[str, TenantStatus] = Field(default_factory=dict)
+    capacity_source: str | None = Field(
+        None, description="where totalBlocks/freeBlocks come from: 'engine' (plugin stats), "
+        "'policy' (capacityBlocks override); None: unknown, the watermark is not applied"
+    )

@@ -75,19 +75,3 @@ def find(conditions: Sequence[Mapping[str, Any]] | None, type_: str) -> Mapping[
         if condition.get("type") == type_:
             return condition
     return None
-
-
-def flips(
-    old: Sequence[Mapping[str, Any]] | None, new: Sequence[Mapping[str, Any]]
-) -> list[Mapping[str, Any]]:
-    """Conditions in `new` whose status differs from `old` (a first appearance counts
-    only when it is not Unknown): these are the transitions worth a Kubernetes Event."""
-    changed = []
-    for condition in new:
-        before = find(old, str(condition.get("type")))
-        if before is None:
-            if condition.get("status") != "Unknown":
-                changed.append(condition)
-        elif before.get("status") != condition.get("status"):
-            changed.append(condition)
-    return changed

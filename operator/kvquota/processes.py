@@ -129,7 +129,6 @@ def vllm_engine(opts: EngineOptions, log_path: Path) -> ManagedProcess:
     env = {
         POLICY_PATH_ENV: str(opts.policy_path),
         STATS_PATH_ENV: str(opts.stats_path),
-        "VLLM_CPU_KVCACHE_SPACE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",

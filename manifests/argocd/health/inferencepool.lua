@@ -2,17 +2,19 @@
 --   Healthy      Ready=True and Synced=True
 --   Degraded     Oversubscribed=True (the accepted guarantees do not fit the capacity),
 --                or Ready=False with a reason that needs a person (a bad spec, a missing
---                Secret or gateway pool, ...)
+--                Gateway API pool, ...)
 --   Progressing  anything else: no status yet, status older than the spec
 --                (observedGeneration < metadata.generation), Unknown conditions, Synced
---                not yet True, and Ready=False for a reason in TRANSIENT below: engines
---                take minutes to pull an image and load a model, and the pool is not
---                broken meanwhile.
+--                not yet True, and Ready=False for a reason in TRANSIENT below.
+--
+-- The operator (kvquota/status.py) reports Ready=False with reason NoEngines while the
+-- selector matches no pod and EnginesNotReady while none of them is ready: engines take
+-- minutes to be scheduled, pull an image and load a model, and the pool is not broken
+-- meanwhile. Every other Ready=False reason (InvalidSpec, GatewayPoolNotFound,
+-- GatewayPoolInvalid, and any added later) needs a person: Degraded.
 local TRANSIENT = {
-  NoEngines = true,          -- the selector matches no engine pod (yet)
-  EnginesNotReady = true,    -- engine pods exist but none is ready
-  CapacityUnknown = true,    -- no engine has reported its KV capacity yet
-  Reconciling = true,
+  NoEngines = true,
+  EnginesNotReady = true,
 }
 
 local function find(conditions, type)

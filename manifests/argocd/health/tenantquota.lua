@@ -1,10 +1,16 @@
 -- Argo CD health of a TenantQuota (tenantquotas.kvquota.dev), from status.conditions.
 --   Healthy      Ready=True and Accepted=True
---   Degraded     Accepted=False (does not fit the pool), Degraded=True (its premium
---                leases were released to keep the engine going), or Ready=False with
---                reason PoolNotFound (spec.poolRef names no InferencePool)
+--   Degraded     Accepted=False (does not fit the pool, invalid), Degraded=True (lease
+--                breaks, premium preemptions or degraded-mode releases in the last
+--                window), or Ready=False because of its pool: PoolNotFound (spec.poolRef
+--                names no InferencePool) or PoolInvalid (the pool's spec is invalid)
 --   Progressing  anything else: no status yet, status older than the spec
 --                (observedGeneration < metadata.generation), Unknown conditions
+local POOL_BROKEN = {
+  PoolNotFound = true,
+  PoolInvalid = true,
+}
+
 local function find(conditions, type)
   for _, c in ipairs(conditions) do
     if c.type == type then
@@ -63,7 +69,7 @@ if is(accepted, "False") then
 elseif is(degraded, "True") then
   hs.status = "Degraded"
   hs.message = describe(degraded)
-elseif is(ready, "False") and ready.reason == "PoolNotFound" then
+elseif is(ready, "False") and POOL_BROKEN[ready.reason or ""] then
   hs.status = "Degraded"
   hs.message = describe(ready)
 elseif is(ready, "True") and is(accepted, "True") then

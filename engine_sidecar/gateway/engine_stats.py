@@ -1,0 +1,50 @@
+"""Reads the scheduler plugin's stats file (live KV capacity, per-tenant engine usage).
+
+The plugin replaces the file atomically at >= 2 Hz while the engine steps. Reading is
+throttled (a stat at most every `min_interval` seconds, a parse only when it changed),
+so the request path can ask for the latest stats on every admission.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from engine_sidecar.stats import EngineStats
+
+
+class EngineStatsReader:
+    def __init__(self, path: Path | None, min_interval: float = 0.1) -> None:
+        self.path = path
+        self.min_interval = min_interval
+        self.error: str | None = None
+        self._stats: EngineStats | None = None
+        self._signature: tuple[int, int, int] | None = None
+        self._checked_at = float("-inf")
+
+    def current(self) -> EngineStats | None:
+        """The latest readable stats, or None if the plugin has published none."""
+        if self.path is None:
+            return None
+        now = time.monotonic()
+        if now - self._checked_at < self.min_interval:
+            return self._stats
+        self._checked_at = now
+        try:
+            st = self.path.stat()
+        except OSError:
+            self._stats, self._signature = None, None
+            return None
+        signature = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if signature == self._signature:
+            return self._stats
+        try:
+            self._stats = EngineStats.model_validate_json(self.path.read_bytes())
+            self.error = None
+        except (OSError, ValidationError, ValueError) as exc:
+            # Keep the previous stats: a transient read error must not flip admission.
+            self.error = f"unreadable engine stats: {type(exc).__name__}"
+        self._signature = signature
+        return self._stats

@@ -1,0 +1,230 @@
+"""The streaming proxy to the engine: status and headers first, then chunks untouched.
+
+One long-lived, cookieless httpx client per app. An exchange runs as two tasks: the
+pump (open upstream, relay bytes) and a watcher for the client's `http.disconnect`.
+Whichever ends first ends the other; the pump closes the upstream response in its
+`finally` (so vLLM aborts the generation) and the caller's reservation is released
+exactly once, whatever happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.cookiejar
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+
+import httpx
+
+from engine_sidecar.gateway import errors
+from engine_sidecar.gateway.errors import ApiError, sse_error_event
+
+logger = logging.getLogger(__name__)
+
+Scope = dict
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+
+HOP_BY_HOP = frozenset({
+    b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
+    b"trailer", b"trailers", b"transfer-encoding", b"upgrade",
+})
+# Never forwarded to the engine: the client's credentials and our own inputs.
+REQUEST_DROP = HOP_BY_HOP | {
+    b"host", b"content-length", b"authorization", b"cookie", b"x-session-id", b"expect",
+    b"accept-encoding",
+}
+RESPONSE_DROP = HOP_BY_HOP | {b"server", b"date", b"set-cookie"}
+
+
+def _connection_tokens(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
+    """Headers named in `Connection:` are hop-by-hop too (RFC 9110 7.6.1)."""
+    names: set[bytes] = set()
+    for key, value in headers:
+        if key.lower() == b"connection":
+            names.update(t.strip().lower() for t in value.split(b","))
+    return names
+
+
+def filter_headers(
+    headers: list[tuple[bytes, bytes]], drop: frozenset[bytes] | set[bytes]
+) -> list[tuple[bytes, bytes]]:
+    extra = _connection_tokens(headers)
+    return [(k.lower(), v) for k, v in headers if k.lower() not in drop and k.lower() not in extra]
+
+
+def upstream_error(exc: httpx.HTTPError, timeout: float) -> tuple[ApiError, str]:
+    """Transport failure -> (client error, metric kind); nothing internal leaks."""
+    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+        return ApiError(503, errors.ENGINE_UNAVAILABLE,
+                        "the inference engine is not accepting connections; retry later",
+                        retry_after=1), "connect"
+    if isinstance(exc, httpx.PoolTimeout):
+        return ApiError(503, errors.ENGINE_UNAVAILABLE,
+                        "too many requests are waiting for the inference engine; retry later",
+                        retry_after=1), "pool"
+    if isinstance(exc, httpx.TimeoutException):
+        return ApiError(504, errors.UPSTREAM_TIMEOUT,
+                        f"the inference engine did not respond within {timeout:g}s"), "timeout"
+    return ApiError(502, errors.UPSTREAM_ERROR,
+                    "the inference engine closed the connection unexpectedly"), "protocol"
+
+
+class Upstream:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        request_timeout: float,
+        connect_timeout: float = 5.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+        max_connections: int = 1024,
+        on_error: Callable[[str], None] | None = None,
+    ) -> None:
+        no_cookies = http.cookiejar.CookieJar(
+            policy=http.cookiejar.DefaultCookiePolicy(allowed_domains=[])
+        )
+        self.request_timeout = request_timeout
+        self.client = httpx.AsyncClient(
+            base_url=base_url.rstrip("/"),
+            timeout=httpx.Timeout(request_timeout, connect=connect_timeout,
+                                  pool=connect_timeout),
+            limits=httpx.Limits(max_connections=max_connections,
+                                max_keepalive_connections=256, keepalive_expiry=30.0),
+            cookies=no_cookies,
+            trust_env=False,  # never route engine traffic through an env proxy
+            follow_redirects=False,
+            transport=transport,
+        )
+        self._on_error = on_error
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    async def open(
+        self, method: str, path: str, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> httpx.Response:
+        """Send, wait for status and headers; the body is left to stream."""
+        request = self.client.build_request(method, path, headers=headers, content=body)
+        try:
+            return await self.client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise self.failure(exc) from None
+
+    def failure(self, exc: httpx.HTTPError) -> ApiError:
+        error, kind = upstream_error(exc, self.request_timeout)
+        if self._on_error is not None:
+            self._on_error(kind)
+        return error
+
+
+async def send_error(send: Send, error: ApiError) -> None:
+    await send({"type": "http.response.start", "status": error.status,
+                "headers": error.raw_headers()})
+    await send({"type": "http.response.body", "body": error.body(), "more_body": False})
+
+
+@dataclass
+class ExchangeResult:
+    outcome: str = "cancelled"  # completed | upstream_error | timeout | cancelled | error
+    status: int | None = None
+    started: bool = False  # the response start went out
+    ttft: float | None = None  # seconds from forwarding to the first body byte
+    duration: float = 0.0
+
+
+class _Pump:
+    def __init__(self, send: Send, upstream: Upstream, result: ExchangeResult) -> None:
+        self.send = send
+        self.upstream = upstream
+        self.result = result
+        self.finishing = False  # the last byte is being sent: a disconnect now is normal
+
+    async def run(self, opener: Callable[[], Awaitable[httpx.Response]], start: float) -> None:
+        result = self.result
+        response: httpx.Response | None = None
+        try:
+            try:
+                response = await opener()
+            except ApiError as error:
+                result.outcome = "timeout" if error.status == 504 else "upstream_error"
+                result.status = error.status
+                result.started = True
+                await send_error(self.send, error)
+                return
+            result.status = response.status_code
+            await self.send({
+                "type": "http.response.start", "status": response.status_code,
+                "headers": filter_headers(response.headers.raw, RESPONSE_DROP),
+            })
+            result.started = True
+            try:
+                async for chunk in response.aiter_raw():
+                    if result.ttft is None:
+                        result.ttft = time.perf_counter() - start
+                    await self.send({"type": "http.response.body", "body": chunk,
+                                     "more_body": True})
+            except httpx.HTTPError as exc:
+                error = self.upstream.failure(exc)
+                result.outcome = "timeout" if error.status == 504 else "upstream_error"
+                if response.headers.get("content-type", "").startswith("text/event-stream"):
+                    self.finishing = True
+                    await self.send({"type": "http.response.body",
+                                     "body": sse_error_event(error), "more_body": False})
+                # Otherwise leave the response incomplete: the server drops the connection,
+                # which is how a client learns that a plain body was cut short.
+                return
+            self.finishing = True
+            result.outcome = "completed" if response.status_code < 400 else "upstream_error"
+            await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            if response is not None:
+                await response.aclose()
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def exchange(
+    receive: Receive,
+    send: Send,
+    upstream: Upstream,
+    opener: Callable[[], Awaitable[httpx.Response]],
+) -> ExchangeResult:
+    """Run one proxied exchange to its end; never raises for client or engine failures.
+
+    `receive` must have delivered the whole request body already.
+    """
+    result = ExchangeResult()
+    pump = _Pump(send, upstream, result)
+    start = time.perf_counter()
+    pump_task = asyncio.ensure_future(pump.run(opener, start))
+    watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+    try:
+        await asyncio.wait((pump_task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        # The client left (or we are being cancelled): stop the pump unless it is only
+        # sending the last byte. Its `finally` closes the upstream response.
+        watcher.cancel()
+        if not pump_task.done() and not pump.finishing:
+            pump_task.cancel()
+        try:
+            await pump_task
+        except asyncio.CancelledError:
+            result.outcome = "cancelled"
+        except Exception as exc:
+            result.outcome = "error"
+            logger.error("proxy failure (%s)", type(exc).__name__, exc_info=exc)
+        result.duration = time.perf_counter() - start
+    if result.outcome == "error" and not result.started:
+        with contextlib.suppress(Exception):
+            await send_error(send, ApiError(500, errors.INTERNAL_ERROR,
+                                            "the sidecar failed to proxy this request"))
+    return result

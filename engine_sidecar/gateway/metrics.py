@@ -1,0 +1,181 @@
+"""Prometheus metrics: one registry per app; tenant labels capped.
+
+Metric names are a contract with the dashboards and alerts (DESIGN.md section 6).
+Gauges and counters that mirror state (the ledger, the plugin's stats file, the active
+policy) are produced by a Collector at scrape time, so they are never stale and
+tenants that left the policy disappear.
+
+Cardinality: a `tenant_id` label is only ever a tenant of the active policy (first
+`tenant_label_limit` of them seen), else "other"; failed authentication uses
+"unknown". Latency histograms are labelled by tier only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Container, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine_sidecar.gateway.active_policy import ActivePolicy
+from engine_sidecar.gateway.ledger import Ledger
+from engine_sidecar.stats import EngineStats
+
+OTHER = "other"
+UNKNOWN = "unknown"
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                   120.0, 300.0)
+
+
+class TenantLabels:
+    """First come, first labelled, up to `limit` tenants of the active policy."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._known: set[str] = set()
+
+    def __call__(self, tenant_id: str | None, policy_tenants: Container[str]) -> str:
+        if not tenant_id:
+            return UNKNOWN
+        if tenant_id in self._known:
+            return tenant_id
+        if tenant_id in policy_tenants and len(self._known) < self.limit:
+            self._known.add(tenant_id)
+            return tenant_id
+        return OTHER
+
+
+@dataclass
+class StateSources:
+    """What the scrape-time collector reads; callables so it always sees the latest."""
+
+    ledger: Ledger
+    active: Callable[[], ActivePolicy | None]
+    stats: Callable[[], EngineStats | None]
+    label: Callable[[str], str]
+
+
+class StateCollector(Collector):
+    def __init__(self, sources: StateSources) -> None:
+        self._s = sources
+
+    def collect(self) -> Iterator[Metric]:
+        active = self._s.active()
+        stats = self._s.stats()
+        label = self._s.label
+        tenants = active.policy.tenants if active else {}
+
+        reserved = GaugeMetricFamily("kvquota_tenant_blocks_reserved",
+                                     "KV blocks reserved by in-flight requests.", labels=["tenant_id"])
+        inflight = GaugeMetricFamily("kvquota_tenant_inflight_requests",
+                                     "Requests admitted and not finished.", labels=["tenant_id"])
+        sums: dict[str, list[int]] = {}
+        for tenant_id in {*tenants, *self._s.ledger.tenants()}:
+            row = sums.setdefault(label(tenant_id), [0, 0])
+            row[0] += self._s.ledger.reserved_blocks(tenant_id)
+            row[1] += self._s.ledger.inflight(tenant_id)
+        for name, (blocks, count) in sorted(sums.items()):
+            reserved.add_metric([name], blocks)
+            inflight.add_metric([name], count)
+        yield reserved
+        yield inflight
+
+        if active is not None:
+            info = GaugeMetricFamily("kvquota_policy_info", "The active policy version (1).",
+                                     labels=["version", "pool"])
+            info.add_metric([active.version, active.policy.pool], 1)
+            yield info
+        if stats is None:
+            return
+        yield GaugeMetricFamily("kvquota_engine_total_blocks", "Engine KV cache blocks.",
+                                value=stats.total_blocks)
+        yield GaugeMetricFamily("kvquota_engine_free_blocks", "Free engine KV cache blocks.",
+                                value=stats.free_blocks)
+        yield from self._plugin_families(stats, tenants, label)
+
+    def _plugin_families(
+        self, stats: EngineStats, tenants: object, label: Callable[[str], str]
+    ) -> Iterator[Metric]:
+        used = GaugeMetricFamily("kvquota_tenant_blocks_used",
+                                 "KV blocks the tenant holds in the engine (running + leased).",
+                                 labels=["tenant_id"])
+        leased = GaugeMetricFamily("kvquota_tenant_blocks_leased",
+                                   "KV blocks pinned by the tenant's session leases.",
+                                   labels=["tenant_id"])
+        sessions = GaugeMetricFamily("kvquota_tenant_leased_sessions",
+                                     "Idle sessions whose KV is pinned by a lease.",
+                                     labels=["tenant_id"])
+        swapped = GaugeMetricFamily("vllm_tenant_active_swapped_blocks",
+                                    "KV blocks of the tenant's preempted requests held "
+                                    "offloaded.", labels=["tenant_id"])
+        breaks = CounterMetricFamily("kvquota_lease_breaks", "Leases released early.",
+                                     labels=["tenant_id"])
+        degraded = CounterMetricFamily("kvquota_degraded_events",
+                                       "Degraded-mode releases of premium leases.",
+                                       labels=["tenant_id"])
+        evictions = CounterMetricFamily(
+            "vllm_tenant_kv_cache_evictions",
+            "Preemptions of the tenant's requests by reason.",
+            labels=["tenant_id", "priority", "preemption_reason"],
+        )
+        policy_tenants = tenants if isinstance(tenants, dict) else {}
+        rows: dict[str, list[int]] = {}
+        reasons: dict[tuple[str, str, str], int] = {}
+        for tenant_id, t in stats.tenants.items():
+            name = label(tenant_id)
+            row = rows.setdefault(name, [0, 0, 0, 0, 0, 0])
+            for i, value in enumerate((t.used_blocks, t.leased_blocks, t.leased_sessions,
+                                       t.swapped_blocks, t.lease_breaks, t.degraded_events)):
+                row[i] += value
+            tenant = policy_tenants.get(tenant_id)
+            priority = str(tenant.priority) if tenant is not None else ""
+            for reason, count in t.preemptions.items():
+                key = (name, priority, reason[:64])
+                reasons[key] = reasons.get(key, 0) + count
+        for name, row in sorted(rows.items()):
+            used.add_metric([name], row[0])
+            leased.add_metric([name], row[1])
+            sessions.add_metric([name], row[2])
+            swapped.add_metric([name], row[3])
+            breaks.add_metric([name], row[4])
+            degraded.add_metric([name], row[5])
+        for key, count in sorted(reasons.items()):
+            evictions.add_metric(list(key), count)
+        yield from (used, leased, sessions, swapped, breaks, degraded, evictions)
+
+
+class GatewayMetrics:
+    def __init__(self, tenant_label_limit: int = 100) -> None:
+        self.registry = CollectorRegistry()
+        self.labels = TenantLabels(tenant_label_limit)
+        r = self.registry
+        self.admissions = Counter(
+            "kvquota_admissions", "Admission decisions.",
+            ["tenant_id", "tier", "decision"], registry=r)
+        self.rejections = Counter(
+            "kvquota_rejections", "Requests refused by the sidecar, by reason.",
+            ["reason"], registry=r)
+        self.reservations = Counter(
+            "kvquota_reservations", "Block reservations released, by outcome "
+            "(completed, upstream_error, timeout, cancelled).", ["tier", "outcome"], registry=r)
+        self.reserved_blocks = Counter(
+            "kvquota_reserved_blocks", "KV blocks reserved at admission.", ["tier"], registry=r)
+        self.ttft = Histogram(
+            "kvquota_upstream_ttft_seconds",
+            "Time from forwarding to the engine's first response byte.",
+            ["tier"], buckets=LATENCY_BUCKETS, registry=r)
+        self.duration = Histogram(
+            "kvquota_upstream_duration_seconds",
+            "Time from forwarding to the end of the engine's response.",
+            ["tier"], buckets=LATENCY_BUCKETS, registry=r)
+        self.upstream_errors = Counter(
+            "kvquota_upstream_errors", "Failed calls to the engine, by kind.",
+            ["kind"], registry=r)
+        self.policy_errors = Counter(
+            "kvquota_policy_errors", "Policies refused (the last good one stays active).",
+            registry=r)
+
+    def attach_state(self, sources: StateSources) -> None:
+        self.registry.register(StateCollector(sources))

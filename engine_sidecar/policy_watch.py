@@ -1,0 +1,117 @@
+"""Hot-load of the EnginePolicy file for the scheduler plugin (no vLLM import).
+
+The sidecar replaces the file atomically; the plugin polls it between steps. A file
+that does not parse or validate never replaces the last good policy: the error is
+logged once per file version and surfaced in the stats until a good file arrives.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from engine_sidecar.policy import EnginePolicy
+
+logger = logging.getLogger(__name__)
+
+POLL_INTERVAL_S = 0.5
+_MAX_ERROR_LEN = 500
+
+_Signature = tuple[int, int, int]
+
+
+class PolicyWatcher:
+    """Holds the current policy and reloads it when the file changes.
+
+    `poll()` stats the file at most every `interval` seconds (by `clock`) and reads it
+    only when its (inode, size, mtime) signature changed.
+    """
+
+    def __init__(
+        self,
+        path: str | Path | None,
+        *,
+        interval: float = POLL_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.path = Path(path) if path else None
+        self.interval = interval
+        self.clock = clock
+        self.policy: EnginePolicy | None = None
+        self.error: str | None = None
+        self._signature: _Signature | None = None
+        self._next_poll = -float("inf")
+
+    @property
+    def version(self) -> str | None:
+        if self.policy is None:
+            return None
+        return self.policy.version or self.policy.content_hash()
+
+    def poll(self, *, force: bool = False) -> bool:
+        """Reload if due and changed; True when a new policy was applied."""
+        if self.path is None:
+            return False
+        now = self.clock()
+        if not force and now < self._next_poll:
+            return False
+        self._next_poll = now + self.interval
+        try:
+            stat = os.stat(self.path)
+        except FileNotFoundError:
+            if self._signature is not None:
+                self._signature = None
+                if self.policy is not None:
+                    self._fail(f"policy file {self.path} is missing")
+            return False
+        except OSError as exc:
+            self._fail(f"cannot stat policy file {self.path}: {exc.strerror or exc}")
+            return False
+        signature = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        if signature == self._signature:
+            return False
+        self._signature = signature
+        return self._load()
+
+    def _load(self) -> bool:
+        assert self.path is not None
+        try:
+            raw = self.path.read_bytes()
+            policy = EnginePolicy.from_json(raw)
+        except OSError as exc:
+            self._fail(f"cannot read policy file {self.path}: {exc.strerror or exc}")
+            return False
+        except ValidationError as exc:
+            first = exc.errors()[0] if exc.errors() else {}
+            where = ".".join(str(part) for part in first.get("loc", ()))
+            detail = f"{where}: {first.get('msg', exc)}" if where else str(first.get("msg", exc))
+            self._fail(f"invalid policy file {self.path} ({exc.error_count()} errors; {detail})")
+            return False
+        except ValueError as exc:
+            self._fail(f"invalid policy file {self.path}: {exc}")
+            return False
+        changed = policy.version != (self.policy.version if self.policy else None) or (
+            not policy.version and policy != self.policy
+        )
+        self.policy = policy
+        if self.error is not None:
+            logger.info("KVQuota policy file %s is valid again", self.path)
+        self.error = None
+        if changed:
+            logger.info(
+                "KVQuota policy %s loaded: %d tenants", self.version, len(policy.tenants)
+            )
+        return changed
+
+    def _fail(self, message: str) -> None:
+        message = message[:_MAX_ERROR_LEN]
+        if self.policy is not None:
+            message += f" (keeping {self.version})"
+        if message != self.error:
+            logger.error("KVQuota %s", message)
+        self.error = message

@@ -1,0 +1,395 @@
+"""The tenant policy the scheduler plugin applies, kept free of vLLM so it is testable.
+
+Everything here works on plain values (tenant ids, token counts, times, opaque block
+handles); `engine_sidecar.scheduler` feeds it from vLLM's scheduler state.
+
+Victim order (DESIGN.md §4). When vLLM must free KV blocks it takes the candidate with
+the *largest* key below; candidates are running requests and live leases (the pinned
+blocks of an idle session):
+
+1. expired leases, always first (they are released before anything else is tried);
+2. band: unclassified traffic (no tenant, or a tenant the policy does not know), then
+   borrowers (tenants whose usage, running + pinned blocks, is above
+   `guaranteedBlocks`), then tenants within their guarantee;
+3. tier: lower tier (larger `priority` number) before higher;
+4. within a band and tier, live leases before running requests (an idle session's
+   cache before work in flight); leases oldest activity first; running requests that
+   lose the least work first (fewest computed tokens), ties newest arrival first.
+   Unclassified requests use vLLM's own priority-policy order, `(priority,
+   arrival_time)`, so with no policy at all the plugin picks vLLM's victims.
+
+A running request only gives way to candidates that rank below it, a waiting request
+only to leases that rank below it. When nothing ranks below the request that needs
+blocks and nothing else can make progress (no other request running), the engine is
+*degraded*: live leases are released in the same order (so the oldest premium leases
+go last of all, oldest first) until the request fits. A degraded episode ends with the
+first step in which no allocation failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from enum import IntEnum, StrEnum
+from typing import Any, Generic, TypeVar
+
+from engine_sidecar.policy import EnginePolicy, TenantPolicy
+
+logger = logging.getLogger(__name__)
+
+TENANT_ARG = "kvq_tenant"
+SESSION_ARG = "kvq_session"
+# Stats key for requests without a known tenant; tenant ids cannot start with "_".
+UNCLASSIFIED = "_unclassified"
+_MAX_ID_LEN = 253
+
+B = TypeVar("B")  # an opaque KV block handle (vLLM's KVCacheBlock in the engine)
+
+
+class Band(IntEnum):
+    """Coarse victim class; a larger value gives blocks back first."""
+
+    GUARANTEED = 1
+    BORROWER = 2
+    UNCLASSIFIED = 3
+
+
+class Reason(StrEnum):
+    """Why blocks were taken from a tenant (`preemptions` keys in the stats)."""
+
+    UNCLASSIFIED = "unclassified"  # a running request without a known tenant
+    BORROWER = "borrower"  # a running request of a tenant above its guarantee
+    TIER = "tier"  # a running request within its guarantee (lower tier, or least work)
+    LEASE_BREAK = "lease_break"  # a live lease released under memory pressure
+    DEGRADED = "degraded"  # a live lease released because nothing else could progress
+
+
+class LeaseDrop(StrEnum):
+    """Why a lease ended without pressure (`leaseDrops` keys; not evictions)."""
+
+    EXPIRED = "expired"
+    CAP = "cap"  # lease.maxSessions / lease.maxBlocks made room for a newer session
+    POLICY = "policy"  # the tenant lost its lease (or the tenant) in a policy change
+    RESET = "reset"  # prefix cache reset / shutdown
+
+
+_RUNNING_REASON = {
+    Band.UNCLASSIFIED: Reason.UNCLASSIFIED,
+    Band.BORROWER: Reason.BORROWER,
+    Band.GUARANTEED: Reason.TIER,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    tenant: str | None
+    session: str | None
+
+    @property
+    def session_key(self) -> tuple[str, str] | None:
+        if self.tenant is None or self.session is None:
+            return None
+        return (self.tenant, self.session)
+
+
+NO_IDENTITY = Identity(None, None)
+
+
+def identity_from_extra_args(extra_args: Mapping[str, Any] | None) -> Identity:
+    """Tenant and session as the sidecar set them through `vllm_xargs`.
+
+    Anything that is not a non-empty string of sane length counts as absent: such a
+    request is unclassified (and never leased)."""
+    if not extra_args:
+        return NO_IDENTITY
+    tenant = _clean_id(extra_args.get(TENANT_ARG))
+    session = _clean_id(extra_args.get(SESSION_ARG)) if tenant is not None else None
+    if tenant is None:
+        return NO_IDENTITY
+    return Identity(tenant, session)
+
+
+def _clean_id(value: object) -> str | None:
+    if isinstance(value, str) and 0 < len(value) <= _MAX_ID_LEN:
+        return value
+    return None
+
+
+@dataclass(slots=True)
+class Lease(Generic[B]):
+    """Pinned blocks of one idle session. The table owns one reference on each block."""
+
+    tenant: str
+    session: str
+    blocks: list[B]
+    last_activity: float
+    expires_at: float
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.tenant, self.session)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+
+def lease_seconds(policy: EnginePolicy | None, tenant: str | None) -> int:
+    """How long an idle session of `tenant` keeps its blocks (0: no lease)."""
+    tenant_policy = policy.tenant(tenant) if policy is not None else None
+    return tenant_policy.lease.seconds if tenant_policy is not None else 0
+
+
+def lease_block_cap(policy: EnginePolicy | None, tenant: str) -> int:
+    """The most blocks one lease of `tenant` may pin (0: no cap)."""
+    tenant_policy = policy.tenant(tenant) if policy is not None else None
+    return tenant_policy.lease.max_blocks if tenant_policy is not None else 0
+
+
+class LeaseTable(Generic[B]):
+    """Leases by session, with per-tenant caps and expiry.
+
+    The table never touches blocks itself: every method that ends leases returns them
+    (with why), and the caller drops their references. Invariant: at most one lease
+    per (tenant, session); `_next_expiry` is <= every lease's `expires_at`, so
+    `pop_expired` can skip the scan while nothing can have expired.
+    """
+
+    def __init__(self) -> None:
+        self._leases: dict[tuple[str, str], Lease[B]] = {}
+        self._next_expiry = math.inf
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def __iter__(self) -> Iterator[Lease[B]]:
+        return iter(list(self._leases.values()))
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._leases
+
+    def get(self, key: tuple[str, str]) -> Lease[B] | None:
+        return self._leases.get(key)
+
+    def put(
+        self, lease: Lease[B], policy: EnginePolicy | None
+    ) -> list[tuple[Lease[B], LeaseDrop | None]]:
+        """Add or renew a session's lease; returns the leases to release.
+
+        The replaced lease of the same session comes back with reason None (a
+        renewal, not a drop); older sessions of the tenant that no longer fit
+        `lease.maxSessions` / `lease.maxBlocks` come back with reason CAP. The caller
+        trims `lease.blocks` to `lease_block_cap()` before taking references.
+        """
+        released: list[tuple[Lease[B], LeaseDrop | None]] = []
+        old = self._leases.pop(lease.key, None)
+        if old is not None:
+            released.append((old, None))
+        if lease.blocks:
+            self._leases[lease.key] = lease
+            self._next_expiry = min(self._next_expiry, lease.expires_at)
+        released.extend((drop, LeaseDrop.CAP) for drop in self._enforce_caps(lease.tenant, policy))
+        return released
+
+    def touch(self, key: tuple[str, str], now: float, seconds: int) -> None:
+        """A session was active: its lease lives `seconds` from now."""
+        lease = self._leases.get(key)
+        if lease is not None:
+            lease.last_activity = now
+            lease.expires_at = now + seconds
+            self._next_expiry = min(self._next_expiry, lease.expires_at)
+
+    def pop(self, key: tuple[str, str]) -> Lease[B] | None:
+        return self._leases.pop(key, None)
+
+    def pop_expired(self, now: float) -> list[Lease[B]]:
+        if now < self._next_expiry:
+            return []
+        expired = [lease for lease in self._leases.values() if lease.expires_at <= now]
+        for lease in expired:
+            del self._leases[lease.key]
+        self._next_expiry = min((x.expires_at for x in self._leases.values()), default=math.inf)
+        return expired
+
+    def pop_all(self) -> list[Lease[B]]:
+        leases = list(self._leases.values())
+        self._leases.clear()
+        self._next_expiry = math.inf
+        return leases
+
+    def apply_policy(self, policy: EnginePolicy | None) -> list[tuple[Lease[B], LeaseDrop]]:
+        """Re-derive expiries and caps from a new policy; returns the leases it ends."""
+        dropped: list[tuple[Lease[B], LeaseDrop]] = []
+        for lease in list(self._leases.values()):
+            seconds = lease_seconds(policy, lease.tenant)
+            if seconds <= 0:
+                del self._leases[lease.key]
+                dropped.append((lease, LeaseDrop.POLICY))
+            else:
+                lease.expires_at = lease.last_activity + seconds
+        for tenant in {lease.tenant for lease in self._leases.values()}:
+            dropped.extend((lease, LeaseDrop.CAP) for lease in self._enforce_caps(tenant, policy))
+        self._next_expiry = min((x.expires_at for x in self._leases.values()), default=math.inf)
+        return dropped
+
+    def tenant_totals(self) -> dict[str, tuple[int, int]]:
+        """tenant -> (leased sessions, leased blocks counted per lease)."""
+        totals: dict[str, tuple[int, int]] = {}
+        for lease in self._leases.values():
+            sessions, blocks = totals.get(lease.tenant, (0, 0))
+            totals[lease.tenant] = (sessions + 1, blocks + lease.num_blocks)
+        return totals
+
+    def _enforce_caps(self, tenant: str, policy: EnginePolicy | None) -> list[Lease[B]]:
+        tenant_policy = policy.tenant(tenant) if policy is not None else None
+        if tenant_policy is None:
+            return []
+        max_sessions = tenant_policy.lease.max_sessions
+        max_blocks = tenant_policy.lease.max_blocks
+        if not max_sessions and not max_blocks:
+            return []
+        own = sorted(
+            (lease for lease in self._leases.values() if lease.tenant == tenant),
+            key=lambda lease: lease.last_activity,
+        )
+        num_blocks = sum(lease.num_blocks for lease in own)
+        dropped: list[Lease[B]] = []
+        # Oldest activity goes first; the newest lease survives unless it alone breaks
+        # the block cap (put() already trimmed it to fit).
+        while own and (
+            (max_sessions and len(own) > max_sessions)
+            or (max_blocks and num_blocks > max_blocks)
+        ):
+            oldest = own.pop(0)
+            num_blocks -= oldest.num_blocks
+            del self._leases[oldest.key]
+            dropped.append(oldest)
+        return dropped
+
+
+RankKey = tuple[float, ...]
+
+
+class VictimRanker:
+    """Ranks eviction candidates under one policy and one usage picture.
+
+    `usage` maps tenant -> blocks in use (running + pinned). It is taken once when
+    memory first runs out in a step and then debited as candidates are released,
+    so the ranking stays consistent within the step without rescanning vLLM.
+    """
+
+    def __init__(self, policy: EnginePolicy | None, usage: dict[str, int]) -> None:
+        self.policy = policy
+        self.usage = usage
+
+    def tenant_policy(self, tenant: str | None) -> TenantPolicy | None:
+        if tenant is None or self.policy is None:
+            return None
+        return self.policy.tenants.get(tenant)
+
+    def band(self, tenant_policy: TenantPolicy) -> Band:
+        used = self.usage.get(tenant_policy.tenant_id, 0)
+        return Band.BORROWER if used > tenant_policy.guaranteed_blocks else Band.GUARANTEED
+
+    def running_key(
+        self,
+        tenant: str | None,
+        priority: int,
+        num_computed_tokens: int,
+        arrival_time: float,
+    ) -> RankKey:
+        tenant_policy = self.tenant_policy(tenant)
+        if tenant_policy is None:
+            # vLLM's own priority-policy victim order.
+            return (Band.UNCLASSIFIED, priority, 0, 0, arrival_time)
+        return (
+            self.band(tenant_policy),
+            tenant_policy.priority,
+            0,
+            -num_computed_tokens,
+            arrival_time,
+        )
+
+    def lease_key(self, lease: Lease[Any]) -> RankKey:
+        tenant_policy = self.tenant_policy(lease.tenant)
+        if tenant_policy is None:  # the tenant left the policy; the lease is on its way out
+            return (Band.UNCLASSIFIED, math.inf, 1, -lease.last_activity)
+        return (self.band(tenant_policy), tenant_policy.priority, 1, -lease.last_activity)
+
+    @staticmethod
+    def running_reason(key: RankKey) -> Reason:
+        return _RUNNING_REASON[Band(int(key[0]))]
+
+    def debit(self, tenant: str | None, num_blocks: int) -> None:
+        if tenant is not None and tenant in self.usage:
+            self.usage[tenant] = max(0, self.usage[tenant] - num_blocks)
+
+
+@dataclass
+class TenantCounters:
+    """Monotonic per-tenant counters the stats file exposes."""
+
+    preemptions: Counter[str] = field(default_factory=Counter)
+    lease_breaks: int = 0
+    lease_drops: Counter[str] = field(default_factory=Counter)
+    degraded_events: int = 0
+    prefix_hit_tokens: int = 0
+    prompt_tokens: int = 0
+
+
+class CounterBook:
+    """Counters by tenant; tenants the policy does not know share UNCLASSIFIED."""
+
+    def __init__(self) -> None:
+        self.tenants: dict[str, TenantCounters] = {}
+
+    def __getitem__(self, tenant: str) -> TenantCounters:
+        counters = self.tenants.get(tenant)
+        if counters is None:
+            counters = self.tenants[tenant] = TenantCounters()
+        return counters
+
+
+def stats_tenant(policy: EnginePolicy | None, tenant: str | None) -> str:
+    """The stats key of a tenant: itself if the policy knows it, else UNCLASSIFIED.
+
+    Unknown ids are folded so that label cardinality stays bounded by the policy."""
+    if tenant is not None and policy is not None and tenant in policy.tenants:
+        return tenant
+    return UNCLASSIFIED
+
+
+class DegradedEpisodes:
+    """Degraded-mode bookkeeping: one log line per episode, not per release."""
+
+    def __init__(self, log: Callable[..., None] | None = None) -> None:
+        self.active = False
+        self.episodes = 0
+        self.releases_in_episode = 0
+        self._log = log or logger.warning
+
+    def note_release(self, tenant: str, num_blocks: int) -> None:
+        if not self.active:
+            self.active = True
+            self.episodes += 1
+            self.releases_in_episode = 0
+            self._log(
+                "KVQuota degraded: KV cache exhausted with only higher-class work left; "
+                "releasing live leases, oldest premium last (first: tenant %s, %d blocks)",
+                tenant, num_blocks,
+            )
+        self.releases_in_episode += 1
+
+    def end_step(self, allocation_failed: bool) -> bool:
+        """Close the episode after a step without allocation failure; True if closed."""
+        if self.active and not allocation_failed:
+            self.active = False
+            logger.info(
+                "KVQuota degraded episode %d over after %d lease releases",
+                self.episodes, self.releases_in_episode,
+            )
+            return True
+        return False

@@ -1,0 +1,292 @@
+"""Every touch of vLLM's private scheduler API, in one place.
+
+vLLM's `Scheduler` interface is not public ("compatibility may not be maintained"), so
+the plugin names the vLLM versions it was verified on and refuses to start on others
+(set `KVQUOTA_ALLOW_UNSUPPORTED_VLLM=1` to try anyway, with a warning). When porting
+to a new vLLM, this module and the method names overridden in
+`engine_sidecar.scheduler` (listed in `HOOKED_SCHEDULER_METHODS`) are all there is to
+check. The touchpoints:
+
+- `Scheduler` / `AsyncScheduler` (base classes); the overridden methods
+  `schedule`, `update_from_output`, `add_request`, `finish_requests`,
+  `reset_prefix_cache`, `shutdown` (public interface) and `_preempt_request`,
+  `_free_blocks` (private);
+- scheduler attributes `running`, `requests`, `policy`, `vllm_config`,
+  `kv_cache_manager`;
+- `KVCacheManager.allocate_slots` (wrapped per instance to hear about allocation
+  failures), `KVCacheManager.coordinator.get_blocks`, `KVCacheManager.block_pool`;
+- `BlockPool.touch` / `free_blocks` / `get_num_free_blocks` / `num_gpu_blocks`, and
+  `KVCacheBlock.block_id` / `block_hash` / `is_null` / `pool`;
+- `Request.request_id`, `status`, `priority` (rewritten on a *running* request for
+  the instant vLLM picks a victim, restored before it re-enters the waiting heap),
+  `arrival_time`, `num_computed_tokens`, `num_prompt_tokens`, `num_preemptions`,
+  `sampling_params.extra_args`; `RequestStatus`;
+- `SchedulerOutput.scheduled_new_reqs[].req_id / num_computed_tokens` (prefix hits);
+- config: `scheduler_config.async_scheduling`, `cache_config.kv_offloading_size`,
+  `kv_transfer_config.kv_connector`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import vllm
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.request_queue import SchedulingPolicy
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+__all__ = [
+    "AsyncScheduler",
+    "Scheduler",
+]
+
+# vLLM minor series whose private scheduler API this module was verified against
+# (tested: 0.32.0).
+SUPPORTED_VLLM: tuple[str, ...] = ("0.32",)
+ALLOW_UNSUPPORTED_ENV = "KVQUOTA_ALLOW_UNSUPPORTED_VLLM"
+
+HOOKED_SCHEDULER_METHODS = (
+    "schedule",
+    "update_from_output",
+    "add_request",
+    "finish_requests",
+    "reset_prefix_cache",
+    "shutdown",
+    "_preempt_request",
+    "_free_blocks",
+)
+# Far above any real priority: the running request vLLM must pick as its victim.
+VICTIM_PRIORITY = 1 << 62
+_NO_LEASE_STATUSES = frozenset({RequestStatus.FINISHED_ERROR, RequestStatus.FINISHED_IGNORED})
+_OFFLOADING_CONNECTORS = ("Offloading", "LMCache")
+
+logger = logging.getLogger(__name__)
+
+
+class UnsupportedVllmError(RuntimeError):
+    """The installed vLLM is not one the plugin was verified against."""
+
+
+def installed_vllm_version() -> str:
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+def is_supported_version(version: str) -> bool:
+    release = version.split("+", 1)[0]
+    return any(release == series or release.startswith(series + ".") for series in SUPPORTED_VLLM)
+
+
+def check_supported_vllm(version: str | None = None) -> None:
+    """Fail fast, naming the version, unless this vLLM is a supported one."""
+    version = version or installed_vllm_version()
+    missing = _missing_api()
+    if is_supported_version(version) and not missing:
+        return
+    supported = ", ".join(f"{series}.x" for series in SUPPORTED_VLLM)
+    message = (
+        f"KVQuota TenantAwareScheduler does not support vLLM {version} "
+        f"(supported: {supported})"
+    )
+    if missing:
+        message += f"; missing scheduler API: {', '.join(missing)}"
+    if os.environ.get(ALLOW_UNSUPPORTED_ENV) == "1" and not missing:
+        logger.warning("%s; continuing because %s=1", message, ALLOW_UNSUPPORTED_ENV)
+        return
+    raise UnsupportedVllmError(
+        message + f". Install a supported vLLM, or set {ALLOW_UNSUPPORTED_ENV}=1 to try."
+    )
+
+
+def _missing_api() -> list[str]:
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    wanted: list[tuple[type, str]] = [(Scheduler, name) for name in HOOKED_SCHEDULER_METHODS]
+    wanted += [
+        (KVCacheManager, "allocate_slots"),
+        (KVCacheCoordinator, "get_blocks"),
+        (BlockPool, "touch"),
+        (BlockPool, "free_blocks"),
+        (BlockPool, "get_num_free_blocks"),
+    ]
+    return [f"{cls.__name__}.{name}" for cls, name in wanted if not hasattr(cls, name)]
+
+
+def route_logs(logger_name: str) -> None:
+    """Send the plugin's log records through vLLM's handlers (same format, same stream)."""
+    ours = logging.getLogger(logger_name)
+    theirs = logging.getLogger("vllm")
+    if theirs.handlers and not ours.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+
+
+# -- configuration ---------------------------------------------------------------------
+
+
+def find_vllm_config(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> VllmConfig | None:
+    config = kwargs.get("vllm_config", args[0] if args else None)
+    return config if hasattr(config, "scheduler_config") else None
+
+
+def async_scheduling_enabled(vllm_config: VllmConfig | None) -> bool:
+    return bool(vllm_config is not None and vllm_config.scheduler_config.async_scheduling)
+
+
+def offloading_configured(vllm_config: VllmConfig) -> bool:
+    """KV offloading (a CPU/remote tier a preempted request can reload from)."""
+    if getattr(vllm_config.cache_config, "kv_offloading_size", None):
+        return True
+    transfer = vllm_config.kv_transfer_config
+    connector = getattr(transfer, "kv_connector", None) or ""
+    return any(name in connector for name in _OFFLOADING_CONNECTORS)
+
+
+def uses_priority_policy(scheduler: Scheduler) -> bool:
+    return bool(scheduler.policy == SchedulingPolicy.PRIORITY)
+
+
+# -- requests --------------------------------------------------------------------------
+
+
+def request_extra_args(request: Request) -> Mapping[str, Any] | None:
+    params = request.sampling_params
+    return params.extra_args if params is not None else None
+
+
+def is_running(request: Request) -> bool:
+    return bool(request.status == RequestStatus.RUNNING)
+
+
+def is_waiting(request: Request) -> bool:
+    return bool(request.status < RequestStatus.RUNNING or request.status == RequestStatus.PREEMPTED)
+
+
+def kv_is_reusable(request: Request) -> bool:
+    """A finished request whose cached KV is worth leasing."""
+    return request.status not in _NO_LEASE_STATUSES
+
+
+def is_first_admission(request: Request) -> bool:
+    return bool(request.num_preemptions == 0)
+
+
+def mark_victim(request: Request) -> int:
+    """Make a running request vLLM's next priority-policy victim; returns the priority
+    to restore. Only ever called on a request in `running`, never one in a heap."""
+    assert request.status == RequestStatus.RUNNING
+    original = int(request.priority)
+    request.priority = VICTIM_PRIORITY
+    return original
+
+
+def restore_priority(request: Request, priority: int) -> None:
+    request.priority = priority
+
+
+def running_requests(scheduler: Scheduler) -> list[Request]:
+    return scheduler.running
+
+
+def all_requests(scheduler: Scheduler) -> Iterable[Request]:
+    return scheduler.requests.values()
+
+
+def get_request(scheduler: Scheduler, req_id: str) -> Request | None:
+    return scheduler.requests.get(req_id)
+
+
+def new_request_hits(output: SchedulerOutput) -> Iterator[tuple[str, int]]:
+    """(req_id, prefix-hit tokens) of the requests admitted in this step."""
+    for new_req in output.scheduled_new_reqs:
+        yield new_req.req_id, new_req.num_computed_tokens
+
+
+# -- KV blocks -------------------------------------------------------------------------
+
+
+def request_blocks(scheduler: Scheduler, req_id: str) -> list[KVCacheBlock]:
+    """All blocks a request holds, over every KV cache group."""
+    groups = scheduler.kv_cache_manager.coordinator.get_blocks(req_id)
+    if len(groups) == 1:
+        return groups[0]
+    return [block for group in groups for block in group]
+
+
+def request_block_ids(scheduler: Scheduler, req_id: str) -> list[int]:
+    return [block.block_id for block in request_blocks(scheduler, req_id) if not block.is_null]
+
+
+def cached_blocks(scheduler: Scheduler, req_id: str) -> list[KVCacheBlock]:
+    """The request's blocks that are in the prefix cache, in prefix order."""
+    return [
+        block
+        for block in request_blocks(scheduler, req_id)
+        if block.block_hash is not None and not block.is_null
+    ]
+
+
+def block_id(block: KVCacheBlock) -> int:
+    return block.block_id
+
+
+def pin_blocks(scheduler: Scheduler, blocks: list[KVCacheBlock]) -> None:
+    """Take one reference on each block (a block at refcount 0 leaves the free queue)."""
+    main_pool = scheduler.kv_cache_manager.block_pool
+    by_pool: dict[Any, list[KVCacheBlock]] = {}
+    for block in blocks:
+        by_pool.setdefault(block.pool if block.pool is not None else main_pool, []).append(block)
+    for pool, pool_blocks in by_pool.items():
+        pool.touch(pool_blocks)
+
+
+def unpin_blocks(scheduler: Scheduler, blocks: list[KVCacheBlock]) -> None:
+    """Drop the references `pin_blocks` took; blocks at refcount 0 go back to vLLM's
+    LRU free queue, still hashed, the tail of the prefix first in line for eviction."""
+    scheduler.kv_cache_manager.block_pool.free_blocks(reversed(blocks))
+
+
+def free_block_count(scheduler: Scheduler) -> int:
+    return int(scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
+
+
+def total_block_count(scheduler: Scheduler) -> int:
+    # Block 0 is vLLM's null block, never allocatable.
+    return int(scheduler.kv_cache_manager.block_pool.num_gpu_blocks) - 1
+
+
+AllocationFailureHandler = Callable[
+    ["Request", Callable[[], "KVCacheBlocks | None"]], "KVCacheBlocks | None"
+]
+
+
+def install_allocation_hook(scheduler: Scheduler, on_failure: AllocationFailureHandler) -> None:
+    """Call `on_failure(request, retry)` whenever `allocate_slots` finds no room.
+
+    The handler may free blocks and `retry()` (allocation is side-effect free until it
+    succeeds); whatever it returns is what vLLM's scheduler sees. The success path
+    costs one extra Python call."""
+    manager = scheduler.kv_cache_manager
+    allocate = manager.allocate_slots
+
+    def allocate_slots(request: Request, *args: Any, **kwargs: Any) -> KVCacheBlocks | None:
+        blocks = allocate(request, *args, **kwargs)
+        if blocks is None:
+            return on_failure(request, lambda: allocate(request, *args, **kwargs))
+        return blocks
+
+    manager.allocate_slots = allocate_slots  # type: ignore[method-assign]

@@ -1,0 +1,53 @@
+"""Operator-wide handlers: settings and runtime at startup, login, probe, cleanup."""
+
+# kopf types callbacks as protocols naming every kwarg; ours name only what they use.
+# mypy: disable-error-code="arg-type"
+
+from __future__ import annotations
+
+from typing import Any
+
+import kopf
+
+from kvquota.runtime import OperatorConfig, build_runtime, runtime_of
+
+
+@kopf.on.startup()
+async def start(
+    settings: kopf.OperatorSettings,
+    memo: kopf.Memo,
+    inferencepools_by_key: kopf.Index[Any, Any],
+    tenantquotas_by_pool: kopf.Index[Any, Any],
+    **_: Any,
+) -> None:
+    from kvquota.run_operator import configure_settings
+
+    config: OperatorConfig = memo.get("config") or OperatorConfig()
+    configure_settings(settings, config)
+    runtime = build_runtime(config)
+    runtime.reconciler.bind(inferencepools_by_key, tenantquotas_by_pool)
+    memo.runtime = runtime
+
+
+@kopf.on.cleanup()
+async def stop(memo: kopf.Memo, **_: Any) -> None:
+    if "runtime" in memo:
+        await runtime_of(memo).aclose()
+
+
+@kopf.on.login()
+def login(
+    memo: kopf.Memo, settings: kopf.OperatorSettings, logger: kopf.Logger, **kwargs: Any
+) -> kopf.ConnectionInfo | None:
+    """In-cluster service account or kubeconfig (via the kubernetes client); an
+    embedding (tests, benchmark) may name a plain API URL instead."""
+    config: OperatorConfig | None = memo.get("config")
+    if config is not None and config.api_server:
+        return kopf.ConnectionInfo(server=config.api_server, insecure=True)
+    return kopf.login_via_client(logger=logger, settings=settings, **kwargs)
+
+
+@kopf.on.probe(id="reconciles")
+def reconciles(memo: kopf.Memo, **_: Any) -> int:
+    """Liveness detail: pool reconciles since start (the probe fails if kopf hangs)."""
+    return runtime_of(memo).reconciler.reconciles if "runtime" in memo else 0

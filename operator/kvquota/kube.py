@@ -1,0 +1,123 @@
+"""The few Kubernetes API calls the operator makes beyond what kopf does for it.
+
+kopf watches our CRs and patches the object a handler runs for; the reconciler also
+writes ConfigMaps, other objects' status and lists engine pods. Those go through the
+official (synchronous) client in worker threads, returning plain JSON dicts: no
+model classes, one place for timeouts and 404 handling, easy to fake in tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvquota import GROUP, VERSION
+
+if TYPE_CHECKING:
+    import kubernetes.client
+
+GATEWAY_POOL_APIS = (
+    ("inference.networking.k8s.io", "v1"),
+    ("inference.networking.x-k8s.io", "v1alpha2"),
+)
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    connect: float = 5.0
+    read: float = 30.0
+
+
+def api_client(server: str | None) -> kubernetes.client.ApiClient:
+    """An API client: in-cluster service account, else kubeconfig; or, when `server`
+    is given (embedding, tests, benchmark), that URL without credentials."""
+    import kubernetes.client
+    import kubernetes.config
+
+    if server:
+        configuration = kubernetes.client.Configuration()
+        configuration.host = server
+        configuration.verify_ssl = False
+        return kubernetes.client.ApiClient(configuration)
+    try:
+        kubernetes.config.load_incluster_config()
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config()
+    return kubernetes.client.ApiClient()
+
+
+class KubeApi:
+    """Async facade over the sync client; every call is bounded by `timeouts`."""
+
+    def __init__(self, client: kubernetes.client.ApiClient, timeouts: Timeouts) -> None:
+        import kubernetes.client
+
+        self._core = kubernetes.client.CoreV1Api(client)
+        self._custom = kubernetes.client.CustomObjectsApi(client)
+        self._timeout = (timeouts.connect, timeouts.read)
+        self._exception: type[Exception] = kubernetes.client.ApiException
+
+    async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        kwargs.update(_request_timeout=self._timeout, _preload_content=False)
+        response = await asyncio.to_thread(fn, *args, **kwargs)
+        return json.loads(response.data) if response.data else None
+
+    def _is_missing(self, error: Exception) -> bool:
+        return isinstance(error, self._exception) and getattr(error, "status", None) == 404
+
+    async def get_configmap(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            result: dict[str, Any] = await self._call(
+                self._core.read_namespaced_config_map, name, namespace
+            )
+        except Exception as error:
+            if self._is_missing(error):
+                return None
+            raise
+        return result
+
+    async def create_configmap(self, body: dict[str, Any]) -> None:
+        await self._call(
+            self._core.create_namespaced_config_map, body["metadata"]["namespace"], body
+        )
+
+    async def patch_configmap(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        await self._call(self._core.patch_namespaced_config_map, name, namespace, patch)
+
+    async def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        result = await self._call(
+            self._core.list_namespaced_pod, namespace, label_selector=label_selector
+        )
+        return list((result or {}).get("items") or [])
+
+    async def patch_status(
+        self, plural: str, namespace: str, name: str, status: dict[str, Any]
+    ) -> bool:
+        """Merge-patch `.status` of one of our objects; False when it is gone."""
+        try:
+            await self._call(
+                self._custom.patch_namespaced_custom_object_status,
+                GROUP, VERSION, namespace, plural, name, {"status": status},
+            )
+        except Exception as error:
+            if self._is_missing(error):
+                return False
+            raise
+        return True
+
+    async def get_gateway_pool(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """A Gateway API Inference Extension InferencePool (GA group first)."""
+        for group, version in GATEWAY_POOL_APIS:
+            try:
+                result: dict[str, Any] = await self._call(
+                    self._custom.get_namespaced_custom_object,
+                    group, version, namespace, "inferencepools", name,
+                )
+            except Exception as error:
+                if self._is_missing(error):
+                    continue
+                raise
+            return result
+        return None

@@ -1,0 +1,285 @@
+"""Plan one pool: from the pool object, every TenantQuota that references it and what
+the engines reported, decide each quota's admission and effective settings and render
+the pool's EnginePolicy.
+
+Pure and deterministic (same inputs, same plan), so the operator can recompute it
+from its caches after any event or restart, and local mode runs exactly the same code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, cast
+
+from pydantic import ValidationError
+
+from engine_sidecar.policy import EnginePolicy, TenantPolicy, Tier
+from kvquota.api import EffectiveSettings, InferencePoolSpec, ObjectMeta, TenantQuotaSpec
+from kvquota.capacity import admit_oldest_first, engine_capacity, guaranteeable_blocks
+from kvquota.conditions import Want
+from kvquota.render import render_policy, tenant_digest
+from kvquota.resolve import effective_settings, tenant_policy
+
+ObjKey = tuple[str, str]  # (namespace, name)
+
+
+def describe_errors(error: ValidationError, prefix: str = "spec") -> str:
+    """A compact, kubectl-like rendering of pydantic errors (no input values echoed)."""
+    parts = []
+    for item in error.errors():
+        path = ".".join([prefix, *(str(p) for p in item["loc"])]) if item["loc"] else prefix
+        parts.append(f"{path}: {item['msg']}")
+    return "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class TenantPlan:
+    key: ObjKey
+    tenant_id: str | None
+    tier: Tier | None
+    accepted: Want
+    effective: EffectiveSettings | None = None
+    policy: TenantPolicy | None = None  # None: not in the pool's policy
+    digest: str | None = None
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    namespace: str
+    name: str
+    exists: bool
+    error: str | None = None  # the pool's spec cannot be rendered
+    replicas: int = 1  # ready replicas the quotas are split over (at least 1)
+    capacity_per_engine: int | None = None
+    budget: int | None = None  # pool-wide guaranteeable blocks
+    requested_blocks: int = 0  # sum of guarantees asked by valid, distinct quotas
+    guaranteed_blocks: int = 0  # sum of guarantees granted
+    watermark: float = 0.0
+    policy: EnginePolicy | None = None
+    tenants: Mapping[ObjKey, TenantPlan] | None = None
+
+    @property
+    def ref(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    @property
+    def capacity_blocks(self) -> int | None:
+        if self.capacity_per_engine is None:
+            return None
+        return self.capacity_per_engine * self.replicas
+
+    @property
+    def oversubscribed(self) -> bool | None:
+        if self.budget is None:
+            return None
+        return self.requested_blocks > self.budget
+
+    @property
+    def rejected(self) -> list[TenantPlan]:
+        return [
+            t for t in (self.tenants or {}).values()
+            if t.accepted.reason == "Oversubscribed"
+        ]
+
+
+@dataclass(frozen=True)
+class _Quota:
+    key: ObjKey
+    tenant_id: str
+    spec: TenantQuotaSpec
+
+
+def _meta(body: Mapping[str, Any]) -> ObjectMeta:
+    return ObjectMeta.model_validate(body.get("metadata") or {})
+
+
+def _key(body: Mapping[str, Any]) -> ObjKey:
+    meta = body.get("metadata") or {}
+    return (str(meta.get("namespace") or "default"), str(meta.get("name")))
+
+
+def _created(body: Mapping[str, Any]) -> datetime | None:
+    try:
+        created = _meta(body).creation_timestamp
+    except ValidationError:
+        return None
+    if created is not None and created.tzinfo is None:
+        created = created.replace(tzinfo=UTC)
+    return created
+
+
+def oldest_first(tenants: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """Order for admission: by creationTimestamp, objects without one after those with
+    one (they are not created yet), then in the given order (file order, or name)."""
+    epoch = datetime.min.replace(tzinfo=UTC)
+
+    def sort_key(item: tuple[int, Mapping[str, Any]]) -> tuple[bool, datetime, int]:
+        position, body = item
+        created = _created(body)
+        return (created is None, created or epoch, position)
+
+    return [body for _, body in sorted(enumerate(tenants), key=sort_key)]
+
+
+def _not_in_pool(key: ObjKey, tenant_id: str | None, tier: Tier | None, want: Want) -> TenantPlan:
+    return TenantPlan(key=key, tenant_id=tenant_id, tier=tier, accepted=want)
+
+
+def plan_missing_pool(
+    namespace: str, name: str, tenants: Sequence[Mapping[str, Any]]
+) -> PoolPlan:
+    plans = {}
+    for body in tenants:
+        key = _key(body)
+        want = Want(
+            "Accepted", "False", "PoolNotFound",
+            f"InferencePool {namespace}/{name} does not exist (spec.poolRef.name); "
+            "the quota takes effect once it is created",
+        )
+        plans[key] = _not_in_pool(key, None, None, want)
+    return PoolPlan(namespace=namespace, name=name, exists=False, tenants=plans)
+
+
+def _parse_quotas(
+    ordered: Sequence[Mapping[str, Any]], pool_ref: str
+) -> tuple[list[_Quota], dict[ObjKey, TenantPlan]]:
+    """Valid quotas (oldest first, one per tenant id) and plans for the refused ones."""
+    quotas: list[_Quota] = []
+    refused: dict[ObjKey, TenantPlan] = {}
+    owners: dict[str, ObjKey] = {}
+    for body in ordered:
+        key = _key(body)
+        try:
+            spec = TenantQuotaSpec.model_validate(body.get("spec") or {})
+        except ValidationError as error:
+            want = Want("Accepted", "False", "InvalidSpec", describe_errors(error))
+            refused[key] = _not_in_pool(key, None, None, want)
+            continue
+        tenant_id = spec.tenant_id or key[1]
+        owner = owners.get(tenant_id)
+        if owner is not None:
+            want = Want(
+                "Accepted", "False", "DuplicateTenant",
+                f"tenantId {tenant_id!r} is already used by the older TenantQuota "
+                f"{owner[0]}/{owner[1]} in pool {pool_ref}",
+            )
+            refused[key] = _not_in_pool(key, tenant_id, spec.tier, want)
+            continue
+        owners[tenant_id] = key
+        quotas.append(_Quota(key, tenant_id, spec))
+    return quotas, refused
+
+
+def _admission_want(
+    quota: _Quota, accepted: bool, budget: int | None, granted_before: int,
+    waiting_behind: ObjKey | None, pool_ref: str, capacity: int | None, watermark: float,
+) -> Want:
+    blocks = quota.spec.kv_cache.guaranteed_blocks
+    if budget is None:
+        return Want(
+            "Accepted", "Unknown", "CapacityUnknown",
+            f"pool {pool_ref} has no known KV capacity yet (set spec.kvCache.capacityBlocks "
+            f"or wait for ready engines); guaranteedBlocks {blocks} applied provisionally",
+        )
+    if accepted:
+        if blocks == 0:
+            return Want("Accepted", "True", "Accepted",
+                        "no guaranteed blocks requested (borrowing only)")
+        return Want("Accepted", "True", "Accepted",
+                    f"guaranteedBlocks {blocks} reserved in pool {pool_ref}")
+    if waiting_behind is not None:
+        detail = (f"it waits behind the older TenantQuota {waiting_behind[0]}/"
+                  f"{waiting_behind[1]}, which does not fit either")
+    else:
+        detail = f"{granted_before} blocks are already guaranteed to older quotas"
+    return Want(
+        "Accepted", "False", "Oversubscribed",
+        f"guaranteedBlocks {blocks} does not fit: pool {pool_ref} can guarantee {budget} "
+        f"blocks ({capacity} x (1 - watermark {watermark:g})) and {detail}; running "
+        "with guaranteedBlocks 0 (borrowing only) until capacity frees up",
+    )
+
+
+def plan_pool(
+    pool: Mapping[str, Any] | None,
+    tenants: Sequence[Mapping[str, Any]],
+    *,
+    namespace: str,
+    name: str,
+    ready_replicas: int,
+    reported_capacities: Sequence[int] = (),
+) -> PoolPlan:
+    """Decide every quota of one pool. `tenants` come in tie-break order (file order in
+    local mode, name order in the cluster); creationTimestamp sorts first."""
+    ordered = oldest_first(tenants)
+    if pool is None:
+        return plan_missing_pool(namespace, name, ordered)
+    pool_ref = f"{namespace}/{name}"
+    try:
+        spec = InferencePoolSpec.model_validate(pool.get("spec") or {})
+    except ValidationError as error:
+        return _plan_invalid_pool(namespace, name, ordered, describe_errors(error))
+
+    replicas = max(ready_replicas, 1)
+    per_engine = engine_capacity(spec.kv_cache.capacity_blocks, reported_capacities)
+    capacity = per_engine * replicas if per_engine else None
+    budget = (
+        guaranteeable_blocks(per_engine, replicas, spec.kv_cache.watermark)
+        if per_engine else None
+    )
+    quotas, plans = _parse_quotas(ordered, pool_ref)
+    decisions = admit_oldest_first(
+        [(q.key, q.spec.kv_cache.guaranteed_blocks) for q in quotas],
+        budget if budget is not None else 2**62,
+    )
+    granted_total = 0
+    for quota in quotas:
+        decision = decisions[quota.key]
+        granted = quota.spec.kv_cache.guaranteed_blocks if decision.accepted else 0
+        granted_total += granted
+        want = _admission_want(
+            quota, decision.accepted, budget, decision.granted_before,
+            cast("ObjKey | None", decision.waiting_behind),
+            pool_ref, capacity, spec.kv_cache.watermark,
+        )
+        effective = effective_settings(
+            spec, quota.spec, tenant_id=quota.tenant_id, replicas=replicas,
+            guaranteed_blocks=granted,
+        )
+        try:
+            entry = tenant_policy(effective)
+        except ValidationError as error:
+            want = Want("Accepted", "False", "InvalidSpec", describe_errors(error, "tenant"))
+            plans[quota.key] = _not_in_pool(quota.key, quota.tenant_id, quota.spec.tier, want)
+            continue
+        plans[quota.key] = TenantPlan(
+            key=quota.key, tenant_id=quota.tenant_id, tier=quota.spec.tier, accepted=want,
+            effective=effective, policy=entry, digest=tenant_digest(entry),
+        )
+    try:
+        policy = render_policy(
+            namespace, name, spec,
+            [p.policy for p in plans.values() if p.policy is not None], replicas=replicas,
+        )
+    except ValidationError as error:
+        return _plan_invalid_pool(namespace, name, ordered, describe_errors(error, "policy"))
+    return PoolPlan(
+        namespace=namespace, name=name, exists=True, replicas=replicas,
+        capacity_per_engine=per_engine, budget=budget,
+        requested_blocks=sum(q.spec.kv_cache.guaranteed_blocks for q in quotas),
+        guaranteed_blocks=granted_total, watermark=spec.kv_cache.watermark,
+        policy=policy, tenants=plans,
+    )
+
+
+def _plan_invalid_pool(
+    namespace: str, name: str, tenants: Sequence[Mapping[str, Any]], error: str
+) -> PoolPlan:
+    want = Want(
+        "Accepted", "Unknown", "PoolInvalid",
+        f"InferencePool {namespace}/{name} is invalid: {error}",
+    )
+    plans = {_key(b): _not_in_pool(_key(b), None, None, want) for b in tenants}
+    return PoolPlan(namespace=namespace, name=name, exists=True, error=error, tenants=plans)

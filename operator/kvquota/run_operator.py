@@ -1,0 +1,149 @@
+"""`kvquota operator`: run the operator against a cluster, or in local mode on files.
+
+Cluster mode runs kopf with the handlers of `kvquota.handlers`. Settings are fixed
+on day one in `configure_settings` (called from the startup handler): progress and
+diff-base live in annotations under our own prefix, the finalizer is ours, watch and
+request timeouts are bounded, and CRD scanning is off (discovery happens once at
+startup, so RBAC needs no access to CustomResourceDefinitions).
+
+High availability: run several replicas with kopf peering (the default here, peering
+name `kvquota`, cluster-wide). The replica with the highest `--priority` works; the
+others pause their watches and timers until it disappears from the peering object
+(`clusterkopfpeerings.kopf.dev`, which must be installed with kopf's peering CRD).
+Everything the operator knows lives in CRs and ConfigMaps, so a standby that takes
+over (or a restarted replica) converges from scratch. `--standalone` disables
+peering for single-replica installs.
+
+Local mode (`--local DIR`, see `kvquota.local`) needs no cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import TYPE_CHECKING
+
+from kvquota import GROUP
+
+if TYPE_CHECKING:
+    import kopf
+
+    from kvquota.runtime import OperatorConfig
+
+PEERING_NAME = "kvquota"
+FINALIZER = f"{GROUP}/finalizer"
+
+
+def configure_settings(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
+    """kopf settings that must never change between releases (changing the storage
+    later would make kopf re-handle every object as new)."""
+    import kopf
+
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration"
+    )
+    settings.watching.server_timeout = 270
+    settings.watching.client_timeout = 300
+    settings.watching.connect_timeout = config.timeouts.connect
+    settings.networking.connect_timeout = config.timeouts.connect
+    settings.networking.request_timeout = config.timeouts.read
+    settings.scanning.disabled = True
+    settings.posting.reporting_component = "kvquota-operator"
+    settings.posting.event_name_prefix = "kvquota-"
+    settings.peering.name = PEERING_NAME
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "operator",
+        help="run the operator (against the cluster, or --local on YAML files)",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
+    local = parser.add_argument_group("local mode (no cluster)")
+    local.add_argument("--local", metavar="DIR", help="read the YAML objects in DIR, write "
+                       "policies to DIR/.policies/ and status to DIR/.status/")
+    local.add_argument("--once", action="store_true", help="render once and exit; non-zero "
+                       "if any object is invalid or a quota is not accepted")
+    local.add_argument("--replicas", type=int, default=1, metavar="N",
+                       help="engine replicas to split quotas over (default: 1)")
+    local.add_argument("--watch-interval", type=float, default=0.5, metavar="SECONDS",
+                       help="how often to look for changed files (default: 0.5)")
+
+    cluster = parser.add_argument_group("cluster mode")
+    scope = cluster.add_mutually_exclusive_group()
+    scope.add_argument("-A", "--all-namespaces", action="store_true",
+                       help="watch every namespace (the default)")
+    scope.add_argument("-n", "--namespace", action="append", default=[], metavar="NS",
+                       help="watch only this namespace (repeatable)")
+    cluster.add_argument("--liveness", metavar="URL",
+                         help="serve a liveness probe, e.g. http://0.0.0.0:8080/healthz")
+    cluster.add_argument("--standalone", action="store_true",
+                         help="no peering (single replica); default: HA peering "
+                         f"{PEERING_NAME!r}")
+    cluster.add_argument("--priority", type=int, default=0,
+                         help="peering priority: the highest live replica works")
+    cluster.add_argument("--poll-interval", type=float, default=10.0, metavar="SECONDS",
+                         help="how often each pool's engines are polled (default: 10)")
+    cluster.add_argument("--engine-timeout", type=float, default=2.0, metavar="SECONDS",
+                         help="timeout of one sidecar status request (default: 2)")
+    cluster.add_argument("--degraded-window", type=float, default=300.0, metavar="SECONDS",
+                         help="Degraded reports disruptions this recent (default: 300)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if args.local:
+        from kvquota.local import run_local
+
+        return run_local(args.local, once=args.once, replicas=args.replicas,
+                         interval=args.watch_interval)
+    if args.once:
+        raise SystemExit("kvquota operator: --once needs --local DIR")
+
+    from kvquota.runtime import OperatorConfig
+
+    config = OperatorConfig(
+        poll_interval=args.poll_interval,
+        engine_timeout=args.engine_timeout,
+        degraded_window=args.degraded_window,
+    )
+    run_cluster(
+        config,
+        namespaces=args.namespace,
+        liveness=args.liveness,
+        standalone=args.standalone,
+        priority=args.priority,
+    )
+    return 0
+
+
+def run_cluster(
+    config: OperatorConfig,
+    *,
+    namespaces: list[str] | None = None,
+    liveness: str | None = None,
+    standalone: bool = False,
+    priority: int = 0,
+) -> None:
+    """Run kopf until interrupted (blocking)."""
+    import kopf
+
+    import kvquota.handlers  # noqa: F401  (registers the handlers)
+
+    kopf.configure(verbose=False)
+    kopf.run(
+        clusterwide=not namespaces,
+        namespaces=namespaces or (),
+        standalone=standalone,
+        priority=priority,
+        peering_name=PEERING_NAME,
+        liveness_endpoint=liveness,
+        memo=kopf.Memo(config=config),
+    )

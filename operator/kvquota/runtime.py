@@ -1,0 +1,58 @@
+"""Process-wide state the kopf handlers share through kopf's `memo`.
+
+`OperatorConfig` is fixed before kopf starts (CLI flags, or the embedding test or
+benchmark); `Runtime` is built once in the startup handler and closed at cleanup.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvquota.kube import Timeouts
+
+if TYPE_CHECKING:
+    import httpx
+
+    from kvquota.kube import KubeApi
+    from kvquota.reconciler import PoolReconciler
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    api_server: str | None = None  # embedding only: an API URL used without credentials
+    poll_interval: float = 10.0  # seconds between engine polls of a pool
+    engine_timeout: float = 2.0  # one sidecar status request
+    degraded_window: float = 300.0  # Degraded looks at disruptions this far back
+    status_concurrency: int = 16  # parallel status patches during a fan-out
+    timeouts: Timeouts = field(default_factory=Timeouts)
+
+
+@dataclass
+class Runtime:
+    config: OperatorConfig
+    kube: KubeApi
+    http: httpx.AsyncClient
+    reconciler: PoolReconciler
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+
+def build_runtime(config: OperatorConfig) -> Runtime:
+    import httpx
+
+    from kvquota.engines import EnginePoller
+    from kvquota.kube import KubeApi, api_client
+    from kvquota.reconciler import PoolReconciler
+
+    kube = KubeApi(api_client(config.api_server), config.timeouts)
+    # Pod IPs are cluster-internal: no proxies from the environment, no cookies.
+    http = httpx.AsyncClient(trust_env=False, follow_redirects=False)
+    poller = EnginePoller(kube, http, config.engine_timeout)
+    return Runtime(config, kube, http, PoolReconciler(kube, poller, config))
+
+
+def runtime_of(memo: Any) -> Runtime:
+    runtime: Runtime = memo.runtime
+    return runtime

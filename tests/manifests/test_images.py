@@ -1,0 +1,123 @@
+"""The two images (Dockerfile.operator, Dockerfile.sidecar) and the commands the
+manifests run in them. No docker engine here: the install step is replayed with pip on
+exactly the files the Dockerfiles copy."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvquota.cli import build_parser
+
+from .conftest import REPO, build, kustomizations
+
+DOCKERFILES = ["Dockerfile.operator", "Dockerfile.sidecar"]
+
+
+def _instructions(name: str) -> list[tuple[str, str]]:
+    text = (REPO / name).read_text().replace("\\\n", " ")
+    lines = [line.strip() for line in text.splitlines()]
+    return [
+        (line.split(None, 1)[0].upper(), line.split(None, 1)[1])
+        for line in lines if line and not line.startswith("#")
+    ]
+
+
+def _copied(name: str) -> list[str]:
+    return [
+        src for op, args in _instructions(name) if op == "COPY" and "--from" not in args
+        for src in args.split()[:-1]
+    ]
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_base_image_is_pinned_and_slim(name: str) -> None:
+    args = [a for op, a in _instructions(name) if op == "ARG"]
+    (default,) = [a for a in args if a.startswith("PYTHON_IMAGE=")]
+    assert re.fullmatch(r"PYTHON_IMAGE=python:3\.11\.\d+-slim(-\w+)?", default), default
+    stages = [a for op, a in _instructions(name) if op == "FROM"]
+    assert len(stages) >= 2 and all(s.split()[0] == "${PYTHON_IMAGE}" for s in stages)
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_final_stage_runs_as_a_non_root_user(name: str) -> None:
+    steps = _instructions(name)
+    last_from = max(i for i, (op, _) in enumerate(steps) if op == "FROM")
+    users = [a for op, a in steps[last_from:] if op == "USER"]
+    assert users and users[-1].split(":")[0] not in {"0", "root"}
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_copied_paths_exist_and_install_without_the_engine_extra(name: str) -> None:
+    for src in _copied(name):
+        assert (REPO / src).exists(), f"{name} copies {src}, which is not in the repo"
+    installs = [a for op, a in _instructions(name) if op == "RUN" and "pip install" in a]
+    assert installs and all(a.rstrip().endswith("pip install .") for a in installs)
+
+
+def test_image_install_step_ships_the_cli_and_the_plugin(tmp_path: Path) -> None:
+    """What `pip install .` in the build stage gets from the copied files alone."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for path in _copied("Dockerfile.sidecar"):
+        copy = shutil.copytree if (REPO / path).is_dir() else shutil.copy
+        copy(REPO / path, src / path.rstrip("/"))
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path / "dist"), str(src)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "engine_sidecar/scheduler.py" in names  # what install-plugin copies
+    assert "engine_sidecar/policy.py" in names
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "kvquota = kvquota.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+# ------------------------------------------------ commands the manifests run
+
+
+def _commands() -> list[tuple[str, list[str]]]:
+    """Every `kvquota ...` command line in the built manifests and the Dockerfiles."""
+    found: dict[str, list[str]] = {}
+    for directory in kustomizations():
+        for obj in build(directory):
+            pod: dict[str, Any] = obj.get("spec", {}).get("template", {}).get("spec", {})
+            for c in pod.get("initContainers", []) + pod.get("containers", []):
+                command = c.get("command", []) + c.get("args", [])
+                if command[:1] == ["kvquota"]:
+                    found[f"{obj['metadata']['name']}/{c['name']}"] = command[1:]
+    for name in DOCKERFILES:
+        (entry,) = [json.loads(a) for op, a in _instructions(name) if op == "ENTRYPOINT"]
+        (cmd,) = [json.loads(a) for op, a in _instructions(name) if op == "CMD"]
+        assert entry == ["kvquota"]
+        found[name] = cmd
+    return sorted(found.items())
+
+
+def test_manifests_run_the_operator_the_sidecar_and_the_plugin_installer() -> None:
+    assert {argv[0] for _, argv in _commands()} == {"operator", "sidecar", "install-plugin"}
+
+
+@pytest.mark.parametrize(("where", "argv"), _commands(), ids=lambda v: str(v)[:40])
+def test_cli_accepts_the_command_line(where: str, argv: list[str]) -> None:
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if a.dest == "command"]
+    if argv[0] not in sub.choices:  # type: ignore[operator]
+        pytest.skip(f"`kvquota {argv[0]}` is not implemented yet")
+    # The kubelet expands $(VAR) from the container's env before exec.
+    expanded = [re.sub(r"\$\((\w+)\)", "x", arg) for arg in argv]
+    try:
+        parser.parse_args(expanded)
+    except SystemExit as exc:
+        pytest.fail(f"{where}: `kvquota {' '.join(argv)}` is refused by the CLI ({exc})")

@@ -1,0 +1,70 @@
+"""EnginePolicy and ConfigMap rendering (pure)."""
+
+from __future__ import annotations
+
+import json
+
+from operator_objects import pool
+
+from engine_sidecar.policy import EnginePolicy, TenantPolicy, Tier
+from kvquota.api import InferencePoolSpec
+from kvquota.render import (
+    HASH_ANNOTATION,
+    POLICY_KEY,
+    build_configmap,
+    configmap_name,
+    render_policy,
+)
+
+
+def _tenant(tenant_id: str, guaranteed: int = 10) -> TenantPolicy:
+    return TenantPolicy(tenant_id=tenant_id, tier=Tier.FREE, priority=2,
+                        guaranteed_blocks=guaranteed, max_blocks=50,
+                        max_tokens=512, default_max_tokens=256)
+
+
+def _spec(**spec: object) -> InferencePoolSpec:
+    return InferencePoolSpec.model_validate(pool(**spec)["spec"])
+
+
+def test_policy_carries_pool_settings_auth_and_a_content_hash() -> None:
+    spec = _spec(auth={"jwt": {"secretRef": {"name": "auth", "key": "jwt.pub"},
+                               "issuer": "https://issuer/"},
+                       "anonymous": {"allowed": True, "tenantId": "guest"}})
+    policy = render_policy("default", "demo-pool", spec, [_tenant("b"), _tenant("a")],
+                           replicas=2)
+    assert policy.pool == "default/demo-pool"
+    assert policy.replicas == 2
+    assert list(policy.tenants) == ["a", "b"]  # stable order, stable JSON
+    assert policy.auth.jwt is not None and policy.auth.jwt.key_file == "jwt.pub"
+    assert policy.auth.anonymous.tenant_id == "guest"
+    assert policy.version == policy.content_hash()
+
+
+def test_same_inputs_same_hash_any_change_new_hash() -> None:
+    spec = _spec()
+    first = render_policy("default", "p", spec, [_tenant("a"), _tenant("b")], replicas=1)
+    again = render_policy("default", "p", spec, [_tenant("b"), _tenant("a")], replicas=1)
+    changed = render_policy("default", "p", spec, [_tenant("a", 11), _tenant("b")], replicas=1)
+    assert first.version == again.version
+    assert changed.version != first.version
+
+
+def test_configmap_is_owned_by_the_pool_and_holds_a_loadable_policy() -> None:
+    policy = render_policy("team-a", "demo-pool", _spec(), [_tenant("a")], replicas=1)
+    cm = build_configmap("team-a", "demo-pool", "uid-1", policy)
+    assert cm["metadata"]["name"] == "demo-pool-kvquota-policy"
+    assert cm["metadata"]["namespace"] == "team-a"
+    assert cm["metadata"]["annotations"][HASH_ANNOTATION] == policy.version
+    (owner,) = cm["metadata"]["ownerReferences"]
+    assert owner == {"apiVersion": "kvquota.dev/v1alpha1", "kind": "InferencePool",
+                     "name": "demo-pool", "uid": "uid-1", "controller": True}
+    loaded = EnginePolicy.from_json(cm["data"][POLICY_KEY])  # the engine's own check
+    assert loaded.version == policy.version
+    assert json.loads(cm["data"][POLICY_KEY])["tenants"]["a"]["guaranteedBlocks"] == 10
+
+
+def test_long_pool_names_still_give_a_valid_unique_configmap_name() -> None:
+    long_a, long_b = "a" * 250, "a" * 249 + "b"
+    assert len(configmap_name(long_a)) <= 253
+    assert configmap_name(long_a) != configmap_name(long_b)
