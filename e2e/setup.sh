@@ -25,8 +25,9 @@ die() { printf 'error: %s\n' "$*" >&2; exit 1; }
 for tool in docker kind kubectl helm openssl; do
   command -v "${tool}" >/dev/null || die "${tool} is not installed"
 done
-command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null \
-  || die "no working NVIDIA driver on this host (nvidia-smi -L failed)"
+if ! { command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null; }; then
+  die "no working NVIDIA driver on this host (nvidia-smi -L failed)"
+fi
 
 say "checking that docker injects GPUs through volume mounts"
 if ! docker run --rm -v /dev/null:/var/run/nvidia-container-devices/all ubuntu:22.04 \
@@ -83,7 +84,9 @@ for _ in $(seq 60); do
   [ -n "${gpus}" ] && [ "${gpus}" != "0" ] && break
   sleep 5
 done
-[ -n "${gpus:-}" ] && [ "${gpus}" != "0" ] || die "${WORKER} reports no allocatable nvidia.com/gpu"
+if [ -z "${gpus:-}" ] || [ "${gpus}" = "0" ]; then
+  die "${WORKER} reports no allocatable nvidia.com/gpu"
+fi
 echo "${WORKER}: ${gpus} GPU(s) allocatable"
 
 say "building and loading the KVQuota images"

@@ -38,8 +38,10 @@ class PolicyWatcher:
         *,
         interval: float = POLL_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
+        log: bool = True,
     ) -> None:
         self.path = Path(path) if path else None
+        self.log = log
         self.interval = interval
         self.clock = clock
         self.policy: EnginePolicy | None = None
@@ -87,9 +89,10 @@ class PolicyWatcher:
             self._fail(f"cannot read policy file {self.path}: {exc.strerror or exc}")
             return False
         except ValidationError as exc:
-            first = exc.errors()[0] if exc.errors() else {}
-            where = ".".join(str(part) for part in first.get("loc", ()))
-            detail = f"{where}: {first.get('msg', exc)}" if where else str(first.get("msg", exc))
+            errors = exc.errors()
+            where = ".".join(str(part) for part in errors[0]["loc"]) if errors else ""
+            msg = errors[0]["msg"] if errors else str(exc)
+            detail = f"{where}: {msg}" if where else msg
             self._fail(f"invalid policy file {self.path} ({exc.error_count()} errors; {detail})")
             return False
         except ValueError as exc:
@@ -99,10 +102,10 @@ class PolicyWatcher:
             not policy.version and policy != self.policy
         )
         self.policy = policy
-        if self.error is not None:
+        if self.error is not None and self.log:
             logger.info("KVQuota policy file %s is valid again", self.path)
         self.error = None
-        if changed:
+        if changed and self.log:
             logger.info(
                 "KVQuota policy %s loaded: %d tenants", self.version, len(policy.tenants)
             )
@@ -112,6 +115,6 @@ class PolicyWatcher:
         message = message[:_MAX_ERROR_LEN]
         if self.policy is not None:
             message += f" (keeping {self.version})"
-        if message != self.error:
+        if message != self.error and self.log:
             logger.error("KVQuota %s", message)
         self.error = message

@@ -1,12 +1,573 @@
-"""TenantAwareScheduler: vLLM V1 scheduler plugin (placeholder; grows in issue 3)."""
+"""TenantAwareScheduler: vLLM V1's scheduler with per-tenant KV-cache quotas.
+
+Load it in vLLM's OpenAI server with::
+
+    vllm serve MODEL --scheduling-policy priority \\
+        --scheduler-cls engine_sidecar.scheduler.TenantAwareScheduler
+
+It runs in vLLM's EngineCore process and reads two environment variables:
+
+- `KVQUOTA_POLICY_PATH`: the EnginePolicy JSON the sidecar writes (atomically). It is
+  checked at most every 0.5 s and applied between steps; a bad file keeps the last
+  good policy (logged once, shown as `policyError`). No file: every request is
+  unclassified and the plugin picks the same victims as vLLM's priority policy.
+- `KVQUOTA_STATS_PATH`: where the plugin publishes `engine_sidecar.stats.EngineStats`
+  as JSON, replaced atomically every 0.25 s while the engine steps and every 0.5 s
+  while it idles (see `engine_sidecar.stats_publisher`). That file is the plugin's only
+  channel: the sidecar reads it and exports the Prometheus families
+  `vllm_tenant_kv_cache_evictions_total{tenant_id,priority,preemption_reason}`,
+  `vllm_tenant_active_swapped_blocks{tenant_id}` and `kvquota_*`, so the EngineCore
+  process runs no metrics server of its own.
+
+What the plugin adds to vLLM's scheduler:
+
+- identity: `kvq_tenant` / `kvq_session` from `sampling_params.extra_args` (the
+  sidecar sets them through `vllm_xargs`); requests without a tenant known to the
+  policy are unclassified and rank lowest;
+- leases: when a request of a tenant with `lease.seconds > 0` finishes, the session's
+  prefix-cached blocks keep one extra reference (pinned) until `lease.seconds` after
+  the session's last activity, within `lease.maxSessions` / `lease.maxBlocks`; the
+  next turn of the session is a prefix-cache hit. Expired leases go back to vLLM's
+  LRU. Pinned blocks count as the tenant's usage;
+- victim order: the total order documented in `engine_sidecar.tenant_policy`,
+  applied whenever vLLM fails to allocate. vLLM's priority policy preempts
+  `max(running, key=(priority, arrival_time))`; the plugin gives its chosen victim the
+  top priority value for that instant and restores it before the request re-enters
+  the waiting heap (no request's priority changes while it is in the heap);
+- degraded mode: when nothing ranks below the request that needs blocks and no
+  other request can make progress, live leases are released (oldest premium last)
+  so the engine always makes progress; counted, logged once per episode, exposed;
+- preemption mode: vLLM V1 has no swap. With KV offloading configured, preempted
+  requests holding at least the policy's `recomputeBelowBlocks` blocks are counted
+  as `offload` (the offloading connector reloads them), the others as `recompute`;
+  without offloading every preemption is `recompute`.
+
+All vLLM private-API access goes through `engine_sidecar.vllm_compat`.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from vllm.v1.core.sched.scheduler import Scheduler
+from engine_sidecar import vllm_compat as compat
+from engine_sidecar.policy_watch import PolicyWatcher
+from engine_sidecar.stats import POLICY_PATH_ENV, STATS_PATH_ENV, EngineStats, TenantEngineStats
+from engine_sidecar.stats_publisher import (
+    STEP_INTERVAL_S,
+    LeaseView,
+    StatsPublisher,
+    StatsSnapshot,
+)
+from engine_sidecar.tenant_policy import (
+    NO_IDENTITY,
+    CounterBook,
+    DegradedEpisodes,
+    Identity,
+    Lease,
+    LeaseDrop,
+    LeaseTable,
+    RankKey,
+    Reason,
+    VictimRanker,
+    identity_from_extra_args,
+    lease_block_cap,
+    lease_seconds,
+    stats_tenant,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+_UNSET: Any = object()
 
 
-class TenantAwareScheduler(Scheduler):
+class TenantAwareScheduler(compat.Scheduler):
+    """vLLM's Scheduler plus tenant leases, victim order and degraded mode."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> TenantAwareScheduler:
+        # With async scheduling on, vLLM needs AsyncScheduler's bookkeeping.
+        if cls is TenantAwareScheduler and compat.async_scheduling_enabled(
+            compat.find_vllm_config(args, kwargs)
+        ):
+            cls = AsyncTenantAwareScheduler
+        return super().__new__(cls)
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        compat.check_supported_vllm()
         super().__init__(*args, **kwargs)
+        compat.route_logs("engine_sidecar")
+        self._kvq_clock: Callable[[], float] = time.monotonic
+        self._kvq_ids: dict[str, Identity] = {}
+        # Sessions with a request in the engine: their lease is not idle.
+        self._kvq_active: Counter[tuple[str, str]] = Counter()
+        self._kvq_leases: LeaseTable[KVCacheBlock] = LeaseTable()
+        self._kvq_counters = CounterBook()
+        self._kvq_modes: Counter[str] = Counter()
+        # Preempted requests whose KV the offloading connector holds: req_id -> blocks.
+        self._kvq_offloaded: dict[str, int] = {}
+        self._kvq_degraded = DegradedEpisodes()
+        # req_id -> (request, priority to restore); only requests in `running`.
+        self._kvq_marked: dict[str, tuple[Request, int]] = {}
+        self._kvq_ranker: VictimRanker | None = None
+        self._kvq_alloc_failed = False
+        self._kvq_in_step = False
+        self._kvq_steer_victims = compat.uses_priority_policy(self)
+        self._kvq_offloading = compat.offloading_configured(self.vllm_config)
+        self._kvq_watcher = PolicyWatcher(None)
+        self._kvq_publisher: StatsPublisher | None = None
+        self._kvq_next_publish = 0.0
+        self._kvq_alloc_hook = compat.AllocationHook(self, self._kvq_on_alloc_failure)
+        if not self._kvq_steer_victims:
+            logger.warning(
+                "KVQuota: --scheduling-policy is not 'priority'; leases apply but vLLM "
+                "keeps its FCFS victim order"
+            )
+        self.kvq_configure(
+            policy_path=os.environ.get(POLICY_PATH_ENV) or None,
+            stats_path=os.environ.get(STATS_PATH_ENV) or None,
+        )
+        logger.info(
+            "KVQuota TenantAwareScheduler on vLLM %s: policy %s (%s), stats %s, "
+            "preemption mode %s",
+            compat.installed_vllm_version(),
+            self._kvq_watcher.path, self._kvq_watcher.version or "none",
+            self._kvq_publisher.path if self._kvq_publisher else None,
+            self._kvq_preemption_mode,
+        )
+
+    # -- configuration (also used by the standalone harness) ---------------------------
+
+    def kvq_configure(
+        self,
+        *,
+        policy_path: str | Path | None = _UNSET,
+        stats_path: str | Path | None = _UNSET,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        """Point the plugin at a policy file / stats file / clock (virtual time)."""
+        if clock is not None:
+            self._kvq_clock = clock
+        if policy_path is not _UNSET or clock is not None:
+            path = self._kvq_watcher.path if policy_path is _UNSET else policy_path
+            self._kvq_watcher = PolicyWatcher(path, clock=self._kvq_now)
+            if self._kvq_watcher.poll(force=True) or self._kvq_watcher.policy is None:
+                self._kvq_apply_policy()
+        if stats_path is not _UNSET or policy_path is not _UNSET or clock is not None:
+            old = self._kvq_publisher
+            path = (old.path if old else None) if stats_path is _UNSET else stats_path
+            if old is not None:
+                old.close()
+            self._kvq_publisher = None
+            if path:
+                self._kvq_publisher = StatsPublisher(
+                    path, policy_path=self._kvq_watcher.path, clock=self._kvq_now
+                )
+                self._kvq_publish(self._kvq_clock())  # readers see the engine before a step
+
+    def _kvq_now(self) -> float:
+        return self._kvq_clock()
+
+    @property
+    def kvq_policy_version(self) -> str | None:
+        return self._kvq_watcher.version
+
+    @property
+    def _kvq_preemption_mode(self) -> str:
+        return "offload" if self._kvq_offloading else "recompute"
+
+    # -- vLLM scheduler hooks -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        req_id = compat.request_id(request)
+        if compat.get_request(self, req_id) is None:
+            identity = identity_from_extra_args(compat.request_extra_args(request))
+            if identity is not NO_IDENTITY:
+                self._kvq_ids[req_id] = identity
+                key = identity.session_key
+                if key is not None:
+                    self._kvq_active[key] += 1
+                    seconds = lease_seconds(self._kvq_watcher.policy, identity.tenant)
+                    self._kvq_leases.touch(key, self._kvq_clock(), seconds)
+        super().add_request(request)
+
+    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        now = self._kvq_clock()
+        if self._kvq_watcher.poll():
+            self._kvq_apply_policy()
+        if len(self._kvq_leases):
+            self._kvq_release_expired(now)
+        self._kvq_alloc_hook.arm_for_step()
+        self._kvq_in_step = True
+        try:
+            output = super().schedule(*args, **kwargs)
+        finally:
+            self._kvq_in_step = False
+            self._kvq_end_step()
+        self._kvq_record_hits(output)
+        if self._kvq_publisher is not None and now >= self._kvq_next_publish:
+            self._kvq_publish(now)
+        return output
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        self._kvq_maybe_idle()
+        return outputs
+
+    def finish_requests(self, *args: Any, **kwargs: Any) -> list[Request]:
+        finished = super().finish_requests(*args, **kwargs)
+        self._kvq_maybe_idle()
+        return finished
+
+    def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
+        # vLLM resets only when every block is free: pinned blocks must go first.
+        for lease in self._kvq_leases.pop_all():
+            self._kvq_unpin(lease, LeaseDrop.RESET)
+        return bool(super().reset_prefix_cache(*args, **kwargs))
+
+    def shutdown(self) -> None:
+        if self._kvq_publisher is not None:
+            self._kvq_publisher.close(self.kvq_snapshot())
+            self._kvq_publisher = None
+        super().shutdown()
+
+    def _free_blocks(self, request: Request) -> None:
+        # Lease before vLLM drops the request's references: the blocks never reach
+        # refcount 0, so nothing can evict them in between.
+        req_id = compat.request_id(request)
+        identity = self._kvq_ids.pop(req_id, NO_IDENTITY)
+        key = identity.session_key
+        if key is not None:
+            self._kvq_active[key] -= 1
+            if self._kvq_active[key] <= 0:
+                del self._kvq_active[key]
+            seconds = lease_seconds(self._kvq_watcher.policy, identity.tenant)
+            if seconds > 0 and compat.kv_is_reusable(request):
+                self._kvq_take_lease(key, req_id, seconds)
+        super()._free_blocks(request)
+
+    def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        req_id = compat.request_id(request)
+        mark = self._kvq_marked.pop(req_id, None)
+        if mark is not None:
+            compat.restore_priority(request, mark[1])
+        if self._kvq_in_step:  # vLLM ran out of blocks (not a prefix-cache reset)
+            self._kvq_count_preemption(request)
+        super()._preempt_request(request, *args, **kwargs)
+
+    # -- allocation failure: leases, victim order, degraded mode ---------------------------
+
+    def _kvq_on_alloc_failure(
+        self, request: Request, retry: Callable[[], KVCacheBlocks | None]
+    ) -> KVCacheBlocks | None:
+        self._kvq_alloc_failed = True
+        if self._kvq_watcher.policy is None and not len(self._kvq_leases):
+            return None  # nothing to add to vLLM's own choice
+        if len(self._kvq_leases) and self._kvq_release_expired(self._kvq_clock()):
+            blocks = retry()
+            if blocks is not None:
+                return blocks
+        ranker = self._kvq_get_ranker()
+        req_id = compat.request_id(request)
+        own_session = self._kvq_ids.get(req_id, NO_IDENTITY).session_key
+        requester_running = compat.is_running(request)
+        victim: Request | None = None
+        while True:
+            if requester_running:
+                victim, bound = self._kvq_pick_victim(ranker)
+            else:
+                bound = self._kvq_running_key(ranker, request)
+            lease = self._kvq_best_lease(ranker, bound, own_session, idle_only=True)
+            if lease is None:
+                break
+            self._kvq_release(lease, Reason.LEASE_BREAK, ranker)
+            blocks = retry()
+            if blocks is not None:
+                return blocks
+        if victim is not None and victim is not request:
+            self._kvq_mark(victim)
+            return None
+        # Nothing ranks below the requester. If no other request runs either, waiting
+        # would stall the engine until leases expire: degraded mode.
+        num_others = len(compat.running_requests(self)) - (1 if requester_running else 0)
+        if num_others <= 0:
+            while (lease := self._kvq_best_lease(ranker, None, own_session)) is not None:
+                self._kvq_release(lease, Reason.DEGRADED, ranker)
+                blocks = retry()
+                if blocks is not None:
+                    return blocks
+        if requester_running:
+            self._kvq_mark(request)
+        return None
+
+    def _kvq_get_ranker(self) -> VictimRanker:
+        """The step's ranker; usage is read from vLLM once per step, then debited."""
+        if self._kvq_ranker is None:
+            policy = self._kvq_watcher.policy
+            ids_by_tenant: dict[str, set[int]] = {}
+            if policy is not None:
+                for request in compat.running_requests(self):
+                    req_id = compat.request_id(request)
+                    tenant = self._kvq_ids.get(req_id, NO_IDENTITY).tenant
+                    if tenant in policy.tenants:
+                        ids = ids_by_tenant.setdefault(tenant, set())
+                        ids.update(compat.request_block_ids(self, req_id))
+                for lease in self._kvq_leases:
+                    ids = ids_by_tenant.setdefault(lease.tenant, set())
+                    ids.update(compat.block_id(block) for block in lease.blocks)
+            usage = {tenant: len(ids) for tenant, ids in ids_by_tenant.items()}
+            self._kvq_ranker = VictimRanker(policy, usage)
+        return self._kvq_ranker
+
+    def _kvq_running_key(self, ranker: VictimRanker, request: Request) -> RankKey:
+        req_id, priority, num_computed_tokens, arrival_time = compat.rank_inputs(request)
+        mark = self._kvq_marked.get(req_id)
+        if mark is not None:
+            priority = mark[1]
+        tenant = self._kvq_ids.get(req_id, NO_IDENTITY).tenant
+        return ranker.running_key(tenant, priority, num_computed_tokens, arrival_time)
+
+    def _kvq_pick_victim(self, ranker: VictimRanker) -> tuple[Request, RankKey]:
+        """The running request to preempt next (with its key).
+
+        Under the FCFS policy vLLM always takes the last running request; the
+        plugin can only order leases around that choice."""
+        running = compat.running_requests(self)
+        if not self._kvq_steer_victims:
+            return running[-1], self._kvq_running_key(ranker, running[-1])
+        best, best_key = running[0], self._kvq_running_key(ranker, running[0])
+        for request in running[1:]:
+            key = self._kvq_running_key(ranker, request)
+            if key > best_key:
+                best, best_key = request, key
+        return best, best_key
+
+    def _kvq_best_lease(
+        self,
+        ranker: VictimRanker,
+        bound: RankKey | None,
+        own_session: tuple[str, str] | None,
+        *,
+        idle_only: bool = False,
+    ) -> Lease[KVCacheBlock] | None:
+        """The lease to release next: the largest key above `bound` (any if None).
+
+        The requester's own session is never a candidate (its blocks are the prefix
+        it is about to reuse); with `idle_only`, sessions with a request in the
+        engine are not either (their lease is what makes that request a hit)."""
+        best: Lease[KVCacheBlock] | None = None
+        best_key: RankKey | None = None
+        for lease in self._kvq_leases:
+            if lease.key == own_session or (idle_only and lease.key in self._kvq_active):
+                continue
+            key = ranker.lease_key(lease)
+            if bound is not None and key <= bound:
+                continue
+            if best_key is None or key > best_key:
+                best, best_key = lease, key
+        return best
+
+    def _kvq_mark(self, victim: Request) -> None:
+        if not self._kvq_steer_victims:
+            return
+        self._kvq_restore_marks()  # exactly one marked request at a time
+        self._kvq_marked[compat.request_id(victim)] = (victim, compat.mark_victim(victim))
+
+    def _kvq_restore_marks(self) -> None:
+        for request, priority in self._kvq_marked.values():
+            compat.restore_priority(request, priority)
+        self._kvq_marked.clear()
+
+    def _kvq_end_step(self) -> None:
+        if self._kvq_marked:
+            self._kvq_restore_marks()
+        self._kvq_ranker = None
+        if self._kvq_degraded.end_step(self._kvq_alloc_failed):
+            self._kvq_next_publish = 0.0
+        self._kvq_alloc_failed = False
+
+    def _kvq_count_preemption(self, request: Request) -> None:
+        req_id = compat.request_id(request)
+        tenant = self._kvq_ids.get(req_id, NO_IDENTITY).tenant
+        policy = self._kvq_watcher.policy
+        num_blocks = len(compat.request_block_ids(self, req_id))
+        if self._kvq_ranker is not None:
+            reason = self._kvq_ranker.running_reason(
+                self._kvq_running_key(self._kvq_ranker, request)
+            )
+            self._kvq_ranker.debit(tenant, num_blocks)
+        else:
+            reason = Reason.UNCLASSIFIED
+        self._kvq_counters[stats_tenant(policy, tenant)].preemptions[reason] += 1
+        threshold = policy.recompute_below_blocks if policy is not None else 0
+        offload = self._kvq_offloading and num_blocks >= threshold
+        self._kvq_modes["offload" if offload else "recompute"] += 1
+        if offload:
+            self._kvq_offloaded[req_id] = num_blocks
+
+    # -- leases ---------------------------------------------------------------------------
+
+    def _kvq_take_lease(self, key: tuple[str, str], req_id: str, seconds: int) -> None:
+        policy = self._kvq_watcher.policy
+        blocks = compat.cached_blocks(self, req_id)
+        cap = lease_block_cap(policy, key[0])
+        if cap:
+            blocks = blocks[:cap]
+        if not blocks:
+            return  # nothing cached (e.g. aborted before prefill): keep any older lease
+        compat.pin_blocks(self, blocks)
+        now = self._kvq_clock()
+        lease = Lease(key[0], key[1], blocks, now, now + seconds)
+        # The new references are taken before the replaced lease drops its own, so a
+        # prefix shared by both never reaches refcount 0.
+        for old, drop in self._kvq_leases.put(lease, policy):
+            self._kvq_unpin(old, drop)
+
+    def _kvq_release(
+        self, lease: Lease[KVCacheBlock], reason: Reason, ranker: VictimRanker
+    ) -> None:
+        self._kvq_leases.pop(lease.key)
+        self._kvq_unpin(lease, reason)
+        ranker.debit(lease.tenant, lease.num_blocks)
+
+    def _kvq_unpin(self, lease: Lease[KVCacheBlock], why: Reason | LeaseDrop | None) -> None:
+        """Drop a lease's references (the caller has taken it out of the table)."""
+        compat.unpin_blocks(self, lease.blocks)
+        if why is None:
+            return
+        counters = self._kvq_counters[stats_tenant(self._kvq_watcher.policy, lease.tenant)]
+        if isinstance(why, LeaseDrop):
+            counters.lease_drops[why] += 1
+            return
+        counters.preemptions[why] += 1
+        counters.lease_breaks += 1
+        if why is Reason.DEGRADED:
+            counters.degraded_events += 1
+            self._kvq_degraded.note_release(lease.tenant, lease.num_blocks)
+
+    def _kvq_release_expired(self, now: float) -> bool:
+        expired = self._kvq_leases.pop_expired(now)
+        for lease in expired:
+            self._kvq_unpin(lease, LeaseDrop.EXPIRED)
+        return bool(expired)
+
+    def _kvq_apply_policy(self) -> None:
+        for lease, drop in self._kvq_leases.apply_policy(self._kvq_watcher.policy):
+            self._kvq_unpin(lease, drop)
+        self._kvq_next_publish = 0.0
+
+    # -- accounting and stats ---------------------------------------------------------------
+
+    def _kvq_record_hits(self, output: SchedulerOutput) -> None:
+        policy = self._kvq_watcher.policy
+        for req_id, num_hit_tokens in compat.new_request_hits(output):
+            request = compat.get_request(self, req_id)
+            if request is None or not compat.is_first_admission(request):
+                continue
+            tenant = self._kvq_ids.get(req_id, NO_IDENTITY).tenant
+            counters = self._kvq_counters[stats_tenant(policy, tenant)]
+            counters.prefix_hit_tokens += num_hit_tokens
+            counters.prompt_tokens += compat.num_prompt_tokens(request)
+
+    def _kvq_maybe_idle(self) -> None:
+        if self.has_unfinished_requests():
+            return
+        self._kvq_degraded.end_step(allocation_failed=False)
+        if self._kvq_publisher is not None:
+            self._kvq_publish(self._kvq_clock())
+
+    def _kvq_publish(self, now: float) -> None:
+        assert self._kvq_publisher is not None
+        self._kvq_publisher.publish(self.kvq_snapshot())
+        self._kvq_next_publish = now + STEP_INTERVAL_S
+
+    def kvq_snapshot(self) -> StatsSnapshot:
+        """Everything the stats file reports, as of now (call from the engine thread)."""
+        policy = self._kvq_watcher.policy
+        tenants = {tenant: TenantEngineStats() for tenant in (policy.tenants if policy else ())}
+
+        def entry(key: str) -> TenantEngineStats:
+            stats = tenants.get(key)
+            if stats is None:
+                stats = tenants[key] = TenantEngineStats()
+            return stats
+
+        running_ids: set[int] = set()
+        running_by_tenant: dict[str, set[int]] = {}
+        for request in compat.running_requests(self):
+            req_id = compat.request_id(request)
+            key = stats_tenant(policy, self._kvq_ids.get(req_id, NO_IDENTITY).tenant)
+            block_ids = compat.request_block_ids(self, req_id)
+            running_ids.update(block_ids)
+            running_by_tenant.setdefault(key, set()).update(block_ids)
+            entry(key).running += 1
+        for key, ids in running_by_tenant.items():
+            entry(key).running_blocks = len(ids)
+        for request in compat.all_requests(self):
+            if compat.is_waiting(request):
+                tenant = self._kvq_ids.get(compat.request_id(request), NO_IDENTITY).tenant
+                entry(stats_tenant(policy, tenant)).waiting += 1
+
+        leased_by_tenant: dict[str, set[int]] = {}
+        views: list[LeaseView] = []
+        for lease in self._kvq_leases:
+            key = stats_tenant(policy, lease.tenant)
+            own = {compat.block_id(block) for block in lease.blocks} - running_ids
+            leased_by_tenant.setdefault(key, set()).update(own)
+            entry(key).leased_sessions += 1
+            views.append(LeaseView(key, lease.last_activity, lease.expires_at, len(own)))
+        for key, ids in leased_by_tenant.items():
+            entry(key).leased_blocks = len(ids)
+        for req_id, num_blocks in list(self._kvq_offloaded.items()):
+            preempted = compat.get_request(self, req_id)
+            if preempted is None or not compat.is_preempted(preempted):
+                del self._kvq_offloaded[req_id]  # resumed or finished
+                continue
+            tenant = self._kvq_ids.get(req_id, NO_IDENTITY).tenant
+            entry(stats_tenant(policy, tenant)).swapped_blocks += num_blocks
+
+        for key, counters in self._kvq_counters.tenants.items():
+            stats = entry(key)
+            stats.preemptions = dict(counters.preemptions)
+            stats.lease_breaks = counters.lease_breaks
+            stats.lease_drops = dict(counters.lease_drops)
+            stats.degraded_events = counters.degraded_events
+            stats.prefix_hit_tokens = counters.prefix_hit_tokens
+            stats.prompt_tokens = counters.prompt_tokens
+
+        engine = EngineStats(
+            timestamp=time.time(),
+            policy_version=self._kvq_watcher.version,
+            policy_error=self._kvq_watcher.error,
+            total_blocks=compat.total_block_count(self),
+            free_blocks=compat.free_block_count(self),
+            preemption_mode=self._kvq_preemption_mode,
+            degraded=self._kvq_degraded.active,
+            degraded_episodes=self._kvq_degraded.episodes,
+            preemptions_by_mode=dict(self._kvq_modes),
+            vllm_version=compat.installed_vllm_version(),
+            tenants=tenants,
+        )
+        return StatsSnapshot(engine, tuple(views))
+
+    def kvq_stats(self) -> EngineStats:
+        """The stats as the file would show them now."""
+        return self.kvq_snapshot().render(self._kvq_clock(), time.time())
+
+
+class AsyncTenantAwareScheduler(TenantAwareScheduler, compat.AsyncScheduler):
+    """Chosen automatically when vLLM runs with async scheduling."""

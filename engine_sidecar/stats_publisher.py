@@ -2,12 +2,16 @@
 
 The scheduler runs in vLLM's EngineCore process, not next to the sidecar, so it
 publishes through the file at `$KVQUOTA_STATS_PATH` (a shared volume in the pod). The
-step builds a self-contained snapshot at most every `STEP_INTERVAL_S` and whenever the
-engine goes idle; a daemon thread writes it, and rewrites the latest one every
-`HEARTBEAT_S` while the engine is idle (vLLM's engine loop blocks then), so readers
-always see a fresh timestamp. The thread never reads scheduler state: leases that
-expire while the engine idles are taken off the snapshot by their expiry time (their
-blocks go back to vLLM's LRU at the next step, before any allocation).
+engine thread builds a self-contained snapshot at start, at most every
+`STEP_INTERVAL_S` while it steps, and whenever it goes idle; a daemon thread writes
+the latest one, and rewrites it every `HEARTBEAT_S` while the engine idles (vLLM's
+engine loop then blocks on its input queue), so readers always see a fresh timestamp.
+
+The writer thread never reads scheduler state. While the engine idles it reports the
+state the next step will start from: leases past their expiry are off the books (the
+next step returns their blocks to vLLM's LRU before anything else), and a new policy
+file is reported as the policy in force (its version or its error), with the leases
+it ends taken off too. Everything else is as the last step saw it.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine_sidecar.policy import write_atomically
-from engine_sidecar.stats import EngineStats
+from engine_sidecar.policy import EnginePolicy, write_atomically
+from engine_sidecar.policy_watch import PolicyWatcher
+from engine_sidecar.stats import EngineStats, TenantEngineStats
+from engine_sidecar.tenant_policy import lease_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +36,9 @@ HEARTBEAT_S = 0.5
 
 @dataclass(frozen=True, slots=True)
 class LeaseView:
-    tenant: str  # stats key
-    expires_at: float  # on the scheduler's clock
+    tenant: str  # tenant id (leases only exist for tenants the policy knows)
+    last_activity: float  # on the scheduler's clock
+    expires_at: float  # on the scheduler's clock, under the policy the step used
     exclusive_blocks: int  # pinned only by this lease (freed when it ends)
 
 
@@ -42,12 +49,32 @@ class StatsSnapshot:
     stats: EngineStats
     leases: tuple[LeaseView, ...] = ()
 
-    def render(self, now: float, wall_time: float) -> EngineStats:
-        """The stats as of `now` (scheduler clock), stamped with `wall_time`."""
+    def render(
+        self,
+        now: float,
+        wall_time: float,
+        *,
+        policy: EnginePolicy | None = None,
+        policy_error: str | None = None,
+    ) -> EngineStats:
+        """The stats as of `now` (scheduler clock), stamped with `wall_time`.
+
+        `policy`, when given and not the one the step used, is the policy file the
+        next step will apply; `policy_error` is what reading that file reported."""
         stats = self.stats.model_copy(deep=True)
         stats.timestamp = wall_time
+        pending = policy is not None and _version(policy) != stats.policy_version
+        if policy is not None and pending:
+            stats.policy_version = _version(policy)
+            for tenant_id in policy.tenants:
+                stats.tenants.setdefault(tenant_id, TenantEngineStats())
+        if policy is not None or policy_error is not None:
+            stats.policy_error = policy_error
         for lease in self.leases:
-            if lease.expires_at > now:
+            expires_at = lease.expires_at
+            if policy is not None and pending:
+                expires_at = lease.last_activity + lease_seconds(policy, lease.tenant)
+            if expires_at > now:
                 continue
             tenant = stats.tenants.get(lease.tenant)
             if tenant is not None:
@@ -57,6 +84,10 @@ class StatsSnapshot:
         return stats
 
 
+def _version(policy: EnginePolicy) -> str:
+    return policy.version or policy.content_hash()
+
+
 class StatsPublisher:
     """Writes the latest snapshot from a daemon thread."""
 
@@ -64,12 +95,15 @@ class StatsPublisher:
         self,
         path: str | Path,
         *,
+        policy_path: str | Path | None = None,
         clock: Callable[[], float] = time.monotonic,
         heartbeat: float = HEARTBEAT_S,
     ) -> None:
         self.path = Path(path)
         self.clock = clock
         self.heartbeat = heartbeat
+        # The thread's own, silent view of the policy file (the engine thread logs).
+        self._policy = PolicyWatcher(policy_path, clock=clock, log=False) if policy_path else None
         self._latest: StatsSnapshot | None = None
         self._wake = threading.Event()
         self._stop = False
@@ -101,7 +135,11 @@ class StatsPublisher:
         if snapshot is None:
             return
         try:
-            stats = snapshot.render(self.clock(), time.time())
+            policy, error = None, None
+            if self._policy is not None:
+                self._policy.poll()
+                policy, error = self._policy.policy, self._policy.error
+            stats = snapshot.render(self.clock(), time.time(), policy=policy, policy_error=error)
             write_atomically(self.path, stats.model_dump_json(by_alias=True))
         except Exception as exc:  # the channel must never take the engine down
             if not self._failed:

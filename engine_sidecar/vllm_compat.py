@@ -13,8 +13,11 @@ check. The touchpoints:
   `_free_blocks` (private);
 - scheduler attributes `running`, `requests`, `policy`, `vllm_config`,
   `kv_cache_manager`;
-- `KVCacheManager.allocate_slots` (wrapped per instance to hear about allocation
-  failures), `KVCacheManager.coordinator.get_blocks`, `KVCacheManager.block_pool`;
+- `KVCacheManager.allocate_slots` (wrapped per instance, for the steps in which an
+  allocation can fail, to hear about failures; `AllocationHook`), and the scheduler
+  fields its arming reads: `waiting`, `kv_holding_waiting`, `max_num_scheduled_tokens`,
+  `num_lookahead_tokens`, `block_size`, `connector`, `is_encoder_decoder`,
+  `kv_cache_config`, `KVCacheManager.coordinator.get_blocks`, `KVCacheManager.block_pool`;
 - `BlockPool.touch` / `free_blocks` / `get_num_free_blocks` / `num_gpu_blocks`, and
   `KVCacheBlock.block_id` / `block_hash` / `is_null` / `pool`;
 - `Request.request_id`, `status`, `priority` (rewritten on a *running* request for
@@ -163,6 +166,24 @@ def uses_priority_policy(scheduler: Scheduler) -> bool:
 # -- requests --------------------------------------------------------------------------
 
 
+def request_id(request: Request) -> str:
+    return str(request.request_id)
+
+
+def rank_inputs(request: Request) -> tuple[str, int, int, float]:
+    """(req_id, priority, computed tokens, arrival time): what victim ranking reads."""
+    return (
+        request.request_id,
+        request.priority,
+        request.num_computed_tokens,
+        request.arrival_time,
+    )
+
+
+def num_prompt_tokens(request: Request) -> int:
+    return int(request.num_prompt_tokens)
+
+
 def request_extra_args(request: Request) -> Mapping[str, Any] | None:
     params = request.sampling_params
     return params.extra_args if params is not None else None
@@ -174,6 +195,10 @@ def is_running(request: Request) -> bool:
 
 def is_waiting(request: Request) -> bool:
     return bool(request.status < RequestStatus.RUNNING or request.status == RequestStatus.PREEMPTED)
+
+
+def is_preempted(request: Request) -> bool:
+    return bool(request.status == RequestStatus.PREEMPTED)
 
 
 def kv_is_reusable(request: Request) -> bool:
@@ -274,19 +299,69 @@ AllocationFailureHandler = Callable[
 ]
 
 
-def install_allocation_hook(scheduler: Scheduler, on_failure: AllocationFailureHandler) -> None:
-    """Call `on_failure(request, retry)` whenever `allocate_slots` finds no room.
+class AllocationHook:
+    """Calls `on_failure(request, retry)` whenever `allocate_slots` finds no room.
 
-    The handler may free blocks and `retry()` (allocation is side-effect free until it
-    succeeds); whatever it returns is what vLLM's scheduler sees. The success path
-    costs one extra Python call."""
-    manager = scheduler.kv_cache_manager
-    allocate = manager.allocate_slots
+    The handler may free blocks and `retry()` (allocation has no side effects until it
+    succeeds); whatever it returns is what vLLM's scheduler sees. The wrapper costs
+    about half a microsecond per call, so it is only installed for steps in which an
+    allocation can fail: `arm_for_step()` leaves vLLM's own method in place when no
+    request waits and the free blocks cover the worst case of the running requests
+    (every token of the step budget plus two partial blocks and the lookahead per
+    request). vLLM allocates in exactly two places: growth of running requests,
+    bounded that way, and admission of waiting requests. Layouts where that bound is
+    not obviously safe (several KV cache groups, sliding windows, KV connectors,
+    encoder-decoder) keep the hook installed.
+    """
 
-    def allocate_slots(request: Request, *args: Any, **kwargs: Any) -> KVCacheBlocks | None:
-        blocks = allocate(request, *args, **kwargs)
-        if blocks is None:
-            return on_failure(request, lambda: allocate(request, *args, **kwargs))
-        return blocks
+    def __init__(self, scheduler: Scheduler, on_failure: AllocationFailureHandler) -> None:
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    manager.allocate_slots = allocate_slots  # type: ignore[method-assign]
+        manager = scheduler.kv_cache_manager
+        allocate = manager.allocate_slots
+
+        def allocate_slots(request: Request, *args: Any, **kwargs: Any) -> KVCacheBlocks | None:
+            blocks = allocate(request, *args, **kwargs)
+            if blocks is None:
+                return on_failure(request, lambda: allocate(request, *args, **kwargs))
+            return blocks
+
+        self._scheduler = scheduler
+        self._manager = manager
+        self._pool = manager.block_pool
+        self._hooked = allocate_slots
+        self.armed = False
+        groups = scheduler.kv_cache_config.kv_cache_groups
+        spec = groups[0].kv_cache_spec if len(groups) == 1 else None
+        self.always = not (
+            spec is not None
+            and type(spec) is FullAttentionSpec
+            and getattr(spec, "sliding_window", None) is None
+            and getattr(spec, "attention_chunk_size", None) is None
+            and spec.block_size == scheduler.block_size
+            and scheduler.connector is None
+            and not scheduler.is_encoder_decoder
+        )
+        block_size = scheduler.block_size
+        self._step_blocks = -(-scheduler.max_num_scheduled_tokens // block_size)
+        self._request_blocks = 2 + -(-scheduler.num_lookahead_tokens // block_size)
+        self._arm(True)
+
+    def arm_for_step(self) -> None:
+        scheduler = self._scheduler
+        needed = (
+            self.always
+            or bool(scheduler.waiting)
+            or bool(scheduler.kv_holding_waiting)
+            or self._pool.get_num_free_blocks()
+            < self._step_blocks + self._request_blocks * len(scheduler.running)
+        )
+        if needed is not self.armed:
+            self._arm(needed)
+
+    def _arm(self, armed: bool) -> None:
+        if armed:
+            self._manager.allocate_slots = self._hooked  # type: ignore[method-assign]
+        else:
+            del self._manager.allocate_slots  # back to KVCacheManager.allocate_slots
+        self.armed = armed

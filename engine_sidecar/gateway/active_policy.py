@@ -10,9 +10,12 @@ import base64
 import hashlib
 import hmac
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from pydantic import ValidationError
 
 from engine_sidecar.gateway.auth import Authenticator, KeyFileError
 from engine_sidecar.policy import EnginePolicy, Isolation, write_atomically
@@ -175,6 +178,8 @@ class PolicyHolder:
             pass
         try:
             write_atomically(self.plugin_policy_path, text)
+            # Not a secret, and the engine container may run as another user.
+            os.chmod(self.plugin_policy_path, 0o644)
         except OSError as exc:
             self._reject(f"cannot write the policy for the scheduler plugin: {exc.strerror}")
 
@@ -188,6 +193,13 @@ class PolicyHolder:
 
 
 def _first_lines(exc: Exception, limit: int = 6) -> str:
-    lines = [line for line in str(exc).splitlines() if line.strip()]
-    text = "; ".join(line.strip() for line in lines[:limit])
+    """`tenants.acme.maxBlocks: ...` per problem, without pydantic's URLs and inputs."""
+    if isinstance(exc, ValidationError):
+        problems = [
+            f"{'.'.join(str(p) for p in e['loc']) or '(document)'}: {e['msg']}"
+            for e in exc.errors(include_url=False, include_input=False)
+        ]
+        text = "; ".join(problems[:limit])
+    else:
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return text[:1000]

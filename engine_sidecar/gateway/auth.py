@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,7 @@ class _PublicKey:
     algorithms: frozenset[str]
 
 
-def _algorithms_for(key: Any, pinned: list[str]) -> frozenset[str]:
+def _algorithms_for(key: Any, pinned: Sequence[str]) -> frozenset[str]:
     if isinstance(key, rsa.RSAPublicKey):
         return frozenset(a for a in pinned if a[:2] in ("RS", "PS"))
     if isinstance(key, ec.EllipticCurvePublicKey):
@@ -206,7 +206,7 @@ class JwtVerifier:
         candidates = self._candidates(alg, kid)
         if not candidates:
             raise _unauthenticated("no configured key matches the token's algorithm and kid")
-        options: dict[str, Any] = {"require": self._require}
+        options: jwt.types.Options = {"require": self._require}
         if not self._policy.audience:
             options["verify_aud"] = False
         last: jwt.PyJWTError | None = None

@@ -24,7 +24,6 @@ class EngineMonitor:
         self.model: str | None = None
         self.model_root: str | None = None
         self.max_model_len: int | None = None
-        self.changed = asyncio.Event()
 
     def mark_down(self, reason: str) -> None:
         if self.up:
@@ -43,7 +42,6 @@ class EngineMonitor:
             await self._learn_model(client)
         if healthy != self.up:
             logger.info("engine is %s", "up" if healthy else f"down: {reason}")
-            self.changed.set()
         self.up, self.error = healthy, reason
         return healthy
 

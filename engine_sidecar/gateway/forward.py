@@ -114,6 +114,19 @@ class Upstream:
         except httpx.HTTPError as exc:
             raise self.failure(exc) from None
 
+    def failure_status(self, status: int) -> ApiError:
+        if self._on_error is not None:
+            self._on_error(f"http_{status}")
+        if status == 503:
+            return ApiError(503, errors.ENGINE_UNAVAILABLE,
+                            "the inference engine is unavailable (HTTP 503); retry later",
+                            retry_after=1)
+        if status == 504:
+            return ApiError(504, errors.UPSTREAM_TIMEOUT,
+                            "the inference engine timed out (HTTP 504)")
+        return ApiError(502, errors.UPSTREAM_ERROR,
+                        f"the inference engine failed to process the request (HTTP {status})")
+
     def failure(self, exc: httpx.HTTPError) -> ApiError:
         error, kind = upstream_error(exc, self.request_timeout)
         if self._on_error is not None:
@@ -122,9 +135,10 @@ class Upstream:
 
 
 async def send_error(send: Send, error: ApiError) -> None:
-    await send({"type": "http.response.start", "status": error.status,
-                "headers": error.raw_headers()})
-    await send({"type": "http.response.body", "body": error.body(), "more_body": False})
+    body = error.body()
+    headers = [*error.raw_headers(), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 @dataclass
@@ -137,11 +151,20 @@ class ExchangeResult:
 
 
 class _Pump:
-    def __init__(self, send: Send, upstream: Upstream, result: ExchangeResult) -> None:
+    def __init__(
+        self, send: Send, upstream: Upstream, result: ExchangeResult,
+        on_done: Callable[[str], object],
+    ) -> None:
         self.send = send
         self.upstream = upstream
         self.result = result
+        self.on_done = on_done
         self.finishing = False  # the last byte is being sent: a disconnect now is normal
+
+    def _done(self, outcome: str) -> None:
+        """The engine is finished with this request: settle before the client hears."""
+        self.result.outcome = outcome
+        self.on_done(outcome)
 
     async def run(self, opener: Callable[[], Awaitable[httpx.Response]], start: float) -> None:
         result = self.result
@@ -150,12 +173,20 @@ class _Pump:
             try:
                 response = await opener()
             except ApiError as error:
-                result.outcome = "timeout" if error.status == 504 else "upstream_error"
+                self._done("timeout" if error.status == 504 else "upstream_error")
                 result.status = error.status
                 result.started = True
                 await send_error(self.send, error)
                 return
             result.status = response.status_code
+            if response.status_code >= 500:
+                # The engine's own 5xx bodies may carry internals: answer with ours.
+                refusal = self.upstream.failure_status(response.status_code)
+                await response.aclose()
+                self._done("upstream_error")
+                result.started = True
+                await send_error(self.send, refusal)
+                return
             await self.send({
                 "type": "http.response.start", "status": response.status_code,
                 "headers": filter_headers(response.headers.raw, RESPONSE_DROP),
@@ -168,17 +199,19 @@ class _Pump:
                     await self.send({"type": "http.response.body", "body": chunk,
                                      "more_body": True})
             except httpx.HTTPError as exc:
-                error = self.upstream.failure(exc)
-                result.outcome = "timeout" if error.status == 504 else "upstream_error"
+                failure = self.upstream.failure(exc)
+                await response.aclose()
+                self._done("timeout" if failure.status == 504 else "upstream_error")
                 if response.headers.get("content-type", "").startswith("text/event-stream"):
                     self.finishing = True
                     await self.send({"type": "http.response.body",
-                                     "body": sse_error_event(error), "more_body": False})
+                                     "body": sse_error_event(failure), "more_body": False})
                 # Otherwise leave the response incomplete: the server drops the connection,
                 # which is how a client learns that a plain body was cut short.
                 return
             self.finishing = True
-            result.outcome = "completed" if response.status_code < 400 else "upstream_error"
+            await response.aclose()
+            self._done("completed" if response.status_code < 400 else "upstream_error")
             await self.send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             if response is not None:
@@ -197,13 +230,16 @@ async def exchange(
     send: Send,
     upstream: Upstream,
     opener: Callable[[], Awaitable[httpx.Response]],
+    on_done: Callable[[str], object] = lambda _outcome: None,
 ) -> ExchangeResult:
     """Run one proxied exchange to its end; never raises for client or engine failures.
 
-    `receive` must have delivered the whole request body already.
+    `receive` must have delivered the whole request body already. `on_done(outcome)`
+    runs as soon as the engine is finished with the request (before the client sees the
+    last byte); on a client disconnect the caller settles after this returns.
     """
     result = ExchangeResult()
-    pump = _Pump(send, upstream, result)
+    pump = _Pump(send, upstream, result, on_done)
     start = time.perf_counter()
     pump_task = asyncio.ensure_future(pump.run(opener, start))
     watcher = asyncio.ensure_future(_wait_for_disconnect(receive))

@@ -15,7 +15,7 @@ from types import TracebackType
 class Reservation:
     __slots__ = ("_ledger", "blocks", "outcome", "released", "tenant_id")
 
-    def __init__(self, ledger: Ledger | None, tenant_id: str, blocks: int) -> None:
+    def __init__(self, ledger: Ledger, tenant_id: str, blocks: int) -> None:
         self._ledger = ledger
         self.tenant_id = tenant_id
         self.blocks = blocks
@@ -28,8 +28,7 @@ class Reservation:
             return False
         self.released = True
         self.outcome = outcome
-        if self._ledger is not None:
-            self._ledger._give_back(self)
+        self._ledger._give_back(self)
         return True
 
     def __enter__(self) -> Reservation:
@@ -77,7 +76,3 @@ class Ledger:
     def tenants(self) -> list[str]:
         return list(self._inflight)
 
-
-def untracked(tenant_id: str) -> Reservation:
-    """A reservation outside any ledger (e.g. GET /v1/models): release is a no-op."""
-    return Reservation(None, tenant_id, 0)

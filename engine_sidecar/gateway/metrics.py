@@ -68,7 +68,8 @@ class StateCollector(Collector):
         tenants = active.policy.tenants if active else {}
 
         reserved = GaugeMetricFamily("kvquota_tenant_blocks_reserved",
-                                     "KV blocks reserved by in-flight requests.", labels=["tenant_id"])
+                                     "KV blocks reserved by in-flight requests.",
+                                     labels=["tenant_id"])
         inflight = GaugeMetricFamily("kvquota_tenant_inflight_requests",
                                      "Requests admitted and not finished.", labels=["tenant_id"])
         sums: dict[str, list[int]] = {}

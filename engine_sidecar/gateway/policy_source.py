@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import threading
 from collections.abc import Callable
@@ -69,9 +70,11 @@ class FilePolicySource:
 class ConfigMapPolicySource:
     """Watch one ConfigMap's `policy.json` through the Kubernetes API.
 
-    The kubernetes client is synchronous, so the list+watch loop runs in a daemon
-    thread and hands documents to the event loop. A 410 Gone or a dropped watch
-    re-lists; errors back off up to 30 s. `api_client` is injectable for tests.
+    The kubernetes client is synchronous, so a list+watch loop runs in a daemon thread
+    and hands documents to the event loop. A 410 Gone, a server-side watch timeout or a
+    dropped connection re-lists; errors back off up to 30 s. Stopping shuts the watch
+    socket down, so the thread never outlives the app. `api_client_factory` is
+    injectable for tests.
     """
 
     def __init__(
@@ -92,6 +95,7 @@ class ConfigMapPolicySource:
         self._watch_timeout = watch_timeout_seconds
         self._secrets_interval = secrets_interval
         self._stop = threading.Event()
+        self._response: Any = None
 
     async def run(self, holder: PolicyHolder) -> None:
         loop = asyncio.get_running_loop()
@@ -117,56 +121,99 @@ class ConfigMapPolicySource:
                 holder.refresh_secrets()
         finally:
             self._stop.set()
+            response = self._response
+            if response is not None:
+                with contextlib.suppress(Exception):
+                    response.shutdown()  # unblocks the thread's read at once
 
-    def _handle(self, obj: Any, post: Callable[[str, str], None]) -> None:
-        data = getattr(obj, "data", None) or {}
-        if self.key in data:
+    def _handle(self, obj: dict[str, Any], post: Callable[[str, str], None]) -> None:
+        data = obj.get("data") or {}
+        if isinstance(data, dict) and isinstance(data.get(self.key), str):
             post("policy", data[self.key])
         else:
             post("error", f"{self.description}: the key is missing")
 
+    def _is_ours(self, obj: Any) -> bool:
+        metadata = obj.get("metadata") if isinstance(obj, dict) else None
+        return isinstance(metadata, dict) and metadata.get("name") == self.name
+
+    def _list(self, api: Any, post: Callable[[str, str], None]) -> str | None:
+        response = api.list_namespaced_config_map(
+            self.namespace, field_selector=f"metadata.name={self.name}",
+            _preload_content=False, _request_timeout=(10, 30),
+        )
+        listing = json.loads(response.data)
+        items = [i for i in listing.get("items") or [] if self._is_ours(i)]
+        if items:
+            self._handle(items[0], post)
+        else:
+            post("error", f"{self.description}: the ConfigMap does not exist")
+        version = (listing.get("metadata") or {}).get("resourceVersion")
+        return version if isinstance(version, str) else None
+
+    def _watch(self, api: Any, version: str | None, post: Callable[[str, str], None]) -> None:
+        response = api.list_namespaced_config_map(
+            self.namespace, field_selector=f"metadata.name={self.name}", watch=True,
+            resource_version=version, timeout_seconds=self._watch_timeout,
+            allow_watch_bookmarks=False, _preload_content=False,
+            _request_timeout=(10, self._watch_timeout + 30),
+        )
+        self._response = response
+        try:
+            if self._stop.is_set():  # stopped while connecting: run() saw no response
+                return
+            pending = b""
+            for chunk in response.stream(amt=None, decode_content=True):
+                if self._stop.is_set():
+                    return
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    if line.strip():
+                        self._event(json.loads(line), post)
+        finally:
+            self._response = None
+            response.release_conn()
+
+    def _event(self, event: dict[str, Any], post: Callable[[str, str], None]) -> None:
+        kind, obj = event.get("type"), event.get("object")
+        if kind == "ERROR":
+            code = obj.get("code") if isinstance(obj, dict) else None
+            raise _WatchExpired() if code == 410 else RuntimeError(f"watch error {code}")
+        if not self._is_ours(obj):
+            return  # field selectors are advisory for some API servers
+        assert isinstance(obj, dict)
+        if kind in ("ADDED", "MODIFIED"):
+            self._handle(obj, post)
+        elif kind == "DELETED":
+            post("error", f"{self.description}: the ConfigMap was deleted")
+
     def _watch_forever(self, post: Callable[[str, str], None]) -> None:
-        from kubernetes import client, watch
+        from kubernetes import client
         from kubernetes.client.rest import ApiException
 
         backoff = 1.0
         api = client.CoreV1Api(self._api_client_factory())
-        selector = f"metadata.name={self.name}"
         while not self._stop.is_set():
             try:
-                listing = api.list_namespaced_config_map(self.namespace, field_selector=selector)
-                items = [i for i in listing.items if i.metadata.name == self.name]
-                if items:
-                    self._handle(items[0], post)
-                else:
-                    post("error", f"{self.description}: the ConfigMap does not exist")
-                stream = watch.Watch()
-                for event in stream.stream(
-                    api.list_namespaced_config_map, self.namespace, field_selector=selector,
-                    resource_version=listing.metadata.resource_version,
-                    timeout_seconds=self._watch_timeout,
-                ):
-                    if self._stop.is_set():
-                        stream.stop()
-                        break
-                    obj = event["object"]
-                    if getattr(obj.metadata, "name", None) != self.name:
-                        continue  # field selectors are advisory for some API servers
-                    if event["type"] in ("ADDED", "MODIFIED"):
-                        self._handle(obj, post)
-                    elif event["type"] == "DELETED":
-                        post("error", f"{self.description}: the ConfigMap was deleted")
+                version = self._list(api, post)
+                self._watch(api, version, post)
                 backoff = 1.0
+            except _WatchExpired:
+                continue  # our resourceVersion is too old: re-list at once
             except ApiException as exc:
-                if exc.status != 410:  # 410 Gone: our resourceVersion is too old, re-list
-                    post("error", f"{self.description}: API error {exc.status} {exc.reason}")
-                    self._stop.wait(backoff)
-                    backoff = min(backoff * 2, 30.0)
+                post("error", f"{self.description}: API error {exc.status} {exc.reason}")
             except Exception as exc:  # the watch must survive any transport hiccup
-                logger.warning("policy watch of %s failed: %s", self.description,
-                               type(exc).__name__)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 30.0)
+                if self._stop.is_set():
+                    return
+                logger.warning("policy watch of %s failed (%s); retrying",
+                               self.description, type(exc).__name__)
+            self._stop.wait(backoff)
+            backoff = min(backoff * 2, 30.0)
+
+
+class _WatchExpired(Exception):
+    """410 Gone inside a watch stream."""
 
 
 def _in_cluster_api_client() -> Any:

@@ -83,8 +83,15 @@ class KubeApi:
             self._core.create_namespaced_config_map, body["metadata"]["namespace"], body
         )
 
-    async def patch_configmap(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
-        await self._call(self._core.patch_namespaced_config_map, name, namespace, patch)
+    async def patch_configmap(self, namespace: str, name: str, patch: dict[str, Any]) -> bool:
+        """Strategic-merge-patch a ConfigMap; False when it does not exist."""
+        try:
+            await self._call(self._core.patch_namespaced_config_map, name, namespace, patch)
+        except Exception as error:
+            if self._is_missing(error):
+                return False
+            raise
+        return True
 
     async def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
         result = await self._call(

@@ -77,6 +77,12 @@ class PoolPlan:
         return self.requested_blocks > self.budget
 
     @property
+    def digests(self) -> dict[str, str]:
+        """Tenant id -> digest of its settings in this plan's policy."""
+        return {t.tenant_id: t.digest for t in (self.tenants or {}).values()
+                if t.tenant_id and t.digest and t.policy is not None}
+
+    @property
     def rejected(self) -> list[TenantPlan]:
         return [
             t for t in (self.tenants or {}).values()

@@ -103,6 +103,10 @@ class PoolReconciler:
         self._polled_at: dict[PoolKey, float] = {}
         self._histories: dict[PoolKey, PolicyHistory] = {}
         self._windows: dict[PoolKey, DisruptionWindow] = {}
+        # Policy hash the pool's ConfigMap holds, as far as we know; checked against the
+        # API on every engine poll (someone may edit or delete the ConfigMap).
+        self._configmaps: dict[PoolKey, str] = {}
+        self._verify: set[PoolKey] = set()
         # What we last wrote per object, until the watch shows it (keyed by resourceVersion).
         self._written: dict[tuple[str, str, str], tuple[str | None, dict[str, Any]]] = {}
         self.reconciles = 0
@@ -132,6 +136,7 @@ class PoolReconciler:
             return
         self._polled_at[key] = now
         await self._observe(key, pool)
+        self._verify.add(key)
         await self.reconcile(key)
 
     def forget(self, plural: str, namespace: str, name: str) -> None:
@@ -143,6 +148,7 @@ class PoolReconciler:
             self._polled_at.pop(key, None)
             self._histories.pop(key, None)
             self._windows.pop(key, None)
+            self._configmaps.pop(key, None)
 
     # ------------------------------------------------------------ engines
 
@@ -199,7 +205,15 @@ class PoolReconciler:
             reported_capacities=observation.reported_capacities(),
         )
         if plan.policy is not None:
-            await self._write_configmap(pool, plan.policy)
+            history = self._histories.setdefault(key, PolicyHistory())
+            history.record(plan.policy, plan.digests)
+            verify = key in self._verify
+            self._verify.discard(key)
+            try:
+                await self._write_configmap(pool, plan.policy, history, verify=verify)
+            except BaseException:
+                self._configmaps.pop(key, None)  # unsure what was written: verify next time
+                raise
         reports = observation.reports
         engines = EngineView(
             ready=observation.replicas,
@@ -219,35 +233,55 @@ class PoolReconciler:
         )
         await self._write_tenants(tenants, plan, engines, key)
 
-    async def _write_configmap(self, pool: Mapping[str, Any], policy: EnginePolicy) -> None:
+    async def _write_configmap(
+        self, pool: Mapping[str, Any], policy: EnginePolicy, history: PolicyHistory,
+        *, verify: bool,
+    ) -> None:
+        """Write the policy when its hash differs from what the ConfigMap holds. The hot
+        path trusts what we last wrote (no read of a large object per quota edit);
+        `verify` (engine polls) and the first sight of a pool read the ConfigMap."""
         meta = _meta(pool)
         namespace, name = str(meta.get("namespace")), str(meta.get("name"))
-        history = self._histories.setdefault((namespace, name), PolicyHistory())
-        history.record(policy)
+        key, cm_name = (namespace, name), configmap_name(name)
+        known = self._configmaps.get(key)
+        if known == policy.version and not verify:
+            return
         desired = build_configmap(namespace, name, meta.get("uid"), policy)
-        current = await self._kube.get_configmap(namespace, configmap_name(name))
-        if current is None:
-            await self._kube.create_configmap(desired)
-        else:
-            self._remember_running(history, current)
-            annotations = (current.get("metadata") or {}).get("annotations") or {}
-            same = (annotations.get(HASH_ANNOTATION) == policy.version
-                    and (current.get("data") or {}).get(POLICY_KEY) == desired["data"][POLICY_KEY]
-                    and (current.get("metadata") or {}).get("ownerReferences")
-                    == desired["metadata"].get("ownerReferences"))
-            if same:
-                return
-            await self._kube.patch_configmap(namespace, configmap_name(name), {
-                "metadata": {k: desired["metadata"][k] for k in
-                             ("labels", "annotations", "ownerReferences")
-                             if k in desired["metadata"]},
-                "data": desired["data"],
-            })
+        patch = {
+            "metadata": {k: desired["metadata"][k] for k in
+                         ("labels", "annotations", "ownerReferences")
+                         if k in desired["metadata"]},
+            "data": desired["data"],
+        }
+        if verify or known is None:
+            current = await self._kube.get_configmap(namespace, cm_name)
+            if current is None:
+                await self._kube.create_configmap(desired)
+            else:
+                self._remember_running(history, current)
+                if self._holds(current, desired):
+                    self._configmaps[key] = policy.version
+                    return
+                await self._kube.patch_configmap(namespace, cm_name, patch)
+        elif not await self._kube.patch_configmap(namespace, cm_name, patch):
+            await self._kube.create_configmap(desired)  # deleted since we last wrote it
+        self._configmaps[key] = policy.version
         logger.info("pool %s/%s: policy %s written to ConfigMap %s (%d tenants)",
-                    namespace, name, policy.version, configmap_name(name), len(policy.tenants))
+                    namespace, name, policy.version, cm_name, len(policy.tenants))
         _post_event(pool, "Normal", "PolicyUpdated",
                     f"policy {policy.version} ({len(policy.tenants)} tenants, split over "
-                    f"{policy.replicas} replicas) written to ConfigMap {configmap_name(name)}")
+                    f"{policy.replicas} replicas) written to ConfigMap {cm_name}")
+
+    @staticmethod
+    def _holds(current: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
+        """The ConfigMap already carries exactly the desired policy and owner."""
+        meta = current.get("metadata") or {}
+        return bool(
+            (meta.get("annotations") or {}).get(HASH_ANNOTATION)
+            == desired["metadata"]["annotations"][HASH_ANNOTATION]
+            and (current.get("data") or {}).get(POLICY_KEY) == desired["data"][POLICY_KEY]
+            and meta.get("ownerReferences") == desired["metadata"].get("ownerReferences")
+        )
 
     @staticmethod
     def _remember_running(history: PolicyHistory, current: Mapping[str, Any]) -> None:

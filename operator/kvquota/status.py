@@ -24,6 +24,10 @@ from kvquota.usage import Disruptions, PoolUsage
 # Condition flips worth a Kubernetes Event (others change with every rollout).
 EVENT_CONDITIONS = {"TenantQuota": ("Accepted", "Degraded"),
                     "InferencePool": ("Ready", "Oversubscribed")}
+# The declared status fields of usage and counters (the sidecar reports a few more).
+_USAGE_KEYS = tuple(Usage().model_dump(by_alias=True))
+_COUNTER_KEYS = tuple(Counters().model_dump(by_alias=True))
+_NOT_REPORTED = TenantStatus()
 # Condition states a user should look at: posted as Warning events.
 BAD_STATES = {("Accepted", "False"), ("Degraded", "True"), ("Ready", "False"),
               ("Oversubscribed", "True"), ("Synced", "False")}
@@ -140,11 +144,11 @@ def tenant_status(
             mode="json", by_alias=True, exclude_none=True
         )
     if engines is not None and tenant.tenant_id is not None and plan.exists:
-        seen = engines.usage.tenants.get(tenant.tenant_id, TenantStatus())
-        status["usage"] = Usage(**seen.usage.model_dump()).model_dump(by_alias=True)
-        status["counters"] = Counters(
-            **seen.counters.model_dump(exclude={"degraded_events"})
-        ).model_dump(by_alias=True)
+        seen = engines.usage.tenants.get(tenant.tenant_id) or _NOT_REPORTED
+        usage = seen.usage.model_dump(by_alias=True)
+        counters = seen.counters.model_dump(by_alias=True)
+        status["usage"] = {k: usage[k] for k in _USAGE_KEYS}
+        status["counters"] = {k: counters[k] for k in _COUNTER_KEYS}
     was_ready = (find(old_conditions, "Ready") or {}).get("status") == "True"
     if ready.status == "True" and not was_ready:
         status["lastSyncTime"] = timestamp(now)

@@ -10,7 +10,7 @@ the pool flap to Ready=False (and patch a thousand statuses) while engines reloa
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from engine_sidecar.policy import EnginePolicy
 from kvquota.render import tenant_digest
@@ -23,10 +23,11 @@ class PolicyHistory:
         self.size = size
         self._versions: OrderedDict[str, dict[str, str]] = OrderedDict()
 
-    def record(self, policy: EnginePolicy) -> None:
+    def record(self, policy: EnginePolicy, digests: Mapping[str, str] | None = None) -> None:
+        """Remember `policy`; `digests` (tenant id -> digest) saves recomputing them."""
         if not policy.version:
             return
-        self._versions[policy.version] = {
+        self._versions[policy.version] = dict(digests) if digests is not None else {
             tenant_id: tenant_digest(tenant) for tenant_id, tenant in policy.tenants.items()
         }
         self._versions.move_to_end(policy.version)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import shutil
 import subprocess
 from functools import cache
@@ -40,7 +41,7 @@ def build(directory: str | Path) -> list[dict[str, Any]]:
     """The objects `kubectl apply -k <directory>` would send (directory relative to the repo)."""
     if KUBECTL is None:
         pytest.skip("kubectl is not installed: the manifests cannot be built with kustomize")
-    return list(_build((REPO / directory).resolve()))
+    return copy.deepcopy(list(_build((REPO / directory).resolve())))
 
 
 def one(objects: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:

@@ -164,3 +164,5 @@ def test_component_patches_labelled_deployments_only(tmp_path: Path) -> None:
     patched = _pod(objects, "engine")
     assert {c["name"] for c in patched["spec"]["containers"]} == {"vllm", "kvquota-sidecar"}
     assert _container(patched, "vllm")["args"][0] == "m"
+    # Scraped by the engines' PodMonitor even though the template did not carry the label.
+    assert patched["metadata"]["labels"]["kvquota.dev/engine"] == "true"

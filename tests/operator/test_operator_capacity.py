@@ -70,4 +70,4 @@ def test_more_capacity_never_takes_a_guarantee_away(
 @given(st.lists(st.integers(0, 500), min_size=1, max_size=12), st.integers(0, 3000))
 def test_accepted_guarantees_fit_the_budget(sizes: list[int], budget: int) -> None:
     decisions = admit_oldest_first(list(enumerate(sizes)), budget)
-    assert sum(sizes[k] for k, d in decisions.items() if d.accepted) <= budget  # type: ignore[index]
+    assert sum(size for i, size in enumerate(sizes) if decisions[i].accepted) <= budget

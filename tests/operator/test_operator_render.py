@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from operator_objects import pool
 
@@ -23,7 +24,7 @@ def _tenant(tenant_id: str, guaranteed: int = 10) -> TenantPolicy:
                         max_tokens=512, default_max_tokens=256)
 
 
-def _spec(**spec: object) -> InferencePoolSpec:
+def _spec(**spec: Any) -> InferencePoolSpec:
     return InferencePoolSpec.model_validate(pool(**spec)["spec"])
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from operator_objects import pool, quota
 
 from engine_sidecar.policy import Isolation, Tier
@@ -9,12 +11,12 @@ from kvquota.api import InferencePoolSpec, TenantQuotaSpec
 from kvquota.resolve import effective_settings, tenant_policy, tier_settings
 
 
-def _pool_spec(**spec: object) -> InferencePoolSpec:
+def _pool_spec(**spec: Any) -> InferencePoolSpec:
     return InferencePoolSpec.model_validate(pool(**spec)["spec"])
 
 
-def _quota_spec(**kw: object) -> TenantQuotaSpec:
-    return TenantQuotaSpec.model_validate(quota("t", **kw)["spec"])  # type: ignore[arg-type]
+def _quota_spec(**kw: Any) -> TenantQuotaSpec:
+    return TenantQuotaSpec.model_validate(quota("t", **kw)["spec"])
 
 
 def test_tier_defaults_apply_without_overrides() -> None:

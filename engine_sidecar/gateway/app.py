@@ -1,0 +1,393 @@
+"""The sidecar's ASGI app: routes, lifespan, and the admission path of a request.
+
+Request path for POST /v1/completions and /v1/chat/completions:
+read body -> policy loaded? -> authenticate -> parse -> count prompt tokens ->
+decide + reserve (synchronously, so atomic) -> rewrite -> stream to the engine ->
+release the reservation whatever happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from engine_sidecar.gateway import errors
+from engine_sidecar.gateway.active_policy import ActivePolicy, PolicyHolder
+from engine_sidecar.gateway.admission import (
+    Capacity,
+    Decision,
+    RequestShape,
+    TenantLoad,
+    capacity_view,
+    decide,
+)
+from engine_sidecar.gateway.engine_monitor import EngineMonitor
+from engine_sidecar.gateway.engine_stats import EngineStatsReader
+from engine_sidecar.gateway.errors import ApiError
+from engine_sidecar.gateway.forward import (
+    REQUEST_DROP,
+    Receive,
+    Scope,
+    Send,
+    Upstream,
+    exchange,
+    filter_headers,
+    send_error,
+)
+from engine_sidecar.gateway.ledger import Ledger, Reservation
+from engine_sidecar.gateway.metrics import GatewayMetrics, StateSources
+from engine_sidecar.gateway.openai_request import Kind, parse, rewrite, session_id
+from engine_sidecar.gateway.policy_source import PolicySource
+from engine_sidecar.gateway.status import DecisionCounters, build_status
+from engine_sidecar.gateway.tokens import EngineTokenCounter, HfTokenCounter, TokenCounter
+from engine_sidecar.stats import STATUS_ROUTE
+
+logger = logging.getLogger(__name__)
+
+JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+@dataclass
+class GatewayConfig:
+    upstream: str = "http://127.0.0.1:8001"
+    secrets_dir: Path | None = None
+    plugin_policy_path: Path | None = None  # KVQUOTA_POLICY_PATH: the plugin reads it
+    stats_path: Path | None = None  # KVQUOTA_STATS_PATH: the plugin writes it
+    tokenizer: str | None = None  # None: the engine's model, then the policy's model
+    engine_tokenizer: bool = False  # count with the engine's /tokenize only
+    request_timeout: float = 600.0
+    connect_timeout: float = 5.0
+    retry_after_seconds: int = 1
+    max_body_bytes: int = 32 * 1024 * 1024
+    tenant_label_limit: int = 100
+    engine_probe_interval: float = 2.0
+    extra_request_drop: set[bytes] = field(default_factory=set)
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole request body; None if the client went away first."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, errors.REQUEST_TOO_LARGE,
+                           f"the request body exceeds {limit // (1024 * 1024)} MiB")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+class Gateway:
+    """Sidecar state and handlers; `.app` is the ASGI application."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        policy_source: PolicySource | None,
+        *,
+        token_counter: TokenCounter | None = None,
+        upstream_transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.config = config
+        self.metrics = GatewayMetrics(config.tenant_label_limit)
+        self.holder = PolicyHolder(
+            config.secrets_dir, config.plugin_policy_path,
+            on_error=lambda _message: self.metrics.policy_errors.inc(),
+        )
+        self.policy_source = policy_source
+        self.ledger = Ledger()
+        self.counters = DecisionCounters()
+        self.stats = EngineStatsReader(config.stats_path)
+        self.monitor = EngineMonitor(interval=config.engine_probe_interval)
+        self.upstream = Upstream(
+            config.upstream, request_timeout=config.request_timeout,
+            connect_timeout=config.connect_timeout, transport=upstream_transport,
+            on_error=self._upstream_failed,
+        )
+        self.token_counter = token_counter
+        self.metrics.attach_state(StateSources(
+            ledger=self.ledger,
+            active=lambda: self.holder.active,
+            stats=self.stats.current,
+            label=self._tenant_label,
+        ))
+        routes = [
+            Route("/v1/completions", _AsgiEndpoint(self._completions), methods=["POST"]),
+            Route("/v1/chat/completions", _AsgiEndpoint(self._chat), methods=["POST"]),
+            Route("/v1/models", _AsgiEndpoint(self._models), methods=["GET"]),
+            Route("/healthz", self._healthz, methods=["GET"]),
+            Route("/readyz", self._readyz, methods=["GET"]),
+            Route("/metrics", self._metrics, methods=["GET"]),
+            Route(STATUS_ROUTE, self._status, methods=["GET"]),
+        ]
+        self.app = Starlette(
+            routes=routes, lifespan=self._lifespan,
+            exception_handlers={HTTPException: _http_exception},
+        )
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:
+        tasks = [asyncio.create_task(self.monitor.run(self.upstream.client), name="engine")]
+        if self.policy_source is not None:
+            tasks.append(asyncio.create_task(self.policy_source.run(self.holder), name="policy"))
+            logger.info("policy from %s", self.policy_source.description)
+        if self.token_counter is None:
+            tasks.append(asyncio.create_task(self._load_tokenizer(), name="tokenizer"))
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.upstream.aclose()
+
+    async def _load_tokenizer(self) -> None:
+        if self.config.engine_tokenizer:
+            self.token_counter = EngineTokenCounter(self.upstream.client, None)
+            return
+        tried: set[str] = set()
+        while True:
+            candidates = [self.config.tokenizer] if self.config.tokenizer else [
+                self.monitor.model_root, self.monitor.model,
+                self.holder.active.policy.model if self.holder.active else None,
+            ]
+            for name in candidates:
+                if not name or name in tried:
+                    continue
+                tried.add(name)
+                try:
+                    self.token_counter = await asyncio.to_thread(HfTokenCounter.load, name)
+                    logger.info("counting prompt tokens with %s", self.token_counter.description)
+                    return
+                except Exception as exc:  # any loader failure: try the next candidate
+                    logger.warning("tokenizer %r not loadable here (%s)", name, type(exc).__name__)
+            if self.config.tokenizer or (self.monitor.model and self.holder.active):
+                break
+            await asyncio.sleep(1.0)
+        self.token_counter = EngineTokenCounter(self.upstream.client, None)
+        logger.warning("no local tokenizer: counting prompt tokens with the engine's /tokenize "
+                       "(exact, one extra round trip per request); pass --tokenizer to avoid it")
+
+    def _upstream_failed(self, kind: str) -> None:
+        self.metrics.upstream_errors.labels(kind).inc()
+        if kind == "connect":
+            self.monitor.mark_down("the engine refused a connection")
+
+    # -- helpers -------------------------------------------------------------------
+
+    def _tenant_label(self, tenant_id: str) -> str:
+        active = self.holder.active
+        return self.metrics.labels(tenant_id, active.policy.tenants if active else {})
+
+    def capacity(self) -> Capacity:
+        active = self.holder.active
+        override = active.policy.capacity_blocks if active else None
+        return capacity_view(override, self.stats.current(), self.ledger.total_blocks)
+
+    def readiness(self) -> list[str]:
+        reasons = []
+        if not self.monitor.up:
+            reasons.append(self.monitor.error or "engine not answering")
+        if self.holder.active is None:
+            reasons.append(self.holder.error or "no policy loaded yet")
+        if self.token_counter is None:
+            reasons.append("tokenizer still loading")
+        return reasons
+
+    def _reject(self, error: ApiError, reason: str) -> ApiError:
+        self.metrics.rejections.labels(reason).inc()
+        return error
+
+    def _authenticate(self, active: ActivePolicy, headers: dict[bytes, bytes]) -> str:
+        try:
+            return active.auth.authenticate(headers)
+        except ApiError as error:
+            self.metrics.admissions.labels("unknown", "", Decision.REJECTED_AUTH).inc()
+            reason = "unknown_tenant" if error.status == 403 else "unauthenticated"
+            raise self._reject(error, reason) from None
+
+    def _active(self) -> ActivePolicy:
+        active = self.holder.active
+        if active is None:
+            raise self._reject(ApiError(
+                503, errors.POLICY_NOT_LOADED,
+                "the sidecar has no valid policy yet; check the pool's status",
+                retry_after=self.config.retry_after_seconds,
+            ), "not_ready")
+        return active
+
+    # -- generation routes -------------------------------------------------------
+
+    async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._generate(scope, receive, send, Kind.COMPLETION)
+
+    async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._generate(scope, receive, send, Kind.CHAT)
+
+    async def _generate(self, scope: Scope, receive: Receive, send: Send, kind: Kind) -> None:
+        headers = dict(scope["headers"])
+        try:
+            raw = await _read_body(receive, self.config.max_body_bytes)
+            if raw is None:
+                return
+            admitted = await self._admit(kind, raw, headers)
+        except ApiError as error:
+            await send_error(send, error)
+            return
+        reservation, body, tier = admitted
+        outcome = "cancelled"
+        try:
+            forward_headers = self._forward_headers(scope)
+            path = scope["path"]
+            result = await exchange(
+                receive, send, self.upstream,
+                lambda: self.upstream.open("POST", path, forward_headers, body),
+                on_done=reservation.release,
+            )
+            outcome = result.outcome
+            if result.ttft is not None:
+                self.metrics.ttft.labels(tier).observe(result.ttft)
+            self.metrics.duration.labels(tier).observe(result.duration)
+        finally:
+            reservation.release(outcome)
+            self.metrics.reservations.labels(tier, outcome).inc()
+
+    async def _admit(
+        self, kind: Kind, raw: bytes, headers: dict[bytes, bytes]
+    ) -> tuple[Reservation, bytes, str]:
+        active = self._active()
+        tenant_id = self._authenticate(active, headers)
+        policy = active.policy
+        tenant = policy.tenants[tenant_id]
+        try:
+            request = parse(kind, raw)
+        except ApiError as error:
+            raise self._reject(error, "invalid_request") from None
+        counter = self.token_counter
+        if counter is None:
+            raise self._reject(ApiError(
+                503, errors.SIDECAR_NOT_READY, "the sidecar is still loading the tokenizer",
+                retry_after=self.config.retry_after_seconds), "not_ready")
+        try:
+            prompt_tokens = await counter.count(request)
+        except ApiError as error:
+            raise self._reject(error, "invalid_request") from None
+        # From here to reserve(): no await, so the decision and the reservation are atomic.
+        active = self.holder.active or active  # a policy swap during counting wins
+        tenant = active.policy.tenants.get(tenant_id, tenant)
+        shape = RequestShape(prompt_tokens, request.requested_max_tokens, request.n,
+                             request.prompt_param, request.max_tokens_param)
+        stats = self.stats.current()
+        engine = stats.tenants.get(tenant_id) if stats else None
+        load = TenantLoad(self.ledger.reserved_blocks(tenant_id),
+                          engine.leased_blocks if engine else 0,
+                          self.ledger.inflight(tenant_id))
+        verdict = decide(
+            tenant, shape, block_size=active.policy.block_size,
+            watermark=active.policy.watermark, load=load, capacity=self.capacity(),
+            max_model_len=self.monitor.max_model_len,
+            retry_after=self.config.retry_after_seconds,
+        )
+        tier = tenant.tier.value
+        self.metrics.admissions.labels(self._tenant_label(tenant_id), tier,
+                                       verdict.decision).inc()
+        self.counters.count(tenant_id, verdict.decision)
+        if verdict.error is not None:
+            raise self._reject(verdict.error, verdict.decision.removeprefix("rejected_"))
+        reservation = self.ledger.reserve(tenant_id, verdict.blocks)
+        self.metrics.reserved_blocks.labels(tier).inc(verdict.blocks)
+        body = rewrite(
+            request, max_tokens=verdict.max_tokens, priority=tenant.priority,
+            tenant_id=tenant_id, session=session_id(headers, request.body),
+            cache_salt=active.cache_salts.get(tenant_id),
+        )
+        return reservation, body, tier
+
+    def _forward_headers(self, scope: Scope) -> list[tuple[bytes, bytes]]:
+        drop = set(REQUEST_DROP) | self.config.extra_request_drop | {b"content-type"}
+        active = self.holder.active
+        if active is not None and active.auth.trusted_header is not None:
+            drop.add(active.auth.trusted_header)
+        return [*filter_headers(scope["headers"], drop), *JSON_HEADERS]
+
+    # -- other routes -----------------------------------------------------------
+
+    async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = dict(scope["headers"])
+        try:
+            if await _read_body(receive, self.config.max_body_bytes) is None:
+                return
+            self._authenticate(self._active(), headers)
+        except ApiError as error:
+            await send_error(send, error)
+            return
+        forward_headers = filter_headers(scope["headers"], REQUEST_DROP)
+        await exchange(receive, send, self.upstream,
+                       lambda: self.upstream.open("GET", "/v1/models", forward_headers, b""))
+
+    async def _healthz(self, _request: Request) -> Response:
+        return JSONResponse({"status": "alive"})
+
+    async def _readyz(self, _request: Request) -> Response:
+        reasons = self.readiness()
+        return JSONResponse({"ready": not reasons, "reasons": reasons},
+                            status_code=503 if reasons else 200)
+
+    async def _metrics(self, _request: Request) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def _status(self, _request: Request) -> Response:
+        status = build_status(
+            ready=not self.readiness(), active=self.holder.active,
+            policy_error=self.holder.error, ledger=self.ledger, counters=self.counters,
+            stats=self.stats.current(), capacity=self.capacity(),
+        )
+        return Response(status.model_dump_json(by_alias=True), media_type="application/json")
+
+
+class _AsgiEndpoint:
+    """Marks a bound method as a raw ASGI app for Starlette's Route (streaming control)."""
+
+    def __init__(self, handler: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
+        self._handler = handler
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._handler(scope, receive, send)
+
+
+async def _http_exception(_request: Request, exc: Exception) -> Response:
+    status = getattr(exc, "status_code", 500)
+    codes = {404: errors.NOT_FOUND, 405: errors.METHOD_NOT_ALLOWED}
+    code = codes.get(status, errors.INVALID_REQUEST)
+    message = {404: "no such route on the KVQuota sidecar",
+               405: "method not allowed on this route"}.get(status, "invalid request")
+    error = ApiError(status, code, message)
+    return Response(error.body(), status_code=status, media_type="application/json")
+
+
+def create_app(
+    config: GatewayConfig,
+    policy_source: PolicySource | None,
+    **kwargs: Any,
+) -> Starlette:
+    return Gateway(config, policy_source, **kwargs).app

@@ -1,0 +1,94 @@
+"""The status document the operator polls (`SidecarStatus` at `/kvquota/status`).
+
+Merges three views: the admission ledger (reservations, in-flight), the sidecar's
+decision counters, and the plugin's engine stats (blocks used and leased, preemptions,
+lease breaks, degraded events). Counters are per process: they restart from zero with
+the sidecar, like any Prometheus counter.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from engine_sidecar.gateway.active_policy import ActivePolicy
+from engine_sidecar.gateway.admission import Capacity, Decision
+from engine_sidecar.gateway.ledger import Ledger
+from engine_sidecar.stats import (
+    EngineStats,
+    SidecarStatus,
+    TenantCounters,
+    TenantStatus,
+    TenantUsage,
+)
+
+
+@dataclass
+class _Counts:
+    admitted: int = 0
+    rejected_quota: int = 0
+    rejected_watermark: int = 0
+
+
+@dataclass
+class DecisionCounters:
+    """Per-tenant decision counts for the CR status (concurrency counts as quota)."""
+
+    by_tenant: dict[str, _Counts] = field(default_factory=lambda: defaultdict(_Counts))
+
+    def count(self, tenant_id: str, decision: Decision) -> None:
+        counts = self.by_tenant[tenant_id]
+        if decision is Decision.ADMITTED:
+            counts.admitted += 1
+        elif decision in (Decision.REJECTED_QUOTA, Decision.REJECTED_CONCURRENCY):
+            counts.rejected_quota += 1
+        elif decision is Decision.REJECTED_WATERMARK:
+            counts.rejected_watermark += 1
+
+
+def build_status(
+    *,
+    ready: bool,
+    active: ActivePolicy | None,
+    policy_error: str | None,
+    ledger: Ledger,
+    counters: DecisionCounters,
+    stats: EngineStats | None,
+    capacity: Capacity,
+) -> SidecarStatus:
+    errors = [policy_error] if policy_error else []
+    if stats is not None and stats.policy_error:
+        errors.append(f"scheduler plugin: {stats.policy_error}")
+    tenants: dict[str, TenantStatus] = {}
+    tenant_ids = set(active.policy.tenants) if active else set()
+    tenant_ids.update(ledger.tenants())
+    for tenant_id in sorted(tenant_ids):
+        engine = stats.tenants.get(tenant_id) if stats else None
+        reserved = ledger.reserved_blocks(tenant_id)
+        counts = counters.by_tenant.get(tenant_id, _Counts())
+        usage = TenantUsage(
+            blocks=engine.used_blocks if engine else reserved,
+            reserved_blocks=reserved,
+            leased_blocks=engine.leased_blocks if engine else 0,
+            leased_sessions=engine.leased_sessions if engine else 0,
+            inflight=ledger.inflight(tenant_id),
+        )
+        status_counters = TenantCounters(
+            admitted=counts.admitted,
+            rejected_quota=counts.rejected_quota,
+            rejected_watermark=counts.rejected_watermark,
+            preemptions=sum(engine.preemptions.values()) if engine else 0,
+            lease_breaks=engine.lease_breaks if engine else 0,
+            degraded_events=engine.degraded_events if engine else 0,
+        )
+        tenants[tenant_id] = TenantStatus(usage=usage, counters=status_counters)
+    return SidecarStatus(
+        ready=ready,
+        policy_version=active.version if active else None,
+        policy_error="; ".join(errors) or None,
+        total_blocks=capacity.total_blocks or 0,
+        free_blocks=capacity.free_blocks or 0,
+        degraded=bool(stats and stats.degraded),
+        tenants=tenants,
+        capacity_source=capacity.source,
+    )

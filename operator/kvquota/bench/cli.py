@@ -1,0 +1,114 @@
+"""`kvquota bench`: stock vLLM FCFS, stock priority and KVQuota, side by side.
+
+  kvquota bench --backend twin --scenario noisy-neighbour --json out.json --plot out.png
+  kvquota bench --backend engine --scenario noisy-neighbour     (the local CPU engine)
+  kvquota bench list                                            (scenarios and profiles)
+  kvquota bench calibrate                                       (fit the cpu-local profile)
+
+The twin drives vLLM's real scheduler and KV cache manager on virtual time (a step-cost
+profile, `--profile`); the engine backend drives the real vLLM CPU server, through the
+KVQuota sidecar for the KVQuota policy. Scenarios are YAML: see
+operator/kvquota/bench/README.md for the format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "bench", help="compare stock vLLM and KVQuota on a scenario (twin or CPU engine)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("action", nargs="?", choices=("run", "list", "calibrate"),
+                        default="run", help="run (default), list, or calibrate")
+    parser.add_argument("--backend", choices=("twin", "engine"), default="twin")
+    parser.add_argument("--scenario", default="noisy-neighbour",
+                        help="a shipped scenario name or a YAML file")
+    parser.add_argument("--scale", help="apply the scenario's `scales.<NAME>` overrides "
+                        "(the engine backend uses `engine` when present)")
+    parser.add_argument("--seed", type=int, help="override the scenario's seed")
+    parser.add_argument("--policies", default="fcfs,priority,kvquota",
+                        help="comma-separated: fcfs, priority, kvquota")
+    parser.add_argument("--victim-orders", default="",
+                        help="also run KVQuota with these victim orders (twin only; "
+                        "'all' for every documented one)")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="skip the run without the noisy tiers")
+    parser.add_argument("--profile", help="twin step-cost profile name or YAML file "
+                        "(default: the scenario's)")
+    parser.add_argument("--json", type=Path, help="write the results as JSON")
+    parser.add_argument("--plot", type=Path, help="write a PNG: TTFT CDF, KV per tier")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--out", type=Path,
+                        help="calibrate: where to write the profile (default: the user "
+                        "profile directory, so `--profile cpu-local` picks it up)")
+    parser.add_argument("--run-dir", type=Path,
+                        help="engine backend / calibrate: logs and policy files go here")
+    parser.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from kvquota.bench.cost import CostProfileError
+    from kvquota.bench.scenario import ScenarioError
+
+    try:
+        if args.action == "list":
+            return _list()
+        if args.action == "calibrate":
+            from kvquota.bench.calibrate import calibrate_command
+
+            return calibrate_command(args.out, args.run_dir)
+        return _bench(args)
+    except (ScenarioError, CostProfileError, ValueError) as exc:
+        print(f"kvquota bench: {exc}", file=sys.stderr)
+        return 2
+
+
+def _list() -> int:
+    from kvquota.bench.cost import available_profiles
+    from kvquota.bench.scenario import shipped_scenarios
+
+    print("scenarios:")
+    for name, description in shipped_scenarios().items():
+        print(f"  {name:<24} {description}")
+    print("cost profiles (twin):", ", ".join(available_profiles()))
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from kvquota.bench.report import format_table, write_plot
+    from kvquota.bench.runner import BenchOptions, run_bench
+
+    victim_orders: tuple[str, ...] = tuple(
+        v.strip() for v in args.victim_orders.split(",") if v.strip()
+    )
+    engine_args = {"run_dir": args.run_dir} if args.run_dir else {}
+    options = BenchOptions(
+        scenario=args.scenario,
+        backend=args.backend,
+        scale=args.scale,
+        seed=args.seed,
+        policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
+        victim_orders=victim_orders,
+        baseline=not args.no_baseline,
+        profile=args.profile,
+        progress=not args.no_progress,
+        engine_args=engine_args,
+    )
+    document = run_bench(options, out=sys.stdout)
+    print()
+    print(format_table(document))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(document, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot:
+        write_plot(document, args.plot)
+        print(f"wrote {args.plot}")
+    return 0

@@ -1,0 +1,381 @@
+"""The `twin` backend: a scenario through vLLM's real scheduler on virtual time.
+
+Each policy runs on a fresh `kvquota.twin.harness.SchedulerHarness` (vLLM's own
+`Scheduler` and KV cache manager, no model): stock FCFS, stock priority with the
+tiers' priorities, and KVQuota, the plugin (`TenantAwareScheduler`, fed the
+`EnginePolicy` the operator would render for the scenario's tenants) behind the
+sidecar's admission (`bench.admission`). Steps take the time the cost profile says;
+a request arrives when virtual time passes its arrival; the next turn of a session
+arrives its think time after the previous answer finished; a refused request is
+retried after Retry-After, up to the scenario's `clients.maxAttempts`.
+
+Nothing here reads the wall clock except to report how long the run took, so the same
+scenario and seed give the same numbers.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from engine_sidecar.policy import EnginePolicy, write_atomically
+from engine_sidecar.stats_publisher import STEP_INTERVAL_S
+from kvquota.bench.admission import TwinGateway
+from kvquota.bench.cost import CostProfile
+from kvquota.bench.metrics import Outcome, RunResult, Timeline
+from kvquota.bench.scenario import Scenario, Session
+
+if TYPE_CHECKING:
+    from engine_sidecar.gateway.ledger import Reservation
+    from engine_sidecar.stats import EngineStats
+    from kvquota.twin.harness import SchedulerHarness, SchedulerKind, TwinRequest
+
+# Progress callback: (policy key, requests settled, requests planned, virtual seconds).
+Progress = Callable[[str, int, int, float], None]
+TIMELINE_SAMPLES = 200
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    key: str
+    label: str
+    scheduler: SchedulerKind
+    admission: bool  # requests go through the sidecar's admission
+    tier_priority: bool  # requests carry their tier's vLLM priority
+    variant: str | None = None  # KVQuota victim-order variant (None: the default)
+
+
+POLICIES: dict[str, PolicySpec] = {
+    "fcfs": PolicySpec("fcfs", "stock vLLM FCFS", "stock-fcfs", False, False),
+    "priority": PolicySpec("priority", "stock vLLM priority", "stock-priority", False, True),
+    "kvquota": PolicySpec("kvquota", "KVQuota (plugin + admission)", "kvquota", True, True),
+}
+BASELINE = PolicySpec("baseline", "no free-tier load (stock FCFS)", "stock-fcfs", False, False)
+
+
+def twin_model_dir(max_model_len: int) -> Path:
+    """A config-only copy of the tiny model (the harness reads nothing else), with room
+    for the scenario's context length."""
+    from kvquota.tinymodel import GENERATOR_VERSION, MODEL_CONFIG
+
+    positions = max(int(MODEL_CONFIG["max_position_embeddings"]), max_model_len)
+    out = Path(tempfile.gettempdir()) / f"kvquota-twin-model-v{GENERATOR_VERSION}-{positions}"
+    config = json.dumps({**MODEL_CONFIG, "max_position_embeddings": positions}, indent=2)
+    target = out / "config.json"
+    if not target.is_file() or target.read_text() != config:
+        write_atomically(target, config)
+    return out
+
+
+@dataclass(order=True)
+class _Event:
+    time: float
+    seq: int
+    session: Session = field(compare=False)
+    turn: int = field(compare=False)  # 0-based
+    outcome: Outcome | None = field(default=None, compare=False)  # set on a retry
+
+
+@dataclass
+class _Live:
+    outcome: Outcome
+    session: Session
+    turn: int
+    prompt: list[int]
+    reservation: Reservation | None
+
+
+class TwinRun:
+    """One policy over one scenario. `run()` returns what it measured."""
+
+    def __init__(
+        self,
+        scenario: Scenario,
+        sessions: list[Session],
+        spec: PolicySpec,
+        profile: CostProfile,
+        *,
+        progress: Progress | None = None,
+        work_dir: Path | None = None,
+    ) -> None:
+        self.scenario = scenario
+        self.sessions = sessions
+        self.spec = spec
+        self.profile = profile
+        self.progress = progress
+        self.work_dir = work_dir
+        self.policy: EnginePolicy = scenario.engine_policy()
+        self.gateway = (
+            TwinGateway(
+                self.policy,
+                retry_after=scenario.clients.retry_after_seconds,
+                max_model_len=scenario.engine.max_model_len,
+            )
+            if spec.admission else None
+        )
+        self.outcomes: list[Outcome] = []
+        self.timeline = Timeline(capacity=scenario.engine.capacity_blocks)
+        self._events: list[_Event] = []
+        self._seq = 0
+        self._live: dict[str, _Live] = {}
+        self._contexts: dict[str, list[int]] = {}  # session -> tokens so far
+        self._prompts: dict[tuple[str, int], list[int]] = {}  # prompts of retries
+        self._tier_of_req: dict[str, str] = {}
+        self._stats: EngineStats | None = None
+        self._stats_until = 0.0
+        self._planned = sum(len(s.turns) for s in sessions)
+        self._settled = 0
+
+    # -- setup --------------------------------------------------------------------
+
+    def _harness(self, tmp: Path) -> SchedulerHarness:
+        from kvquota.twin.harness import SchedulerHarness, TwinConfig
+
+        engine = self.scenario.engine
+        policy_path = None
+        if self.spec.scheduler == "kvquota":
+            policy_path = tmp / "policy.json"
+            write_atomically(policy_path, self.policy.to_json())
+        config = TwinConfig(
+            model_dir=twin_model_dir(engine.max_model_len),
+            num_blocks=engine.capacity_blocks,
+            block_size=engine.block_size,
+            scheduler=self.spec.scheduler,
+            max_num_seqs=engine.max_num_seqs,
+            max_num_batched_tokens=engine.max_num_batched_tokens,
+            max_model_len=engine.max_model_len,
+            policy_path=policy_path,
+            step_cost=self.profile,
+        )
+        harness = SchedulerHarness(config)
+        if self.spec.variant is not None:
+            from kvquota.bench.variants import apply_victim_order
+
+            apply_victim_order(harness, self.spec.variant)
+        return harness
+
+    # -- events -------------------------------------------------------------------
+
+    def _push(self, at: float, session: Session, turn: int, outcome: Outcome | None = None
+              ) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, _Event(at, self._seq, session, turn, outcome))
+
+    def _engine_stats(self, harness: SchedulerHarness) -> EngineStats | None:
+        """The plugin's stats as the sidecar sees them: refreshed as often as the plugin
+        publishes its stats file (every `STEP_INTERVAL_S` while stepping)."""
+        if harness.plugin is None:
+            return None
+        if self._stats is None or harness.now >= self._stats_until:
+            self._stats = harness.kvq_stats()
+            self._stats_until = harness.now + STEP_INTERVAL_S
+        return self._stats
+
+    def _arrive(self, harness: SchedulerHarness, event: _Event) -> None:
+        session, turn = event.session, event.turn
+        outcome = event.outcome
+        if outcome is None:
+            outcome = Outcome(session.tenant, session.tier.value, session.session_id, turn + 1,
+                              event.time)
+            self.outcomes.append(outcome)
+        outcome.attempts += 1
+        prompt = self._prompts.pop((session.session_id, turn), None) or self._prompt(session, turn)
+        outcome.prompt_tokens = len(prompt)
+        tenant = self.policy.tenants[session.tenant]
+        want = session.turns[turn].output_tokens
+        room = self.scenario.engine.max_model_len - len(prompt)
+        requested = min(session.max_tokens, room) if session.max_tokens else None
+        reservation = None
+        if self.gateway is not None:
+            verdict, reservation = self.gateway.admit(
+                session.tenant, len(prompt), requested, self._engine_stats(harness)
+            )
+            if verdict.error is not None:
+                outcome.rejections.append(verdict.error.status)
+                retryable = verdict.error.status in (429, 503)
+                if retryable and outcome.attempts < self.scenario.clients.max_attempts:
+                    delay = verdict.error.retry_after or self.scenario.clients.retry_after_seconds
+                    self._prompts[(session.session_id, turn)] = prompt
+                    self._push(harness.now + delay, session, turn, outcome)
+                else:
+                    outcome.status = "rejected"
+                    self._settle()
+                return
+            max_tokens = min(want, verdict.max_tokens)
+        else:
+            max_tokens = min(want, requested or room)
+        req_id = f"{session.session_id}.t{turn + 1}.a{outcome.attempts}"
+        use_tenant = self.spec.scheduler == "kvquota"
+        harness.add_request(
+            req_id, prompt, max(1, max_tokens),
+            priority=tenant.priority if self.spec.tier_priority else 0,
+            tenant=session.tenant if use_tenant else None,
+            session=session.session_id if use_tenant else None,
+            arrival_time=event.time,
+        )
+        self._tier_of_req[req_id] = session.tier.value
+        self._live[req_id] = _Live(outcome, session, turn, prompt, reservation)
+
+    def _prompt(self, session: Session, turn: int) -> list[int]:
+        if turn == 0:
+            return session.first_prompt()
+        return self._contexts[session.session_id] + session.new_tokens(turn)
+
+    def _finish(self, harness: SchedulerHarness, req_id: str) -> None:
+        live = self._live.pop(req_id)
+        record: TwinRequest = harness.requests[req_id]
+        outcome = live.outcome
+        outcome.first_token = record.first_token_time
+        outcome.finish = record.finish_time
+        outcome.output_tokens = len(record.output_token_ids)
+        outcome.cached_tokens = record.num_cached_tokens or 0
+        outcome.preemptions = record.num_preemptions
+        outcome.status = "ok"
+        if live.reservation is not None:
+            live.reservation.release("completed")
+        self._tier_of_req.pop(req_id, None)
+        self._settle()
+        session, turn = live.session, live.turn
+        if turn + 1 < len(session.turns):
+            self._contexts[session.session_id] = live.prompt + record.output_token_ids
+            assert record.finish_time is not None
+            self._push(record.finish_time + session.turns[turn + 1].think_time, session, turn + 1)
+        else:
+            self._contexts.pop(session.session_id, None)
+        # The harness keeps every request; the twin has taken what it needs.
+        del harness.requests[req_id]
+
+    def _settle(self) -> None:
+        self._settled += 1
+
+    # -- sampling -----------------------------------------------------------------
+
+    def _sample(self, harness: SchedulerHarness) -> None:
+        manager = harness.scheduler.kv_cache_manager
+        by_tier: dict[str, int] = {}
+        for request in harness.scheduler.running:
+            tier = self._tier_of_req.get(request.request_id)
+            if tier is not None:
+                by_tier[tier] = by_tier.get(tier, 0) + len(
+                    manager.get_block_ids(request.request_id)[0]
+                )
+        stats = self._engine_stats(harness)
+        if stats is not None:
+            for tenant_id, tenant_stats in stats.tenants.items():
+                if tenant_id in self.scenario.tenants and tenant_stats.leased_blocks:
+                    tier = self.scenario.tier_of(tenant_id).value
+                    by_tier[tier] = by_tier.get(tier, 0) + tenant_stats.leased_blocks
+        self.timeline.add(round(harness.now, 6), by_tier)
+
+    # -- the loop -----------------------------------------------------------------
+
+    def run(self) -> RunResult:
+        started = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="kvquota-twin-", dir=self.work_dir) as tmp:
+            harness = self._harness(Path(tmp))
+            try:
+                result = self._loop(harness)
+            finally:
+                harness.shutdown()
+        result.wall_seconds = time.perf_counter() - started
+        return result
+
+    def _loop(self, harness: SchedulerHarness) -> RunResult:
+        for session in self.sessions:
+            self._push(session.start, session, 0)
+        interval = self.scenario.duration / TIMELINE_SAMPLES
+        next_sample = 0.0
+        deadline = self.scenario.duration + self.scenario.drain_timeout
+        notes: list[str] = []
+        steps = 0
+        last_report = -1.0
+        while self._events or harness.has_unfinished():
+            while self._events and self._events[0].time <= harness.now:
+                self._arrive(harness, heapq.heappop(self._events))
+            if not harness.has_unfinished():
+                if self._events:
+                    harness.advance(self._events[0].time - harness.now)
+                continue
+            if harness.now >= deadline:
+                notes.append(
+                    f"stopped at {harness.now:.0f} s (duration + drainTimeout) with "
+                    f"{len(self._live)} requests unfinished"
+                )
+                break
+            record = harness.step()
+            steps += 1
+            for req_id in record.finished_req_ids:
+                if req_id in self._live:
+                    self._finish(harness, req_id)
+            if harness.now >= next_sample:
+                self._sample(harness)
+                next_sample = harness.now + interval
+            if not record.num_scheduled_tokens and not harness.scheduler.running:
+                # Nothing fits and nothing runs that could free memory: only a new event
+                # can change that.
+                if not self._events:
+                    notes.append(f"stalled at {harness.now:.0f} s: {len(self._live)} requests "
+                                 "could not be scheduled")
+                    break
+                harness.advance(max(0.0, self._events[0].time - harness.now))
+            if self.progress is not None and harness.now - last_report >= 1.0:
+                last_report = harness.now
+                self.progress(self.spec.key, self._settled, self._planned, harness.now)
+            # Keep memory flat on long runs: the twin consumed each step already.
+            if len(harness.steps) > 4096:
+                del harness.steps[:-1]
+        self._sample(harness)
+        makespan = max((o.finish for o in self.outcomes if o.finish is not None), default=0.0)
+        result = RunResult(
+            key=self.spec.key,
+            label=self.spec.label,
+            outcomes=self.outcomes,
+            timeline=self.timeline,
+            makespan=makespan,
+            steps=steps,
+            notes=notes,
+        )
+        if harness.plugin is not None:
+            result.has_leases = True
+            stats = harness.kvq_stats()
+            result.extra = _plugin_extra(stats)
+            for tenant_id, tenant_stats in stats.tenants.items():
+                if tenant_id in self.scenario.tenants:
+                    tier = self.scenario.tier_of(tenant_id).value
+                    result.lease_breaks[tier] = (
+                        result.lease_breaks.get(tier, 0) + tenant_stats.lease_breaks
+                    )
+        if self.progress is not None:
+            self.progress(self.spec.key, self._planned, self._planned, harness.now)
+        return result
+
+
+def _plugin_extra(stats: EngineStats) -> dict[str, Any]:
+    reasons: dict[str, int] = {}
+    drops: dict[str, int] = {}
+    for tenant_stats in stats.tenants.values():
+        for reason, count in tenant_stats.preemptions.items():
+            reasons[reason] = reasons.get(reason, 0) + count
+        for reason, count in tenant_stats.lease_drops.items():
+            drops[reason] = drops.get(reason, 0) + count
+    return {
+        "preemptionsByReason": dict(sorted(reasons.items())),
+        "leaseDrops": dict(sorted(drops.items())),
+        "degradedEpisodes": stats.degraded_episodes,
+    }
+
+
+def run_twin(
+    scenario: Scenario,
+    sessions: list[Session],
+    spec: PolicySpec,
+    profile: CostProfile,
+    progress: Progress | None = None,
+) -> RunResult:
+    return TwinRun(scenario, sessions, spec, profile, progress=progress).run()

@@ -1,0 +1,276 @@
+"""Local mode: the operator's logic on a directory of YAML, no cluster.
+
+`kvquota operator --local DIR` reads the multi-document YAML a user would
+`kubectl apply` (every *.yaml / *.yml below DIR, hidden directories skipped, in path
+order), refuses invalid objects with the messages the CRD validation gives, and
+writes what the operator would: each pool's EnginePolicy as
+`DIR/.policies/<namespace>.<pool>.json` and each object's metadata and status as
+`DIR/.status/<namespace>.<kind>.<name>.yaml`. Files are rewritten only when their
+content changes (a sidecar hot-loading a policy sees no spurious reloads).
+
+`--once` renders and exits non-zero if any object is invalid or any quota is not
+accepted: an offline check of a GitOps repository before Argo CD syncs it. Without
+it, files are re-rendered whenever they change. No engines are observed here, so
+the split uses `--replicas` and capacity comes from `spec.kvCache.capacityBlocks`.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TextIO
+
+import yaml
+
+from engine_sidecar.policy import write_atomically
+from kvquota import API_VERSION
+from kvquota.conditions import find
+from kvquota.plan import PoolPlan, plan_pool
+from kvquota.status import pool_status, tenant_status
+
+POLICIES, STATUSES = ".policies", ".status"
+KINDS = ("InferencePool", "TenantQuota")
+Key = tuple[str, str, str]  # (kind, namespace, name)
+
+
+@dataclass(frozen=True)
+class Document:
+    path: Path
+    index: int  # position of the document in its file
+    body: dict[str, Any]
+
+    @property
+    def key(self) -> Key:
+        meta = self.body.get("metadata") or {}
+        return (str(self.body.get("kind")), str(meta.get("namespace") or "default"),
+                str(meta.get("name")))
+
+    def where(self, root: Path) -> str:
+        return f"{self.path.relative_to(root)}#{self.index}"
+
+
+@dataclass
+class Report:
+    """What one render found; `ok` decides the exit code of `--once`."""
+
+    errors: list[str] = field(default_factory=list)
+    lines: list[str] = field(default_factory=list)
+    written: list[Path] = field(default_factory=list)
+    refused_quotas: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors and not self.refused_quotas
+
+
+def _yaml_files(root: Path) -> Iterator[Path]:
+    for path in sorted(root.rglob("*")):
+        relative = path.relative_to(root)
+        if any(part.startswith(".") for part in relative.parts):
+            continue
+        if path.suffix in (".yaml", ".yml") and path.is_file():
+            yield path
+
+
+def load(root: Path, report: Report) -> list[Document]:
+    """Every kvquota.dev object under `root` in file order (other kinds are skipped)."""
+    documents = []
+    for path in _yaml_files(root):
+        try:
+            bodies = list(yaml.safe_load_all(path.read_text()))
+        except (OSError, yaml.YAMLError) as error:
+            report.errors.append(f"{path.relative_to(root)}: cannot read YAML: {error}")
+            continue
+        for index, body in enumerate(bodies):
+            if isinstance(body, dict) and body.get("kind") in KINDS and str(
+                body.get("apiVersion", "")
+            ).startswith("kvquota.dev/"):
+                documents.append(Document(path, index, body))
+    return documents
+
+
+def _validated(
+    documents: list[Document], previous: Mapping[Key, dict[str, Any]], root: Path,
+    report: Report,
+) -> dict[Key, dict[str, Any]]:
+    """Objects the API server would hold: invalid ones are refused (an invalid update
+    of an object seen before keeps the old object, as in a cluster)."""
+    from kvquota.validation import describe, validate_object
+
+    accepted: dict[Key, dict[str, Any]] = {}
+    for doc in documents:
+        body = copy.deepcopy(doc.body)
+        body.setdefault("metadata", {}).setdefault("namespace", "default")
+        if doc.key in accepted:
+            report.errors.append(f"{doc.where(root)}: {doc.key[0]} {doc.key[1]}/{doc.key[2]} "
+                                 "is defined twice")
+            continue
+        old = previous.get(doc.key)
+        errors = validate_object(body, copy.deepcopy(old) if old else None)
+        if errors:
+            report.errors.append(f"{doc.where(root)}: {describe(body, errors)}")
+            if old is not None:
+                accepted[doc.key] = old
+            continue
+        accepted[doc.key] = body
+    return accepted
+
+
+def _read_status(path: Path) -> dict[str, Any] | None:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    status = data.get("status") if isinstance(data, dict) else None
+    return status if isinstance(status, dict) else None
+
+
+def _write_if_changed(path: Path, text: str, report: Report) -> None:
+    try:
+        if path.read_text() == text:
+            return
+    except OSError:
+        pass
+    write_atomically(path, text)
+    report.written.append(path)
+
+
+def _status_document(body: Mapping[str, Any], status: dict[str, Any]) -> str:
+    meta = {k: v for k, v in (body.get("metadata") or {}).items()
+            if k not in ("managedFields",)}
+    document = {"apiVersion": API_VERSION, "kind": body["kind"], "metadata": meta,
+                "status": status}
+    return yaml.safe_dump(document, sort_keys=False, default_flow_style=False)
+
+
+def _summary(kind: str, key: tuple[str, str], status: Mapping[str, Any], extra: str) -> str:
+    types = ("Accepted", "Ready") if kind == "TenantQuota" else ("Ready", "Oversubscribed")
+    parts = []
+    for type_ in types:
+        c = find(status.get("conditions"), type_) or {}
+        parts.append(f"{type_}={c.get('status')} ({c.get('reason')})")
+    return f"{kind} {key[0]}/{key[1]}: {', '.join(parts)}{extra}"
+
+
+def render(root: Path, *, replicas: int = 1,
+           previous: dict[Key, dict[str, Any]] | None = None,
+           now: datetime | None = None) -> Report:
+    """One pass over `root`: validate, plan every pool, write policies and statuses.
+    `previous` (the objects of the last pass) is updated in place."""
+    report = Report()
+    objects = _validated(load(root, report), previous or {}, root, report)
+    if previous is not None:
+        previous.clear()
+        previous.update(objects)
+    now = now or datetime.now(UTC)
+    pools = {(ns, name): body for (kind, ns, name), body in objects.items()
+             if kind == "InferencePool"}
+    tenants: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for (kind, ns, _), body in objects.items():
+        if kind == "TenantQuota":
+            pool_name = ((body.get("spec") or {}).get("poolRef") or {}).get("name")
+            tenants.setdefault((ns, str(pool_name)), []).append(body)
+
+    keep: set[Path] = set()
+    for pool_key in sorted(set(pools) | set(tenants)):
+        plan = plan_pool(pools.get(pool_key), tenants.get(pool_key, []),
+                         namespace=pool_key[0], name=pool_key[1], ready_replicas=replicas)
+        keep |= _write_pool(root, plan, pools.get(pool_key), tenants.get(pool_key, []),
+                            now, report)
+    for directory in (root / POLICIES, root / STATUSES):
+        for stale in sorted(directory.glob("*")) if directory.is_dir() else ():
+            if stale not in keep and stale.suffix in (".json", ".yaml"):
+                stale.unlink()
+    return report
+
+
+def _write_pool(root: Path, plan: PoolPlan, pool: Mapping[str, Any] | None,
+                tenants: list[dict[str, Any]], now: datetime, report: Report) -> set[Path]:
+    written: set[Path] = set()
+    ns, name = plan.namespace, plan.name
+    if pool is not None:
+        policy_path = root / POLICIES / f"{ns}.{name}.json"
+        if plan.policy is not None:
+            _write_if_changed(policy_path, plan.policy.to_json() + "\n", report)
+            written.add(policy_path)
+        else:
+            report.errors.append(f"InferencePool {ns}/{name}: {plan.error}")
+        status_path = root / STATUSES / f"{ns}.inferencepool.{name}.yaml"
+        meta = pool.get("metadata") or {}
+        status = pool_status(plan, engines=None, old=_read_status(status_path),
+                             generation=meta.get("generation"), now=now)
+        _write_if_changed(status_path, _status_document(pool, status), report)
+        written.add(status_path)
+        where = f" -> {policy_path.relative_to(root)}" if plan.policy else ""
+        report.lines.append(_summary("InferencePool", (ns, name), status,
+                                     f", {status.get('tenants', 0)} tenants{where}"))
+    for body in tenants:
+        meta = body.get("metadata") or {}
+        tenant = (plan.tenants or {}).get((ns, str(meta.get("name"))))
+        if tenant is None:
+            continue
+        status_path = root / STATUSES / f"{ns}.tenantquota.{meta.get('name')}.yaml"
+        status = tenant_status(tenant, plan, engines=None, old=_read_status(status_path),
+                               generation=meta.get("generation"), now=now)
+        _write_if_changed(status_path, _status_document(body, status), report)
+        written.add(status_path)
+        if tenant.accepted.status == "False":
+            report.refused_quotas += 1
+            report.errors.append(f"TenantQuota {ns}/{meta.get('name')} not accepted "
+                                 f"({tenant.accepted.reason}): {tenant.accepted.message}")
+        effective = status.get("effective") or {}
+        extra = (f", guaranteed {effective.get('guaranteedBlocksPerEngine')}/engine, "
+                 f"max {effective.get('maxBlocksPerEngine')}/engine") if effective else ""
+        report.lines.append(_summary("TenantQuota", (ns, str(meta.get("name"))), status, extra))
+    return written
+
+
+def _print(report: Report, out: TextIO, err: TextIO) -> None:
+    for line in report.lines:
+        print(line, file=out)
+    for error in report.errors:
+        print(f"error: {error}", file=err)
+
+
+def _fingerprint(root: Path) -> tuple[tuple[str, int, int], ...]:
+    prints = []
+    for path in _yaml_files(root):
+        try:
+            stat = path.stat()
+        except OSError:
+            continue
+        prints.append((str(path), stat.st_mtime_ns, stat.st_size))
+    return tuple(prints)
+
+
+def run_local(directory: str | Path, *, once: bool, replicas: int = 1,
+              interval: float = 0.5, out: TextIO | None = None,
+              err: TextIO | None = None, stop: threading.Event | None = None) -> int:
+    """Render (and with `once=False` keep re-rendering until `stop` is set or the
+    process is interrupted). Returns the exit code."""
+    out, err = out or sys.stdout, err or sys.stderr
+    root = Path(directory).resolve()
+    if not root.is_dir():
+        print(f"error: {root} is not a directory", file=err)
+        return 2
+    previous: dict[Key, dict[str, Any]] = {}
+    report = render(root, replicas=replicas, previous=previous)
+    _print(report, out, err)
+    if once:
+        return 0 if report.ok else 1
+    seen = _fingerprint(root)
+    stop = stop or threading.Event()
+    while not stop.wait(interval):
+        current = _fingerprint(root)
+        if current != seen:
+            seen = current
+            report = render(root, replicas=replicas, previous=previous)
+            print(f"-- re-rendered ({len(report.written)} files written)", file=out)
+            _print(report, out, err)
+            out.flush()
+    return 0 if report.ok else 1

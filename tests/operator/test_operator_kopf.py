@@ -1,0 +1,246 @@
+"""The real operator (kopf) against the KMock API emulator, over real HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from operator_harness import Cluster, FakeEngines
+from operator_objects import condition, pool, quota
+
+from kvquota.emulator import OperatorRunner
+from kvquota.render import HASH_ANNOTATION, POLICY_KEY, configmap_name
+
+CM = configmap_name("demo-pool")
+
+
+def _is(obj: dict[str, Any], type_: str, status: str, reason: str | None = None) -> bool:
+    try:
+        found = condition(obj.get("status"), type_)
+    except AssertionError:
+        return False
+    return found["status"] == status and (reason is None or found["reason"] == reason)
+
+
+async def test_create_renders_configmap_owned_by_the_pool(
+    cluster: Cluster, operator: OperatorRunner
+) -> None:
+    created_pool = await cluster.create(pool())
+    await cluster.create(quota("acme", tier="premium", guaranteed=200, maximum=400))
+    await cluster.create(quota("globex", guaranteed=100, maximum=300))
+
+    async def both_tenants() -> Any:
+        policy = await cluster.policy("demo-pool")
+        return policy if policy and sorted(policy.tenants) == ["acme", "globex"] else None
+
+    policy = await cluster.wait_for(both_tenants, "a policy with both tenants")
+    assert policy.tenants["acme"].priority == 0
+    assert policy.tenants["acme"].guaranteed_blocks == 200  # no ready engine: one replica
+    cm = await cluster.get("ConfigMap", CM)
+    assert cm is not None
+    assert cm["metadata"]["annotations"][HASH_ANNOTATION] == policy.version
+    (owner,) = cm["metadata"]["ownerReferences"]
+    assert owner["kind"] == "InferencePool" and owner["controller"] is True
+    assert owner["uid"] == created_pool["metadata"]["uid"]
+
+    acme = await cluster.wait_status("TenantQuota", "acme",
+                                     lambda o: _is(o, "Accepted", "True"), "Accepted")
+    assert acme["status"]["observedGeneration"] == 1
+    assert acme["status"]["effective"]["guaranteedBlocksPerEngine"] == 200
+    assert _is(acme, "Ready", "False", "NoReadyEngines")
+    assert _is(acme, "Degraded", "Unknown")
+    demo = await cluster.wait_status("InferencePool", "demo-pool",
+                                     lambda o: _is(o, "Ready", "False", "NoEngines"), "Ready")
+    assert demo["status"]["policyHash"] == policy.version
+    assert demo["status"]["guaranteedBlocks"] == 300
+    assert _is(demo, "Oversubscribed", "False")
+    assert POLICY_KEY in cm["data"]
+
+
+async def _policy_where(cluster: Cluster, check: Any, what: str) -> Any:
+    async def probe() -> Any:
+        policy = await cluster.policy("demo-pool")
+        return policy if policy is not None and check(policy) else None
+
+    return await cluster.wait_for(probe, what)
+
+
+async def test_update_moves_policy_and_generation(
+    cluster: Cluster, operator: OperatorRunner
+) -> None:
+    await cluster.create(pool())
+    await cluster.create(quota("acme", guaranteed=100, maximum=200))
+    await cluster.wait_status("TenantQuota", "acme", lambda o: _is(o, "Accepted", "True"),
+                              "Accepted")
+
+    await cluster.patch("TenantQuota", "acme", {"spec": {"kvCache": {"guaranteedBlocks": 150}}})
+    await _policy_where(cluster, lambda p: p.tenants["acme"].guaranteed_blocks == 150,
+                        "the new guarantee in the policy")
+    acme = await cluster.wait_status(
+        "TenantQuota", "acme", lambda o: o["status"].get("observedGeneration") == 2,
+        "observedGeneration 2")
+    assert all(c["observedGeneration"] == 2 for c in acme["status"]["conditions"])
+    assert acme["status"]["effective"]["guaranteedBlocks"] == 150
+
+    # A pool edit (tier override) reaches every tenant of the pool.
+    await cluster.patch("InferencePool", "demo-pool",
+                        {"spec": {"tiers": {"standard": {"maxTokens": 100}}}})
+    await _policy_where(cluster, lambda p: p.tenants["acme"].max_tokens == 100,
+                        "the pool's tier override in the policy")
+    await cluster.wait_status("InferencePool", "demo-pool",
+                              lambda o: o["status"].get("observedGeneration") == 2,
+                              "pool observedGeneration 2")
+
+
+async def test_delete_quota_and_pool(cluster: Cluster, operator: OperatorRunner) -> None:
+    await cluster.create(pool())
+    await cluster.create(quota("acme", guaranteed=10))
+    await cluster.create(quota("globex", guaranteed=10))
+    await _policy_where(cluster, lambda p: len(p.tenants) == 2, "two tenants")
+
+    await cluster.delete("TenantQuota", "globex")
+    await _policy_where(cluster, lambda p: list(p.tenants) == ["acme"], "globex removed")
+
+    await cluster.delete("InferencePool", "demo-pool")
+
+    async def configmap_gone() -> bool:
+        return await cluster.get("ConfigMap", CM) is None
+
+    await cluster.wait_for(configmap_gone, "the ConfigMap collected with its owner")
+    await cluster.wait_status("TenantQuota", "acme",
+                              lambda o: _is(o, "Ready", "False", "PoolNotFound"), "PoolNotFound")
+
+
+async def test_quota_without_pool_waits_quietly_then_applies(
+    cluster: Cluster, operator: OperatorRunner
+) -> None:
+    await cluster.create(quota("early", guaranteed=10, pool="later-pool"))
+    early = await cluster.wait_status(
+        "TenantQuota", "early", lambda o: _is(o, "Ready", "False", "PoolNotFound"),
+        "PoolNotFound")
+    assert _is(early, "Accepted", "False", "PoolNotFound")
+    assert "later-pool" in condition(early["status"], "Ready")["message"]
+    await asyncio.sleep(0.5)  # kopf records the handled spec right after the handler
+    settled = await cluster.get("TenantQuota", "early")
+    assert settled is not None
+    await asyncio.sleep(1.0)  # no hot retry loop: nothing rewrites the object meanwhile
+    again = await cluster.get("TenantQuota", "early")
+    assert again is not None
+    assert again["metadata"]["resourceVersion"] == settled["metadata"]["resourceVersion"]
+
+    await cluster.create(pool("later-pool"))
+    await cluster.wait_status("TenantQuota", "early", lambda o: _is(o, "Accepted", "True"),
+                              "accepted once the pool exists")
+
+
+async def test_oversubscription_refuses_the_newest_and_recovers(
+    cluster: Cluster, operator: OperatorRunner
+) -> None:
+    await cluster.create(pool(capacity=1000))  # 850 guaranteeable
+    # Created in this order; names sort the other way, so creation time must decide.
+    await cluster.create(quota("zz-old", guaranteed=500, maximum=600))
+    await cluster.create(quota("aa-new", guaranteed=400, maximum=500))
+
+    new = await cluster.wait_status(
+        "TenantQuota", "aa-new", lambda o: _is(o, "Accepted", "False", "Oversubscribed"),
+        "newest refused")
+    assert new["status"]["effective"]["guaranteedBlocks"] == 0
+    await cluster.wait_status("TenantQuota", "zz-old", lambda o: _is(o, "Accepted", "True"),
+                              "oldest keeps its guarantee")
+    await cluster.wait_status("InferencePool", "demo-pool",
+                              lambda o: _is(o, "Oversubscribed", "True"), "pool oversubscribed")
+    policy = await cluster.policy("demo-pool")
+    assert policy is not None and policy.tenants["aa-new"].guaranteed_blocks == 0
+
+    async def warned() -> bool:
+        return any(e.get("reason") == "Oversubscribed"
+                   and e["involvedObject"]["name"] == "aa-new"
+                   for e in await cluster.list("Event"))
+
+    await cluster.wait_for(warned, "a Warning event on the refused quota")
+
+    await cluster.delete("TenantQuota", "zz-old")
+    await cluster.wait_status("TenantQuota", "aa-new", lambda o: _is(o, "Accepted", "True"),
+                              "accepted once capacity frees up")
+    await cluster.wait_status("InferencePool", "demo-pool",
+                              lambda o: _is(o, "Oversubscribed", "False"), "no longer")
+
+
+async def test_engines_split_sync_and_report_usage(
+    cluster: Cluster, operator: OperatorRunner, engines: FakeEngines
+) -> None:
+    await engines.add("engine-a")
+    lagging = await engines.add("engine-b", follow=False)
+    await cluster.create(pool(capacity=None))  # capacity from the engines' reports
+    await cluster.create(quota("acme", tier="premium", guaranteed=300, maximum=601))
+
+    policy = await _policy_where(cluster, lambda p: p.replicas == 2, "split over 2 replicas")
+    assert policy.tenants["acme"].guaranteed_blocks == 150
+    assert policy.tenants["acme"].max_blocks == 301
+    demo = await cluster.wait_status(
+        "InferencePool", "demo-pool", lambda o: _is(o, "Synced", "False", "EnginesNotSynced"),
+        "engine-b behind")
+    assert demo["status"]["capacityBlocks"] == 2000
+    assert "engine-b" in condition(demo["status"], "Synced")["message"]
+
+    lagging.follow = True  # engine-b loads the ConfigMap
+    demo = await cluster.wait_status("InferencePool", "demo-pool",
+                                     lambda o: _is(o, "Synced", "True"), "all engines synced")
+    assert demo["status"]["engines"] == {"ready": 2, "synced": 2}
+    await cluster.wait_status("TenantQuota", "acme", lambda o: _is(o, "Ready", "True"),
+                              "tenant settings applied everywhere")
+
+    for engine in engines.engines.values():
+        engine.report("acme", usage={"blocks": 40, "leasedBlocks": 10},
+                      counters={"admitted": 5})
+    acme = await cluster.wait_status(
+        "TenantQuota", "acme", lambda o: (o["status"].get("usage") or {}).get("blocks") == 80,
+        "usage summed over engines")
+    assert acme["status"]["counters"]["admitted"] == 10
+    assert acme["status"]["usage"]["leasedBlocks"] == 20
+    await cluster.wait_status("TenantQuota", "acme", lambda o: _is(o, "Degraded", "False"),
+                              "no disruptions over a full window")
+
+    engines.engines["engine-a"].report("acme", usage={"blocks": 40},
+                                       counters={"admitted": 6, "preemptions": 3})
+    await cluster.wait_status(
+        "TenantQuota", "acme", lambda o: _is(o, "Degraded", "True", "PremiumPreemptions"),
+        "Degraded after premium preemptions")
+
+
+async def test_restart_converges_on_changes_made_while_down(
+    cluster: Cluster, operator: OperatorRunner
+) -> None:
+    await cluster.create(pool(capacity=1000))
+    await cluster.create(quota("acme", guaranteed=100))
+    await cluster.create(quota("globex", guaranteed=100))
+    await _policy_where(cluster, lambda p: len(p.tenants) == 2, "two tenants")
+    await cluster.wait_status("TenantQuota", "globex", lambda o: _is(o, "Accepted", "True"),
+                              "globex accepted")
+
+    await operator.stop()
+    cm = await cluster.get("ConfigMap", CM)
+    assert cm is not None
+    untouched = cm["metadata"]["resourceVersion"]
+    await operator.start()  # nothing changed: nothing is rewritten
+    await asyncio.sleep(1.0)
+    cm = await cluster.get("ConfigMap", CM)
+    assert cm is not None and cm["metadata"]["resourceVersion"] == untouched
+
+    await operator.stop()
+    await cluster.patch("TenantQuota", "acme", {"spec": {"kvCache": {"guaranteedBlocks": 700}}})
+    await cluster.delete("TenantQuota", "globex")  # no finalizer: gone without the operator
+    assert await cluster.get("TenantQuota", "globex") is None
+    await cluster.create(quota("initech", guaranteed=300))  # will not fit next to 700
+    await operator.start()
+
+    await _policy_where(
+        cluster, lambda p: sorted(p.tenants) == ["acme", "initech"]
+        and p.tenants["acme"].guaranteed_blocks == 700, "the changes made while down")
+    acme = await cluster.wait_status(
+        "TenantQuota", "acme", lambda o: o["status"].get("observedGeneration") == 2,
+        "acme observed generation 2")
+    assert _is(acme, "Accepted", "True")
+    await cluster.wait_status(
+        "TenantQuota", "initech", lambda o: _is(o, "Accepted", "False", "Oversubscribed"),
+        "the new quota refused")

@@ -1,0 +1,57 @@
+"""Policies and prompts for the scheduler-plugin tests."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from engine_sidecar.policy import EnginePolicy, LeasePolicy, TenantPolicy, write_atomically
+
+TIERS = {"premium": 0, "standard": 1, "free": 2}
+
+
+def tenant(
+    tenant_id: str,
+    tier: str = "premium",
+    *,
+    guaranteed: int = 0,
+    max_blocks: int = 100_000,
+    lease_seconds: int = 0,
+    lease_sessions: int = 0,
+    lease_blocks: int = 0,
+) -> TenantPolicy:
+    return TenantPolicy(
+        tenant_id=tenant_id,
+        tier=tier,
+        priority=TIERS[tier],
+        guaranteed_blocks=guaranteed,
+        max_blocks=max(max_blocks, guaranteed),
+        lease=LeasePolicy(seconds=lease_seconds, max_sessions=lease_sessions,
+                          max_blocks=lease_blocks),
+        max_tokens=4096,
+        default_max_tokens=64,
+    )
+
+
+def engine_policy(*tenants: TenantPolicy, block_size: int = 16, **pool: object) -> EnginePolicy:
+    return EnginePolicy(
+        pool="default/pool",
+        model="tiny",
+        block_size=block_size,
+        tenants={t.tenant_id: t for t in tenants},
+        **pool,  # type: ignore[arg-type]
+    ).with_version()
+
+
+def write_policy(path: Path, policy: EnginePolicy) -> None:
+    write_atomically(path, policy.to_json())
+
+
+class Tokens:
+    """Deterministic random prompts (distinct prompts share no prefix blocks)."""
+
+    def __init__(self, seed: int = 7) -> None:
+        self._rng = random.Random(seed)
+
+    def __call__(self, n: int) -> list[int]:
+        return [self._rng.randrange(16, 2000) for _ in range(n)]

@@ -1,0 +1,99 @@
+"""A tiny stand-in for vLLM's HTTP surface that records what it received.
+
+Used for logic tests (in process) and for the narrow assertion "what exactly did the
+engine receive"; the contract tests against the real engine show vLLM accepts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.types import Receive, Scope, Send
+
+MAX_MODEL_LEN = 2048
+
+
+@dataclass
+class StubEngine:
+    mode: str = "ok"  # ok | error500 | hang_headers | hang_midstream | drop_midstream
+    chunks: int = 3
+    chunk_delay: float = 0.0
+    received: list[dict[str, Any]] = field(default_factory=list)
+    received_headers: list[dict[str, str]] = field(default_factory=list)
+    active: int = 0  # generation requests currently being served
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        path = scope["path"]
+        if path == "/health":
+            await _json(send, 200, {})
+        elif path == "/v1/models":
+            await _json(send, 200, {"object": "list", "data": [
+                {"id": "stub-model", "root": "stub-model", "max_model_len": MAX_MODEL_LEN}]})
+        elif path == "/tokenize":
+            payload = json.loads(body)
+            text = payload.get("prompt") or json.dumps(payload.get("messages"))
+            await _json(send, 200, {"count": len(text.split()), "max_model_len": MAX_MODEL_LEN})
+        elif path in ("/v1/completions", "/v1/chat/completions"):
+            self.active += 1
+            try:
+                await self._generate(scope, body, send)
+            finally:
+                self.active -= 1
+        else:
+            await _json(send, 404, {"error": {"message": "not found"}})
+
+    async def _generate(self, scope: Scope, body: bytes, send: Send) -> None:
+        payload = json.loads(body)
+        self.received.append(payload)
+        self.received_headers.append(
+            {k.decode(): v.decode("latin-1") for k, v in scope["headers"]})
+        if self.mode == "error500":
+            await _json(send, 500, {"error": {"message": "engine exploded", "code": 500}})
+            return
+        if self.mode == "hang_headers":
+            await asyncio.sleep(3600)
+        max_tokens = payload.get("max_completion_tokens") or payload.get("max_tokens") or 16
+        usage = {"prompt_tokens": 1, "completion_tokens": max_tokens,
+                 "total_tokens": 1 + max_tokens}
+        if not payload.get("stream"):
+            await _json(send, 200, {"object": "text_completion",
+                                    "choices": [{"index": 0, "text": "ok"}], "usage": usage})
+            return
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                                (b"x-upstream", b"stub"), (b"set-cookie", b"a=b")]})
+        for i in range(self.chunks):
+            if i and self.chunk_delay:
+                await asyncio.sleep(self.chunk_delay)
+            chunk = {"choices": [{"index": 0, "text": f"t{i}"}]}
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": b"data: " + json.dumps(chunk).encode() + b"\n\n"})
+            if i == 0 and self.mode == "hang_midstream":
+                await asyncio.sleep(3600)
+            if i == 0 and self.mode == "drop_midstream":
+                raise RuntimeError("engine died mid-stream")
+        await send({"type": "http.response.body", "more_body": False,
+                    "body": b"data: " + json.dumps({"usage": usage}).encode()
+                    + b"\n\ndata: [DONE]\n\n"})
+
+
+async def _json(send: Send, status: int, payload: Any) -> None:
+    body = json.dumps(payload).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,136 @@
+"""Policy hot-load: the polled file and the ConfigMap watch (against KMock)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import kmock
+
+from engine_sidecar.gateway.active_policy import PolicyHolder
+from engine_sidecar.gateway.policy_source import ConfigMapPolicySource, FilePolicySource
+from engine_sidecar.policy import EnginePolicy
+
+from .helpers import Keys, make_policy, tenant, write_policy
+
+
+async def _until(predicate: Callable[[], Any], what: str, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < deadline:
+        if predicate():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_file_source_validates_swaps_and_writes_for_the_plugin(
+    keys: Keys, tmp_path: Path
+) -> None:
+    source_file, plugin_file = tmp_path / "policy.json", tmp_path / "run" / "policy.json"
+    holder = PolicyHolder(keys.dir, plugin_file)
+    source = FilePolicySource(source_file)
+    first = make_policy(tenant("acme", max_tokens=16))
+    write_policy(source_file, first)
+    signature = source.poll(holder, None)
+    assert holder.active is not None and holder.active.version == first.version
+    assert EnginePolicy.from_json(plugin_file.read_text()) == first
+
+    source_file.write_text("{not json")
+    signature = source.poll(holder, signature)
+    assert holder.active.version == first.version and "invalid EnginePolicy" in str(holder.error)
+    assert EnginePolicy.from_json(plugin_file.read_text()) == first  # plugin keeps it too
+
+    source_file.unlink()
+    signature = source.poll(holder, signature)
+    assert "not found" in str(holder.error) and holder.active.version == first.version
+
+    second = make_policy(tenant("acme", max_tokens=32))
+    write_policy(source_file, second)
+    source.poll(holder, signature)
+    assert holder.error is None and holder.active.version == second.version
+    assert EnginePolicy.from_json(plugin_file.read_text()) == second
+
+
+def test_unversioned_policies_get_their_hash_and_wrong_hashes_are_refused(
+    keys: Keys, tmp_path: Path
+) -> None:
+    holder = PolicyHolder(keys.dir, None)
+    body = json.loads(make_policy(tenant("acme")).to_json())
+    holder.offer(json.dumps({**body, "version": ""}), "test")
+    assert holder.active is not None and holder.active.version.startswith("sha256:")
+    holder.offer(json.dumps({**body, "version": "sha256:0000000000000000"}), "test")
+    assert "does not match its content" in str(holder.error)
+
+
+def test_rotated_secrets_are_picked_up(tmp_path: Path) -> None:
+    secrets_dir = Keys(tmp_path / "secrets").write().dir
+    holder = PolicyHolder(secrets_dir, None)
+    holder.offer(make_policy(tenant("acme")).to_json(), "test")
+    assert holder.active is not None
+    before = holder.active.cache_salts["acme"]
+    (secrets_dir / "cache-salt").write_bytes(secrets.token_bytes(40))
+    holder.refresh_secrets()
+    assert holder.active.cache_salts["acme"] != before
+
+    (secrets_dir / "cache-salt").write_bytes(b"short")
+    holder.refresh_secrets()
+    assert "only 5 bytes" in str(holder.error) and holder.active.cache_salts["acme"]
+
+
+async def test_configmap_watch_hot_loads_and_survives_bad_updates(
+    keys: Keys, tmp_path: Path
+) -> None:
+    from kubernetes import client
+
+    async with kmock.KubernetesEmulator() as server, kmock.Server(server) as http:
+        server.resources.load_bundled()
+        url = str(http.url).rstrip("/")
+        path = url + "/api/v1/namespaces/pools/configmaps"
+
+        def api_client() -> Any:
+            configuration = client.Configuration()
+            configuration.host = url
+            return client.ApiClient(configuration)
+
+        async with httpx.AsyncClient() as http_client:
+            async def put_policy(raw: str) -> None:
+                response = await http_client.patch(
+                    path + "/pool-policy", json={"data": {"policy.json": raw}},
+                    headers={"Content-Type": "application/merge-patch+json"})
+                assert response.status_code == 200, response.text
+
+            first = make_policy(tenant("acme", max_tokens=16))
+            created = await http_client.post(path, json={
+                "apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": "pool-policy", "namespace": "pools"},
+                "data": {"policy.json": first.to_json()}})
+            assert created.status_code < 300, created.text
+
+            plugin_file = tmp_path / "plugin.json"
+            holder = PolicyHolder(keys.dir, plugin_file)
+            source = ConfigMapPolicySource("pools", "pool-policy", api_client_factory=api_client,
+                                           secrets_interval=0.1)
+            task = asyncio.create_task(source.run(holder))
+            try:
+                await _wait_version(holder, first)
+                second = make_policy(tenant("acme", max_tokens=48))
+                await put_policy(second.to_json())
+                await _wait_version(holder, second)
+                assert EnginePolicy.from_json(plugin_file.read_text()) == second
+
+                await put_policy('{"pool": 1}')
+                await _until(lambda: holder.error is not None, "the bad policy to be seen")
+                assert holder.active is not None and holder.active.version == second.version
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+
+def _wait_version(holder: PolicyHolder, policy: EnginePolicy) -> Awaitable[None]:
+    return _until(lambda: holder.active is not None and holder.active.version == policy.version,
+                  f"policy {policy.version}")
