@@ -93,9 +93,30 @@ logger = logging.getLogger(__name__)
 
 _UNSET: Any = object()
 
+# (request, tenant known to the policy or None, priority, computed tokens, arrival)
+_RunningEntry = compat.RunningEntry
+
+
+class _StepView:
+    """Ranking state for one step; the victim order is sorted lazily."""
+
+    def __init__(self, ranker: VictimRanker, entries: list[_RunningEntry]) -> None:
+        self.ranker = ranker
+        self.entries = entries
+        self.order: list[tuple[RankKey, int]] | None = None
+        self.next = 0
+
+    def debit(self, tenant: str | None, num_blocks: int) -> None:
+        if self.ranker.debit(tenant, num_blocks):
+            self.order = None  # a tenant stopped borrowing: its keys changed
+
 
 class TenantAwareScheduler(compat.Scheduler):
     """vLLM's Scheduler plus tenant leases, victim order and degraded mode."""
+
+    # The ranking rules (see engine_sidecar.tenant_policy). Benchmarks set a subclass
+    # on one instance to compare orders; not a product setting.
+    kvq_ranker_cls: type[VictimRanker] = VictimRanker
 
     def __new__(cls, *args: Any, **kwargs: Any) -> TenantAwareScheduler:
         # With async scheduling on, vLLM needs AsyncScheduler's bookkeeping.
@@ -121,6 +142,7 @@ class TenantAwareScheduler(compat.Scheduler):
         self._kvq_degraded = DegradedEpisodes()
         # req_id -> (request, priority to restore); only requests in `running`.
         self._kvq_marked: dict[str, tuple[Request, int]] = {}
+        self._kvq_view: _StepView | None = None  # built at a step's first allocation failure
         self._kvq_ranker: VictimRanker | None = None
         self._kvq_alloc_failed = False
         self._kvq_in_step = False
@@ -275,26 +297,29 @@ class TenantAwareScheduler(compat.Scheduler):
         self, request: Request, retry: Callable[[], KVCacheBlocks | None]
     ) -> KVCacheBlocks | None:
         self._kvq_alloc_failed = True
-        if self._kvq_watcher.policy is None and not len(self._kvq_leases):
+        has_leases = bool(len(self._kvq_leases))
+        if self._kvq_watcher.policy is None and not has_leases:
             return None  # nothing to add to vLLM's own choice
-        if len(self._kvq_leases) and self._kvq_release_expired(self._kvq_clock()):
+        if has_leases and self._kvq_release_expired(self._kvq_clock()):
             blocks = retry()
             if blocks is not None:
                 return blocks
-        ranker = self._kvq_get_ranker()
+        requester_running = compat.is_running(request)
+        if not requester_running and not len(self._kvq_leases):
+            return None  # a waiting request only ever takes blocks from leases
+        view = self._kvq_get_view()
         req_id = compat.request_id(request)
         own_session = self._kvq_ids.get(req_id, NO_IDENTITY).session_key
-        requester_running = compat.is_running(request)
         victim: Request | None = None
         while True:
             if requester_running:
-                victim, bound = self._kvq_pick_victim(ranker)
+                victim, bound = self._kvq_pick_victim(view)
             else:
-                bound = self._kvq_running_key(ranker, request)
-            lease = self._kvq_best_lease(ranker, bound, own_session, idle_only=True)
+                bound = self._kvq_running_key(view.ranker, request)
+            lease = self._kvq_best_lease(view.ranker, bound, own_session, idle_only=True)
             if lease is None:
                 break
-            self._kvq_release(lease, Reason.LEASE_BREAK, ranker)
+            self._kvq_release(lease, Reason.LEASE_BREAK, view)
             blocks = retry()
             if blocks is not None:
                 return blocks
@@ -305,8 +330,8 @@ class TenantAwareScheduler(compat.Scheduler):
         # would stall the engine until leases expire: degraded mode.
         num_others = len(compat.running_requests(self)) - (1 if requester_running else 0)
         if num_others <= 0:
-            while (lease := self._kvq_best_lease(ranker, None, own_session)) is not None:
-                self._kvq_release(lease, Reason.DEGRADED, ranker)
+            while (lease := self._kvq_best_lease(view.ranker, None, own_session)) is not None:
+                self._kvq_release(lease, Reason.DEGRADED, view)
                 blocks = retry()
                 if blocks is not None:
                     return blocks
@@ -314,23 +339,33 @@ class TenantAwareScheduler(compat.Scheduler):
             self._kvq_mark(request)
         return None
 
+    def _kvq_get_view(self) -> _StepView:
+        """The step's view of running work, built at the first allocation failure.
+
+        One pass over `running`: each request's tenant and rank inputs, and every
+        tenant's usage in distinct blocks (running + pinned). A block with refcount 1
+        has a single holder, so only shared blocks (a prefix) go through a set."""
+        view = self._kvq_view
+        if view is not None:
+            return view
+        policy = self._kvq_watcher.policy
+        entries, usage, shared = compat.scan_running(
+            self, self._kvq_ids, policy.tenants if policy is not None else {}, self._kvq_marked
+        )
+        for lease in self._kvq_leases:
+            lease_shared = shared.setdefault(lease.tenant, set())
+            held = compat.count_unshared_blocks(lease.blocks, lease_shared)
+            usage[lease.tenant] = usage.get(lease.tenant, 0) + held
+        for tenant, block_ids in shared.items():
+            usage[tenant] = usage.get(tenant, 0) + len(block_ids)
+        self._kvq_ranker = self.kvq_ranker_cls(policy, usage)
+        view = self._kvq_view = _StepView(self._kvq_get_ranker(), entries)
+        return view
+
     def _kvq_get_ranker(self) -> VictimRanker:
-        """The step's ranker; usage is read from vLLM once per step, then debited."""
-        if self._kvq_ranker is None:
-            policy = self._kvq_watcher.policy
-            ids_by_tenant: dict[str, set[int]] = {}
-            if policy is not None:
-                for request in compat.running_requests(self):
-                    req_id = compat.request_id(request)
-                    tenant = self._kvq_ids.get(req_id, NO_IDENTITY).tenant
-                    if tenant in policy.tenants:
-                        ids = ids_by_tenant.setdefault(tenant, set())
-                        ids.update(compat.request_block_ids(self, req_id))
-                for lease in self._kvq_leases:
-                    ids = ids_by_tenant.setdefault(lease.tenant, set())
-                    ids.update(compat.block_id(block) for block in lease.blocks)
-            usage = {tenant: len(ids) for tenant, ids in ids_by_tenant.items()}
-            self._kvq_ranker = VictimRanker(policy, usage)
+        """The ranker of the step being built (kvquota.bench.variants wraps this;
+        prefer setting `kvq_ranker_cls`)."""
+        assert self._kvq_ranker is not None
         return self._kvq_ranker
 
     def _kvq_running_key(self, ranker: VictimRanker, request: Request) -> RankKey:
@@ -341,20 +376,34 @@ class TenantAwareScheduler(compat.Scheduler):
         tenant = self._kvq_ids.get(req_id, NO_IDENTITY).tenant
         return ranker.running_key(tenant, priority, num_computed_tokens, arrival_time)
 
-    def _kvq_pick_victim(self, ranker: VictimRanker) -> tuple[Request, RankKey]:
+    def _kvq_pick_victim(self, view: _StepView) -> tuple[Request, RankKey]:
         """The running request to preempt next (with its key).
 
-        Under the FCFS policy vLLM always takes the last running request; the
-        plugin can only order leases around that choice."""
+        Keys are sorted once per step: nothing they depend on changes while vLLM
+        preempts, except a tenant's band when a release ends its borrowing, which
+        re-sorts. Under the FCFS policy vLLM always takes the last running request;
+        the plugin can only order leases around that choice."""
         running = compat.running_requests(self)
         if not self._kvq_steer_victims:
-            return running[-1], self._kvq_running_key(ranker, running[-1])
-        best, best_key = running[0], self._kvq_running_key(ranker, running[0])
-        for request in running[1:]:
-            key = self._kvq_running_key(ranker, request)
-            if key > best_key:
-                best, best_key = request, key
-        return best, best_key
+            return running[-1], self._kvq_running_key(view.ranker, running[-1])
+        if view.order is None:
+            running_key = view.ranker.running_key
+            # (key, -index): among equal keys the first in `running` goes first, as
+            # with vLLM's max().
+            view.order = sorted(
+                ((running_key(tenant, priority, computed, arrival), -index)
+                 for index, (_, tenant, priority, computed, arrival)
+                 in enumerate(view.entries)),
+                reverse=True,
+            )
+            view.next = 0
+        while view.next < len(view.order):
+            key, neg_index = view.order[view.next]
+            request = view.entries[-neg_index][0]
+            if compat.is_running(request):
+                return request, key
+            view.next += 1
+        return running[-1], self._kvq_running_key(view.ranker, running[-1])
 
     def _kvq_best_lease(
         self,
@@ -395,6 +444,7 @@ class TenantAwareScheduler(compat.Scheduler):
     def _kvq_end_step(self) -> None:
         if self._kvq_marked:
             self._kvq_restore_marks()
+        self._kvq_view = None
         self._kvq_ranker = None
         if self._kvq_degraded.end_step(self._kvq_alloc_failed):
             self._kvq_next_publish = 0.0
@@ -405,11 +455,10 @@ class TenantAwareScheduler(compat.Scheduler):
         tenant = self._kvq_ids.get(req_id, NO_IDENTITY).tenant
         policy = self._kvq_watcher.policy
         num_blocks = len(compat.request_block_ids(self, req_id))
-        if self._kvq_ranker is not None:
-            reason = self._kvq_ranker.running_reason(
-                self._kvq_running_key(self._kvq_ranker, request)
-            )
-            self._kvq_ranker.debit(tenant, num_blocks)
+        view = self._kvq_view
+        if view is not None:
+            reason = view.ranker.running_reason(self._kvq_running_key(view.ranker, request))
+            view.debit(tenant, num_blocks)
         else:
             reason = Reason.UNCLASSIFIED
         self._kvq_counters[stats_tenant(policy, tenant)].preemptions[reason] += 1
@@ -437,12 +486,10 @@ class TenantAwareScheduler(compat.Scheduler):
         for old, drop in self._kvq_leases.put(lease, policy):
             self._kvq_unpin(old, drop)
 
-    def _kvq_release(
-        self, lease: Lease[KVCacheBlock], reason: Reason, ranker: VictimRanker
-    ) -> None:
+    def _kvq_release(self, lease: Lease[KVCacheBlock], reason: Reason, view: _StepView) -> None:
         self._kvq_leases.pop(lease.key)
         self._kvq_unpin(lease, reason)
-        ranker.debit(lease.tenant, lease.num_blocks)
+        view.debit(lease.tenant, lease.num_blocks)
 
     def _kvq_unpin(self, lease: Lease[KVCacheBlock], why: Reason | LeaseDrop | None) -> None:
         """Drop a lease's references (the caller has taken it out of the table)."""

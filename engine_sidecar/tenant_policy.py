@@ -284,6 +284,17 @@ class VictimRanker:
     def __init__(self, policy: EnginePolicy | None, usage: dict[str, int]) -> None:
         self.policy = policy
         self.usage = usage
+        self._classes: dict[str, tuple[Band, int]] = {}  # tenant -> (band, tier priority)
+
+    def tenant_class(self, tenant: str) -> tuple[Band, int] | None:
+        """(band, tier priority) of a tenant the policy knows, else None."""
+        cls = self._classes.get(tenant)
+        if cls is None:
+            tenant_policy = self.tenant_policy(tenant)
+            if tenant_policy is None:
+                return None
+            cls = self._classes[tenant] = (self.band(tenant_policy), tenant_policy.priority)
+        return cls
 
     def tenant_policy(self, tenant: str | None) -> TenantPolicy | None:
         if tenant is None or self.policy is None:
@@ -301,17 +312,11 @@ class VictimRanker:
         num_computed_tokens: int,
         arrival_time: float,
     ) -> RankKey:
-        tenant_policy = self.tenant_policy(tenant)
-        if tenant_policy is None:
+        cls = self.tenant_class(tenant) if tenant is not None else None
+        if cls is None:
             # vLLM's own priority-policy victim order.
             return (Band.UNCLASSIFIED, priority, 0, 0, arrival_time)
-        return (
-            self.band(tenant_policy),
-            tenant_policy.priority,
-            0,
-            -num_computed_tokens,
-            arrival_time,
-        )
+        return (cls[0], cls[1], 0, -num_computed_tokens, arrival_time)
 
     def lease_key(self, lease: Lease[Any]) -> RankKey:
         tenant_policy = self.tenant_policy(lease.tenant)
@@ -323,9 +328,17 @@ class VictimRanker:
     def running_reason(key: RankKey) -> Reason:
         return _RUNNING_REASON[Band(int(key[0]))]
 
-    def debit(self, tenant: str | None, num_blocks: int) -> None:
-        if tenant is not None and tenant in self.usage:
-            self.usage[tenant] = max(0, self.usage[tenant] - num_blocks)
+    def debit(self, tenant: str | None, num_blocks: int) -> bool:
+        """Take released blocks off a tenant's usage; True if it stopped borrowing."""
+        if tenant is None or tenant not in self.usage:
+            return False
+        tenant_policy = self.tenant_policy(tenant)
+        before = self.band(tenant_policy) if tenant_policy is not None else None
+        self.usage[tenant] = max(0, self.usage[tenant] - num_blocks)
+        if tenant_policy is None or self.band(tenant_policy) == before:
+            return False
+        self._classes.pop(tenant, None)
+        return True
 
 
 @dataclass

@@ -15,11 +15,12 @@ check. The touchpoints:
   `kv_cache_manager`;
 - `KVCacheManager.allocate_slots` (wrapped per instance, for the steps in which an
   allocation can fail, to hear about failures; `AllocationHook`), and the scheduler
-  fields its arming reads: `waiting`, `kv_holding_waiting`, `max_num_scheduled_tokens`,
-  `num_lookahead_tokens`, `block_size`, `connector`, `is_encoder_decoder`,
-  `kv_cache_config`, `KVCacheManager.coordinator.get_blocks`, `KVCacheManager.block_pool`;
+  fields its arming reads: `waiting`, `kv_holding_waiting`, `_inflight_prefills`,
+  `max_num_scheduled_tokens`, `num_spec_tokens`, `num_lookahead_tokens`, `block_size`,
+  `connector`, `is_encoder_decoder`, `kv_cache_config`; `KVCacheManager.coordinator
+  .get_blocks`, `KVCacheManager.block_pool`;
 - `BlockPool.touch` / `free_blocks` / `get_num_free_blocks` / `num_gpu_blocks`, and
-  `KVCacheBlock.block_id` / `block_hash` / `is_null` / `pool`;
+  `KVCacheBlock.block_id` / `block_hash` / `is_null` / `pool` / `ref_cnt`;
 - `Request.request_id`, `status`, `priority` (rewritten on a *running* request for
   the instant vLLM picks a victim, restored before it re-enters the waiting heap),
   `arrival_time`, `num_computed_tokens`, `num_prompt_tokens`, `num_preemptions`,
@@ -33,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import vllm
@@ -265,6 +266,64 @@ def cached_blocks(scheduler: Scheduler, req_id: str) -> list[KVCacheBlock]:
     ]
 
 
+RunningEntry = tuple["Request", str | None, int, int, float]
+
+
+def scan_running(
+    scheduler: Scheduler,
+    identities: Mapping[str, Any],
+    known_tenants: Container[str],
+    marked: Mapping[str, tuple[Any, int]],
+) -> tuple[list[RunningEntry], dict[str, int], dict[str, set[int]]]:
+    """One pass over `running` for victim ranking (it is hot under memory pressure).
+
+    Returns per request (request, tenant if the policy knows it else None, priority
+    -- the one to restore if marked --, computed tokens, arrival time); per tenant the
+    blocks only its requests hold; and per tenant the ids of shared (prefix) blocks.
+    `identities` maps req_id to an object with a `tenant` attribute."""
+    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+    req_to_blocks = managers[0].req_to_blocks if len(managers) == 1 else None
+    entries: list[RunningEntry] = []
+    usage: dict[str, int] = {}
+    shared: dict[str, set[int]] = {}
+    append = entries.append
+    for request in scheduler.running:
+        req_id = request.request_id
+        priority = request.priority
+        if marked and req_id in marked:
+            priority = marked[req_id][1]
+        identity = identities.get(req_id)
+        tenant = identity.tenant if identity is not None else None
+        if tenant is not None and tenant in known_tenants:
+            if req_to_blocks is not None:
+                blocks = req_to_blocks.get(req_id) or []
+            else:
+                blocks = request_blocks(scheduler, req_id)
+            if blocks and (blocks[0].ref_cnt > 1 or blocks[0].is_null):
+                held = count_unshared_blocks(blocks, shared.setdefault(tenant, set()))
+            else:
+                held = len(blocks)
+            usage[tenant] = usage.get(tenant, 0) + held
+        else:
+            tenant = None
+        append((request, tenant, priority, request.num_computed_tokens, request.arrival_time))
+    return entries, usage, shared
+
+
+def count_unshared_blocks(blocks: list[KVCacheBlock], shared_ids: set[int]) -> int:
+    """Blocks only this holder references; the shared leading blocks (refcount > 1,
+    a common prefix) go into `shared_ids` instead, to be counted once."""
+    num_shared = 0
+    for block in blocks:
+        if block.ref_cnt <= 1:
+            break
+        if not block.is_null:
+            shared_ids.add(block.block_id)
+        num_shared += 1
+    num_null = sum(1 for block in blocks if block.is_null) if blocks and blocks[0].is_null else 0
+    return len(blocks) - num_shared - num_null
+
+
 def block_id(block: KVCacheBlock) -> int:
     return block.block_id
 
@@ -305,13 +364,14 @@ class AllocationHook:
     The handler may free blocks and `retry()` (allocation has no side effects until it
     succeeds); whatever it returns is what vLLM's scheduler sees. The wrapper costs
     about half a microsecond per call, so it is only installed for steps in which an
-    allocation can fail: `arm_for_step()` leaves vLLM's own method in place when no
-    request waits and the free blocks cover the worst case of the running requests
-    (every token of the step budget plus two partial blocks and the lookahead per
-    request). vLLM allocates in exactly two places: growth of running requests,
-    bounded that way, and admission of waiting requests. Layouts where that bound is
-    not obviously safe (several KV cache groups, sliding windows, KV connectors,
-    encoder-decoder) keep the hook installed.
+    allocation can fail. vLLM allocates in exactly two places: admission of waiting
+    requests, and growth of running requests. A running request that is not still
+    prefilling (vLLM's `_inflight_prefills`) computes at most 1 + speculative tokens
+    per step, i.e. at most 2 + ceil((spec + lookahead) / block_size) new blocks; those
+    still prefilling share the step's token budget. So `arm_for_step()` leaves vLLM's
+    own method in place when no request waits and the free blocks cover that worst
+    case. Layouts where the bound is not obviously safe (several KV cache groups,
+    sliding windows, KV connectors, encoder-decoder) keep the hook installed.
     """
 
     def __init__(self, scheduler: Scheduler, on_failure: AllocationFailureHandler) -> None:
@@ -344,7 +404,8 @@ class AllocationHook:
         )
         block_size = scheduler.block_size
         self._step_blocks = -(-scheduler.max_num_scheduled_tokens // block_size)
-        self._request_blocks = 2 + -(-scheduler.num_lookahead_tokens // block_size)
+        lookahead = scheduler.num_spec_tokens + scheduler.num_lookahead_tokens
+        self._request_blocks = 2 + -(-lookahead // block_size)
         self._arm(True)
 
     def arm_for_step(self) -> None:
@@ -354,7 +415,8 @@ class AllocationHook:
             or bool(scheduler.waiting)
             or bool(scheduler.kv_holding_waiting)
             or self._pool.get_num_free_blocks()
-            < self._step_blocks + self._request_blocks * len(scheduler.running)
+            < self._request_blocks * len(scheduler.running)
+            + (self._step_blocks if scheduler._inflight_prefills else 0)
         )
         if needed is not self.armed:
             self._arm(needed)

@@ -16,11 +16,8 @@ import asyncio
 import json
 import secrets
 import shutil
-import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +25,9 @@ from typing import Any
 import yaml
 
 from kvquota.loadgen import NoisyNeighbour, Target, TierSummary, run_noisy_neighbour, summarise
-from kvquota.processes import EngineOptions, ManagedProcess, free_port, vllm_engine
+from kvquota.processes import ManagedProcess
+from kvquota.stack import Processes, engine_process, sidecar_process, wait_for_file
+from kvquota.stack import terminate_as_interrupt as _terminate_as_interrupt
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "manifests" / "samples"
@@ -93,57 +92,9 @@ def _prepare(run: Path) -> tuple[Path, Path, Auth]:
     return manifests, secrets_dir, auth
 
 
-class Processes:
-    """Everything the demo started, stopped in reverse order whatever happens."""
-
-    def __init__(self) -> None:
-        self._running: list[ManagedProcess] = []
-
-    def start(self, proc: ManagedProcess) -> ManagedProcess:
-        self._running.append(proc.start())
-        return proc
-
-    def stop(self, proc: ManagedProcess) -> None:
-        proc.stop()
-        if proc in self._running:
-            self._running.remove(proc)
-
-    def stop_all(self) -> None:
-        while self._running:
-            self._running.pop().stop()
-
-
-@contextmanager
-def _terminate_as_interrupt() -> Iterator[None]:
-    def _raise(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, _raise)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _wait_for_file(pattern: Callable[[], list[Path]], proc: ManagedProcess, timeout: float) -> Path:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = pattern()
-        if found:
-            return found[0]
-        if proc.pid is None:
-            break
-        time.sleep(0.2)
-    raise RuntimeError(f"{proc.name} wrote no policy in {timeout:.0f}s:\n{proc.log_tail()}")
-
-
 def _engine(model: Path, run: Path, name: str, plugin: bool) -> tuple[ManagedProcess, str]:
-    opts = EngineOptions(
-        model=model, port=free_port(), policy_path=run / "engine" / "policy.json",
-        stats_path=run / "engine" / "stats.json", plugin=plugin,
-        kv_cache_bytes=KV_CACHE_BYTES, extra_args=["--enable-prompt-tokens-details"],
-    )
-    return vllm_engine(opts, run / f"{name}.log"), f"http://127.0.0.1:{opts.port}"
+    return engine_process(model, run, name, plugin=plugin, kv_cache_bytes=KV_CACHE_BYTES,
+                          extra_args=["--enable-prompt-tokens-details"])
 
 
 def _run_policy_on(
@@ -155,21 +106,17 @@ def _run_policy_on(
         "operator", [sys.executable, "-m", "kvquota.cli", "operator", "--local", str(manifests)],
         run / "operator.log",
     ))
-    policy_file = _wait_for_file(
+    policy_file = wait_for_file(
         lambda: sorted((manifests / ".policies").glob("*.json")), operator, 60
     )
     say(f"policy {policy_file.name}; starting vLLM (CPU) with the TenantAwareScheduler plugin")
     engine, engine_url = _engine(model, run, "vllm-policy", plugin=True)
     procs.start(engine).wait_http(engine_url + "/health", 300)
-    port = free_port()
-    sidecar = procs.start(ManagedProcess(
-        "sidecar",
-        [sys.executable, "-m", "kvquota.cli", "sidecar", "--listen", f"127.0.0.1:{port}",
-         "--upstream", engine_url, "--policy-file", str(policy_file),
-         "--secrets-dir", str(secrets_dir), "--tokenizer", str(model)],
-        run / "sidecar.log", engine.env,
-    ))
-    sidecar_url = f"http://127.0.0.1:{port}"
+    sidecar, sidecar_url = sidecar_process(
+        engine, engine_url, run, policy_file=policy_file, secrets_dir=secrets_dir,
+        tokenizer=model,
+    )
+    procs.start(sidecar)
     sidecar.wait_http(sidecar_url + "/readyz", 120)
     say("sidecar ready; running the noisy-neighbour workload through it")
     headers = {tenant: {"Authorization": f"Bearer {auth.token(tenant)}"}
@@ -242,9 +189,9 @@ def run_demo(run: Path, workload: NoisyNeighbour, json_out: Path | None) -> int:
         procs.stop_all()
     print()
     print(format_table(runs))
-    on, off = (runs[k].get("premium") for k in runs)
-    if on and off and on.percentile(99) and off.percentile(99):
-        print(f"\npremium TTFT p99: {on.percentile(99) / off.percentile(99):.2f}x of stock "
+    on, off = (runs[k].get("premium", TierSummary("premium")).percentile(99) for k in runs)
+    if on and off:
+        print(f"\npremium TTFT p99 with KVQuota: {on / off:.2f}x of stock vLLM "
               "under the same free-tier burst")
     if json_out:
         json_out.write_text(json.dumps(_as_json(runs), indent=2))

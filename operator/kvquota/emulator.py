@@ -16,7 +16,9 @@ import contextlib
 import copy
 import datetime
 import itertools
+import sys
 import threading
+import traceback
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -235,8 +237,10 @@ class OperatorRunner:
             loop, task = self._main
             loop.call_soon_threadsafe(task.cancel)
             await asyncio.to_thread(self._thread.join, timeout)
-        alive, self._thread = self._thread.is_alive(), None
-        if alive:
-            raise RuntimeError("kopf did not stop")
+        thread, self._thread = self._thread, None
+        if thread.is_alive():
+            frame = sys._current_frames().get(thread.ident or 0)
+            where = "".join(traceback.format_stack(frame)) if frame else "(no frame)"
+            raise RuntimeError(f"kopf did not stop; its thread is at:\n{where}")
         if self.failure is not None:
             raise RuntimeError(f"kopf failed: {self.failure!r}") from self.failure

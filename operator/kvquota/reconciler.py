@@ -125,16 +125,18 @@ class PoolReconciler:
         await self._coalescer.run(key)
 
     async def poll_if_due(self, key: PoolKey) -> None:
-        """Timer tick: poll the engines when the poll interval has passed, then
-        reconcile with what they said (polling happens outside the coalesced run, so
-        slow engines never delay a quota change)."""
-        now = time.monotonic()
-        if now - self._polled_at.get(key, -1e9) < self._config.poll_interval:
-            return
+        """Timer tick: poll when the poll interval has passed."""
+        if time.monotonic() - self._polled_at.get(key, -1e9) >= self._config.poll_interval:
+            await self.poll(key)
+
+    async def poll(self, key: PoolKey) -> None:
+        """Poll the pool's engines, then reconcile with what they said and check the
+        ConfigMap against the API. Polling happens outside the coalesced run, so slow
+        engines never delay a quota change."""
         pool = self._pool(key)
         if pool is None:
             return
-        self._polled_at[key] = now
+        self._polled_at[key] = time.monotonic()
         await self._observe(key, pool)
         self._verify.add(key)
         await self.reconcile(key)

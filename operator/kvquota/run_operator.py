@@ -6,13 +6,17 @@ diff-base live in annotations under our own prefix, the finalizer is ours, watch
 request timeouts are bounded, and CRD scanning is off (discovery happens once at
 startup, so RBAC needs no access to CustomResourceDefinitions).
 
-High availability: run several replicas with kopf peering (the default here, peering
-name `kvquota`, cluster-wide). The replica with the highest `--priority` works; the
-others pause their watches and timers until it disappears from the peering object
-(`clusterkopfpeerings.kopf.dev`, which must be installed with kopf's peering CRD).
-Everything the operator knows lives in CRs and ConfigMaps, so a standby that takes
-over (or a restarted replica) converges from scratch. `--standalone` disables
-peering for single-replica installs.
+High availability: run several replicas with kopf peering (peering name `kvquota`;
+cluster-wide, or per namespace with `--namespace`). The replica with the highest
+`--priority` works; the others pause their watches and timers until it stops
+renewing its entry in the peering object. Give every replica a distinct priority:
+kopf pauses all replicas that share the highest one. Install kopf's peering CRD
+(`clusterkopfpeerings.kopf.dev`) and a ClusterKopfPeering named `kvquota`. Without
+the CRD, the operator logs a warning and runs unpaired (fine for one replica);
+`--require-peering` instead waits for it, so a second replica can never work
+alongside. Everything the operator knows lives in CRs and ConfigMaps, so a standby
+that takes over (or a restarted replica) converges from scratch. `--standalone`
+disables peering.
 
 Local mode (`--local DIR`, see `kvquota.local`) needs no cluster.
 """
@@ -79,11 +83,15 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                        help="watch only this namespace (repeatable)")
     cluster.add_argument("--liveness", metavar="URL",
                          help="serve a liveness probe, e.g. http://0.0.0.0:8080/healthz")
-    cluster.add_argument("--standalone", action="store_true",
-                         help="no peering (single replica); default: HA peering "
-                         f"{PEERING_NAME!r}")
+    peering = cluster.add_mutually_exclusive_group()
+    peering.add_argument("--standalone", action="store_true",
+                         help=f"no peering (single replica); default: peering {PEERING_NAME!r} "
+                         "when kopf's peering CRD is installed")
+    peering.add_argument("--require-peering", action="store_true",
+                         help="stay paused until the peering CRD exists (HA installs)")
     cluster.add_argument("--priority", type=int, default=0,
-                         help="peering priority: the highest live replica works")
+                         help="peering priority: the highest live replica works; "
+                         "give each replica a distinct one")
     cluster.add_argument("--poll-interval", type=float, default=10.0, metavar="SECONDS",
                          help="how often each pool's engines are polled (default: 10)")
     cluster.add_argument("--engine-timeout", type=float, default=2.0, metavar="SECONDS",
@@ -95,13 +103,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
     if args.local:
         from kvquota.local import run_local
 
+        logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING)
         return run_local(args.local, once=args.once, replicas=args.replicas,
                          interval=args.watch_interval)
     if args.once:
@@ -116,9 +121,11 @@ def main(args: argparse.Namespace) -> int:
     )
     run_cluster(
         config,
+        verbose=args.verbose,
         namespaces=args.namespace,
         liveness=args.liveness,
         standalone=args.standalone,
+        require_peering=args.require_peering,
         priority=args.priority,
     )
     return 0
@@ -127,9 +134,11 @@ def main(args: argparse.Namespace) -> int:
 def run_cluster(
     config: OperatorConfig,
     *,
+    verbose: bool = False,
     namespaces: list[str] | None = None,
     liveness: str | None = None,
     standalone: bool = False,
+    require_peering: bool = False,
     priority: int = 0,
 ) -> None:
     """Run kopf until interrupted (blocking)."""
@@ -137,13 +146,14 @@ def run_cluster(
 
     import kvquota.handlers  # noqa: F401  (registers the handlers)
 
-    kopf.configure(verbose=False)
+    kopf.configure(verbose=verbose)
     kopf.run(
         clusterwide=not namespaces,
         namespaces=namespaces or (),
         standalone=standalone,
         priority=priority,
-        peering_name=PEERING_NAME,
+        # Named here, peering is mandatory; else `configure_settings` names it (optional).
+        peering_name=PEERING_NAME if require_peering else None,
         liveness_endpoint=liveness,
         memo=kopf.Memo(config=config),
     )

@@ -26,6 +26,7 @@ PATHS = {
     "ConfigMap": "/api/v1/namespaces/{ns}/configmaps",
     "Pod": "/api/v1/namespaces/{ns}/pods",
     "Event": "/api/v1/namespaces/{ns}/events",
+    "GatewayInferencePool": "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools",
 }
 
 
@@ -47,10 +48,19 @@ class Cluster:
             raise AssertionError(f"{response.status}: {body.get('message')}")
         return body
 
-    async def create(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def create(self, body: dict[str, Any], *, kind: str | None = None) -> dict[str, Any]:
+        """POST `body`; `kind` picks the collection when the body's kind is ambiguous."""
         ns = body["metadata"].get("namespace", "default")
-        async with self.session.post(self._path(body["kind"], ns), json=body) as response:
+        async with self.session.post(self._path(kind or body["kind"], ns), json=body) as response:
             return await self._json(response)
+
+    def install_gateway_api(self) -> None:
+        """Serve `inferencepools.inference.networking.k8s.io` (as if its CRD were installed)."""
+        from kmock import ResourceInfo
+
+        self.server.resources["inference.networking.k8s.io/v1/inferencepools"] = ResourceInfo(
+            kind="InferencePool", singular="inferencepool", namespaced=True,
+            verbs={"get", "list", "watch", "create", "patch", "delete"})
 
     async def patch(self, kind: str, name: str, patch: dict[str, Any], *,
                     namespace: str = "default", sub: str = "") -> dict[str, Any]:

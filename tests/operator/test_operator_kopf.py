@@ -57,6 +57,28 @@ async def test_create_renders_configmap_owned_by_the_pool(
     assert POLICY_KEY in cm["data"]
 
 
+async def test_operator_bookkeeping_uses_our_prefix_and_blocks_no_quota_deletion(
+    cluster: Cluster, operator: OperatorRunner
+) -> None:
+    await cluster.create(pool())
+    await cluster.create(quota("acme"))
+
+    def handled(obj: dict[str, Any]) -> bool:
+        return "kvquota.dev/last-handled-configuration" in (
+            obj["metadata"].get("annotations") or {})
+
+    acme = await cluster.wait_status("TenantQuota", "acme", handled, "handled")
+    demo = await cluster.wait_status("InferencePool", "demo-pool", handled, "handled")
+    for obj in (acme, demo):
+        foreign = [k for k in obj["metadata"].get("annotations", {})
+                   if not k.startswith("kvquota.dev/")]
+        assert foreign == []
+    # The engine-poll timer needs kopf's finalizer on pools; quotas carry none, so
+    # deleting a quota never waits for the operator.
+    assert demo["metadata"]["finalizers"] == ["kvquota.dev/finalizer"]
+    assert not acme["metadata"].get("finalizers")
+
+
 async def _policy_where(cluster: Cluster, check: Any, what: str) -> Any:
     async def probe() -> Any:
         policy = await cluster.policy("demo-pool")
@@ -244,3 +266,25 @@ async def test_restart_converges_on_changes_made_while_down(
     await cluster.wait_status(
         "TenantQuota", "initech", lambda o: _is(o, "Accepted", "False", "Oversubscribed"),
         "the new quota refused")
+
+
+async def test_selector_from_a_gateway_api_inference_pool(
+    cluster: Cluster, operator: OperatorRunner, engines: FakeEngines
+) -> None:
+    engines.labels = {"app": "gateway-engines"}
+    await engines.add("engine-a")
+    cluster.install_gateway_api()
+    await cluster.create(pool(selector=None, gatewayPoolRef={"name": "gw-pool"}))
+    await cluster.wait_status(
+        "InferencePool", "demo-pool", lambda o: _is(o, "Ready", "False", "GatewayPoolNotFound"),
+        "the missing Gateway API pool reported")
+
+    await cluster.create({
+        "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+        "metadata": {"name": "gw-pool", "namespace": "default"},
+        "spec": {"selector": {"matchLabels": {"app": "gateway-engines"}},
+                 "targetPorts": [{"number": 8000}]},
+    }, kind="GatewayInferencePool")
+    demo = await cluster.wait_status("InferencePool", "demo-pool",
+                                     lambda o: _is(o, "Ready", "True"), "engines found")
+    assert demo["status"]["engines"]["ready"] == 1

@@ -6,6 +6,7 @@ import io
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -108,30 +109,35 @@ def test_transition_time_survives_rerenders(repo: Path) -> None:
     assert accepted["lastTransitionTime"] == "2026-01-01T00:00:00Z"
 
 
+def _wait_until(check: Callable[[], bool], what: str, log: io.StringIO,
+                timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{what} within {timeout} s; local mode said:\n{log.getvalue()}")
+
+
+def _tenants(repo: Path) -> dict:
+    if not (repo / POLICY).exists():
+        return {}
+    return dict(EnginePolicy.from_json((repo / POLICY).read_text()).tenants)
+
+
 def test_watch_mode_rerenders_when_files_change(repo: Path) -> None:
-    stop = threading.Event()
+    stop, log = threading.Event(), io.StringIO()
     watcher = threading.Thread(target=run_local, args=(repo,), daemon=True, kwargs={
-        "once": False, "interval": 0.05, "out": io.StringIO(), "err": io.StringIO(),
-        "stop": stop})
+        "once": False, "interval": 0.05, "out": log, "err": log, "stop": stop})
     watcher.start()
     try:
-        deadline = time.monotonic() + 10
-        while not (repo / POLICY).exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_until(lambda: "acme" in _tenants(repo), "first render", log)
         _add(repo, "newcomer.yaml", quota("newcomer", guaranteed=8, maximum=16))
-        while time.monotonic() < deadline:
-            if "newcomer" in EnginePolicy.from_json((repo / POLICY).read_text()).tenants:
-                break
-            time.sleep(0.05)
-        else:
-            raise AssertionError("the policy was not re-rendered within 10 s")
+        _wait_until(lambda: "newcomer" in _tenants(repo), "re-rendered with newcomer", log)
         (repo / "newcomer.yaml").unlink()
-        while time.monotonic() < deadline:
-            if not (repo / ".status/default.tenantquota.newcomer.yaml").exists():
-                break
-            time.sleep(0.05)
-        else:
-            raise AssertionError("the removed quota's status file stayed")
+        _wait_until(lambda: not (repo / ".status/default.tenantquota.newcomer.yaml").exists(),
+                    "the removed quota's status file deleted", log)
+        assert "newcomer" not in _tenants(repo)
     finally:
         stop.set()
         watcher.join(5)

@@ -434,3 +434,54 @@ def test_async_scheduling_uses_the_async_variant(make_harness, policy_path, toke
                                 session="s1")
     harness.run_until_done()
     assert turn2.num_cached_tokens == 320
+
+
+def test_allocation_never_fails_while_the_hook_is_disarmed(
+    make_harness, policy_path, monkeypatch
+):
+    """The failure hook is only installed for steps in which an allocation can fail;
+    a failure in any other step would escape the victim order."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    failures: list[bool] = []  # per failed allocation: was the hook armed?
+    allocate = KVCacheManager.allocate_slots
+
+    def counting(self, *args, **kwargs):
+        blocks = allocate(self, *args, **kwargs)
+        if blocks is None:
+            failures.append(hook.armed)
+        return blocks
+
+    monkeypatch.setattr(KVCacheManager, "allocate_slots", counting)
+    write_policy(policy_path, engine_policy(
+        tenant("gold", "premium", guaranteed=30, lease_seconds=30),
+        tenant("bronze", "free", guaranteed=0),
+    ))
+    prompts = Tokens(seed=11)
+    harness = make_harness(num_blocks=79, block_size=BLOCK, policy_path=policy_path,
+                           max_num_batched_tokens=384, max_num_seqs=64,
+                           long_prefill_token_threshold=192)
+    hook = harness.plugin._kvq_alloc_hook
+    disarmed_steps = 0
+
+    def run() -> None:
+        nonlocal disarmed_steps
+        while harness.has_unfinished():
+            harness.step()
+            disarmed_steps += not hook.armed
+        harness.advance(60)  # leases expire: the next phase starts from an empty cache
+
+    # 48 sub-block prompts admitted together cross into their 2nd block in the same
+    # step: 48 blocks needed, 30 free, a step budget of only 24 blocks.
+    for i in range(48):
+        harness.add_request(f"short-{i}", prompts(8), 40, priority=i % 3,
+                            tenant=("gold", "bronze", None)[i % 3], session=f"s{i}")
+    run()
+    # Two long prompts prefill in 192-token chunks side by side: both fit at
+    # admission, not together.
+    for i in range(2):
+        harness.add_request(f"long-{i}", prompts(1000), 8, tenant="bronze")
+    run()
+
+    assert disarmed_steps > 0 and failures, "the workload must exercise both modes"
+    assert all(failures)

@@ -25,6 +25,9 @@ from .helpers import Keys, ServerThread, wait_for, write_policy
 from .stub_engine import StubEngine
 
 
+SEND_BUFFER = 16 * 1024
+
+
 @pytest.fixture(scope="session")
 def keys(tmp_path_factory: pytest.TempPathFactory) -> Keys:
     return Keys(tmp_path_factory.mktemp("secrets")).write()
@@ -65,7 +68,7 @@ def start_harness(
     policy_file = tmp / "policy-source.json"
     gateway = Gateway(config, FilePolicySource(policy_file, interval=0.05),
                       token_counter=counter, **kwargs)
-    server = ServerThread(gateway.app).start()
+    server = ServerThread(gateway.app, send_buffer=SEND_BUFFER).start()
     return Harness(gateway, policy_file, server)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,7 +20,6 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from starlette.types import ASGIApp
 
 from engine_sidecar.policy import EnginePolicy, TenantPolicy, write_atomically
-from kvquota.processes import free_port
 
 ISSUER = "https://idp.example.test"
 AUDIENCE = "kvquota-test"
@@ -30,10 +30,11 @@ JWKS_FILE = "jwks.json"
 
 
 def tenant(tenant_id: str, **overrides: Any) -> TenantPolicy:
+    max_blocks = max(10_000, overrides.get("guaranteed_blocks", 0))
     fields: dict[str, Any] = {
         "tenant_id": tenant_id, "tier": "standard", "priority": 1,
-        "guaranteed_blocks": 0, "max_blocks": 10_000, "max_tokens": 64,
-        "default_max_tokens": 8, **overrides,
+        "guaranteed_blocks": 0, "max_blocks": max_blocks, "max_tokens": 64,
+        "default_max_tokens": min(8, overrides.get("max_tokens", 64)), **overrides,
     }
     return TenantPolicy.model_validate(fields)
 
@@ -134,16 +135,26 @@ def hs_forged_with(secret: bytes, claims: dict[str, Any]) -> str:
 
 
 class ServerThread:
-    """Serve an ASGI app with uvicorn on a free port in a background thread."""
+    """Serve an ASGI app with uvicorn on a free port in a background thread.
 
-    def __init__(self, app: ASGIApp, port: int | None = None) -> None:
-        self.port = port or free_port()
+    `send_buffer` fixes SO_SNDBUF on the listening socket (accepted sockets inherit it
+    and lose autotuning), so a client that stops reading blocks the server's send
+    after a bounded number of bytes instead of megabytes: held streams stay held.
+    """
+
+    def __init__(self, app: ASGIApp, send_buffer: int | None = None) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if send_buffer:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = int(self.sock.getsockname()[1])
         self.server = uvicorn.Server(uvicorn.Config(
-            app, host="127.0.0.1", port=self.port, log_level="warning", access_log=False,
-            lifespan="on", timeout_graceful_shutdown=2,
+            app, log_level="warning", access_log=False, lifespan="on",
+            timeout_graceful_shutdown=2,
         ))
-        self.thread = threading.Thread(target=self.server.run, daemon=True,
-                                       name=f"uvicorn-{self.port}")
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True, name=f"uvicorn-{self.port}")
 
     @property
     def url(self) -> str:
@@ -157,6 +168,7 @@ class ServerThread:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+        self.sock.close()
 
     @contextmanager
     def running(self) -> Iterator[ServerThread]:

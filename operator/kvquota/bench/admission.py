@@ -8,7 +8,10 @@ plugin directly, at the step the request arrives in.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from engine_sidecar.gateway.admission import (
+    Decision,
     RequestShape,
     TenantLoad,
     Verdict,
@@ -18,6 +21,9 @@ from engine_sidecar.gateway.admission import (
 from engine_sidecar.gateway.ledger import Ledger, Reservation
 from engine_sidecar.policy import EnginePolicy
 from engine_sidecar.stats import EngineStats
+
+# Checked before anything that reads the engine's state (see `admission.decide`).
+_STATELESS_REFUSALS = frozenset({Decision.REJECTED_PROMPT, Decision.REJECTED_CONCURRENCY})
 
 
 class TwinGateway:
@@ -34,9 +40,30 @@ class TwinGateway:
         tenant_id: str,
         prompt_tokens: int,
         requested_max_tokens: int | None,
-        stats: EngineStats | None,
+        stats: Callable[[], EngineStats | None],
+        last_stats: EngineStats | None = None,
     ) -> tuple[Verdict, Reservation | None]:
-        """Decide like the sidecar; an admitted request holds its reservation."""
+        """Decide like the sidecar; an admitted request holds its reservation.
+
+        `stats()` returns the plugin's current stats (it may be costly). When
+        `last_stats` is given it is tried first: refusals that do not depend on the
+        engine's state (prompt length, concurrency) stand without fetching new ones."""
+        if last_stats is not None:
+            verdict = self._decide(tenant_id, prompt_tokens, requested_max_tokens, last_stats)
+            if verdict.decision in _STATELESS_REFUSALS:
+                return verdict, None
+        verdict = self._decide(tenant_id, prompt_tokens, requested_max_tokens, stats())
+        if not verdict.admitted:
+            return verdict, None
+        return verdict, self.ledger.reserve(tenant_id, verdict.blocks)
+
+    def _decide(
+        self,
+        tenant_id: str,
+        prompt_tokens: int,
+        requested_max_tokens: int | None,
+        stats: EngineStats | None,
+    ) -> Verdict:
         tenant = self.policy.tenants[tenant_id]
         shape = RequestShape((prompt_tokens,), requested_max_tokens)
         engine = stats.tenants.get(tenant_id) if stats else None
@@ -45,7 +72,7 @@ class TwinGateway:
             engine.leased_blocks if engine else 0,
             self.ledger.inflight(tenant_id),
         )
-        verdict = decide(
+        return decide(
             tenant, shape,
             block_size=self.policy.block_size,
             watermark=self.policy.watermark,
@@ -54,6 +81,3 @@ class TwinGateway:
             max_model_len=self.max_model_len,
             retry_after=self.retry_after,
         )
-        if not verdict.admitted:
-            return verdict, None
-        return verdict, self.ledger.reserve(tenant_id, verdict.blocks)

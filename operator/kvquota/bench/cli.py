@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--json", type=Path, help="write the results as JSON")
     parser.add_argument("--plot", type=Path, help="write a PNG: TTFT CDF, KV per tier")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                        help="twin: policies run in this many processes (default: %(default)s)")
     parser.add_argument("--out", type=Path,
                         help="calibrate: where to write the profile (default: the user "
                         "profile directory, so `--profile cpu-local` picks it up)")
@@ -99,6 +102,8 @@ def _bench(args: argparse.Namespace) -> int:
         baseline=not args.no_baseline,
         profile=args.profile,
         progress=not args.no_progress,
+        jobs=max(1, args.jobs),
+        quiet=True,
         engine_args=engine_args,
     )
     document = run_bench(options, out=sys.stdout)

@@ -70,9 +70,14 @@ class RunResult:
     timeline: Timeline
     lease_breaks: dict[str, int] = field(default_factory=dict)  # by tier; None: stock
     has_leases: bool = False
+    # Preemptions per tier when the backend cannot attribute them to requests (the
+    # engine backend: from the plugin's stats); None: count them from the outcomes.
+    preemptions_by_tier: dict[str, int] | None = None
+    preemptions_known: bool = True
     makespan: float = 0.0  # seconds from 0 to the last finish
     steps: int = 0
     wall_seconds: float = 0.0
+    cpu_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # backend-specific counters
 
@@ -101,8 +106,9 @@ def cdf(values: list[float]) -> list[float]:
 
 def tier_summary(
     outcomes: list[Outcome], scenario: Scenario, tier: str, makespan: float,
-    lease_breaks: int | None,
+    lease_breaks: int | None, preemptions: int | None = -1,
 ) -> dict[str, Any]:
+    """One tier's numbers; `preemptions` -1 means: sum them over the outcomes."""
     mine = [o for o in outcomes if o.tier == tier]
     done = [o for o in mine if o.status == "ok"]
     ttfts = [t for o in done if (t := o.ttft) is not None]
@@ -136,7 +142,7 @@ def tier_summary(
         "throughput": _r(output_tokens / span, 2) if makespan > 0 else None,
         "goodput": _r(good / span, 4) if makespan > 0 else None,
         "sloAttainment": _r(good / len(done), 4) if done else None,
-        "preemptions": sum(o.preemptions for o in mine),
+        "preemptions": sum(o.preemptions for o in mine) if preemptions == -1 else preemptions,
         "prefixHitRate": _r(sum(o.cached_tokens for o in followups) / follow_prompt)
         if follow_prompt else None,
         "prefixHitRateAll": _r(sum(o.cached_tokens for o in done) / all_prompt)
@@ -151,10 +157,17 @@ def tier_summary(
 def summarize(run: RunResult, scenario: Scenario) -> dict[str, Any]:
     """The deterministic part of a run (no wall time) as JSON-ready data."""
     tiers = [t.value for t in TIER_ORDER if any(o.tier == t.value for o in run.outcomes)]
+    def preemptions(tier: str) -> int | None:
+        if not run.preemptions_known:
+            return None
+        if run.preemptions_by_tier is not None:
+            return run.preemptions_by_tier.get(tier, 0)
+        return -1
+
     by_tier = {
         tier: tier_summary(
             run.outcomes, scenario, tier, run.makespan,
-            run.lease_breaks.get(tier, 0) if run.has_leases else None,
+            run.lease_breaks.get(tier, 0) if run.has_leases else None, preemptions(tier),
         )
         for tier in tiers
     }
@@ -168,7 +181,10 @@ def summarize(run: RunResult, scenario: Scenario) -> dict[str, Any]:
         "completed": len(done),
         "outputTokens": output_tokens,
         "throughput": _r(output_tokens / run.makespan, 2) if run.makespan > 0 else None,
-        "preemptions": sum(o.preemptions for o in run.outcomes),
+        "preemptions": (
+            sum(t["preemptions"] for t in by_tier.values())
+            if run.preemptions_known else None
+        ),
         "tiers": by_tier,
         "timeline": {
             "capacityBlocks": run.timeline.capacity,

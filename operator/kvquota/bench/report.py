@@ -46,6 +46,7 @@ def build_document(
     num_requests: int,
 ) -> dict[str, Any]:
     policies = {run.key: summarize(run, scenario) for run in runs}
+    all_runs = runs + ([baseline] if baseline is not None else [])
     base = summarize(baseline, scenario) if baseline is not None else None
     tier = protected_tier(scenario)
     comparison: dict[str, Any] = {"tier": tier}
@@ -87,8 +88,8 @@ def build_document(
         "baseline": base,
         "comparison": comparison,
         "run": {
-            "wallSeconds": {run.key: round(run.wall_seconds, 2) for run in runs}
-            | ({"baseline": round(baseline.wall_seconds, 2)} if baseline else {}),
+            "wallSeconds": {r.key: round(r.wall_seconds, 2) for r in all_runs},
+            "cpuSeconds": {r.key: round(r.cpu_seconds, 2) for r in all_runs},
         },
     }
 
@@ -115,30 +116,29 @@ COLUMNS = (
 )
 
 
-def _row(cells: list[str]) -> str:
-    out = []
-    for (_, width), cell in zip(COLUMNS, cells, strict=True):
-        out.append(cell.ljust(width) if width >= 29 or cell in ("premium", "standard", "free")
-                   else cell.rjust(width))
+def _row(cells: list[str], first: int) -> str:
+    out = [cells[0].ljust(first), cells[1].ljust(COLUMNS[1][1])]
+    out += [cell.rjust(width) for (_, width), cell in zip(COLUMNS[2:], cells[2:], strict=True)]
     return "".join(out).rstrip()
 
 
 def format_table(document: dict[str, Any]) -> str:
-    rows = [_row([name for name, _ in COLUMNS])]
-    rows.append("-" * len(rows[0]))
     entries = list(document["policies"].items())
     if document.get("baseline"):
         entries.insert(0, ("baseline", document["baseline"]))
+    first = max([COLUMNS[0][1] - 6] + [len(s["label"]) + 2 for _, s in entries])
+    rows = [_row([name for name, _ in COLUMNS], first)]
+    rows.append("-" * len(rows[0]))
     for _key, summary in entries:
         label = summary["label"]
         for tier, t in summary["tiers"].items():
             rows.append(_row([
                 label, tier, str(t["requests"]), _s(t["ttftP50"]), _s(t["ttftP95"]),
                 _s(t["ttftP99"]), _s(t["tpotMean"]), _n(t["throughput"], "{:.0f}"),
-                _n(t["goodput"], "{:.2f}"), str(t["preemptions"]),
+                _n(t["goodput"], "{:.2f}"), _n(t["preemptions"]),
                 _n(t["prefixHitRate"], "{:.0%}"), _n(t["leaseBreaks"]),
                 str(t["rejected429"]), str(t["rejected503"]),
-            ]))
+            ], first))
             label = ""
     lines = ["\n".join(rows), ""]
     scenario = document["scenario"]
@@ -153,8 +153,7 @@ def format_table(document: dict[str, Any]) -> str:
     tier = comparison.get("tier")
     if tier and comparison.get("baselineTtftP99") is not None:
         ratios = ", ".join(
-            f"{document['policies'][k]['label']} {_n(v, '{:.2f}x')}"
-            for k, v in comparison["ttftP99VsBaseline"].items()
+            f"{k} {_n(v, '{:.2f}x')}" for k, v in comparison["ttftP99VsBaseline"].items()
         )
         lines.append(
             f"{tier} TTFT p99 vs no-noise baseline ({_s(comparison['baselineTtftP99'])}): "
@@ -163,7 +162,7 @@ def format_table(document: dict[str, Any]) -> str:
     if "throughputVsFcfs" in comparison:
         stock = document["policies"]["fcfs"]["throughput"]
         ratios = ", ".join(
-            f"{document['policies'][k]['label']} {_n(v, '{:.2f}x')}"
+            f"{k} {_n(v, '{:.2f}x')}"
             for k, v in comparison["throughputVsFcfs"].items() if k != "fcfs"
         )
         lines.append(f"total throughput vs stock FCFS ({_n(stock, '{:.0f}')} tok/s): {ratios}")
@@ -173,16 +172,23 @@ def format_table(document: dict[str, Any]) -> str:
         extra = summary.get("extra") or {}
         if extra.get("preemptionsByReason"):
             reasons = ", ".join(f"{r} {c}" for r, c in extra["preemptionsByReason"].items())
-            lines.append(f"{summary['label']}: evictions by reason: {reasons}")
+            lines.append(f"{key}: evictions by reason: {reasons}")
     wall = document["run"]["wallSeconds"]
-    lines.append("wall time: " + ", ".join(f"{k} {v:.1f}s" for k, v in wall.items())
-                 + f" (total {sum(wall.values()):.1f}s)")
+    cpu = document["run"].get("cpuSeconds", {})
+    if document["backend"] == "twin":
+        lines.append("per run, wall (cpu): " + ", ".join(
+            f"{k} {v:.1f}s ({cpu.get(k, 0):.1f}s)" for k, v in wall.items()
+        ) + f"; cpu total {sum(cpu.values()):.1f}s")
+    else:
+        lines.append("per run, wall (engine start included): "
+                     + ", ".join(f"{k} {v:.0f}s" for k, v in wall.items()))
     return "\n".join(lines)
 
 
 # -- PNG ----------------------------------------------------------------------------
 
-TIER_COLOURS = {"premium": "#1f77b4", "standard": "#2ca02c", "free": "#d62728"}
+TIER_COLOURS = {"premium": "#1f77b4", "standard": "#2ca02c", "free": "#d62728",
+                "all": "#7f7f7f"}  # all: stock vLLM on the engine backend (no tiers)
 
 
 def write_plot(document: dict[str, Any], path: Path) -> None:

@@ -26,41 +26,50 @@ class BenchOptions:
     baseline: bool = True
     profile: str | None = None
     progress: bool = True
+    jobs: int = 1
+    quiet: bool = False  # silence vLLM's own log notices
     engine_args: dict[str, Any] = field(default_factory=dict)
 
 
 class ProgressBar:
-    """One line per policy on stderr: a bar over the requests settled so far."""
+    """Progress on stderr: one bar over all runs (on a terminal) and a line per run
+    as it finishes. Runs may report interleaved (parallel workers)."""
 
-    WIDTH = 28
+    WIDTH = 30
 
-    def __init__(self, stream: TextIO | None = None, enabled: bool = True) -> None:
+    def __init__(self, runs: int, stream: TextIO | None = None, enabled: bool = True) -> None:
+        self.runs = max(runs, 1)
         self.stream = stream or sys.stderr
         self.enabled = enabled
         self.tty = enabled and self.stream.isatty()
-        self._started: dict[str, float] = {}
+        self._started = time.perf_counter()
+        self._fractions: dict[str, float] = {}
         self._done: set[str] = set()
 
     def __call__(self, key: str, settled: int, planned: int, virtual: float) -> None:
         if not self.enabled or key in self._done:
             return
-        started = self._started.setdefault(key, time.perf_counter())
-        wall = time.perf_counter() - started
-        fraction = settled / planned if planned else 1.0
-        finished = settled >= planned
-        if not self.tty and not finished:
-            return
-        filled = round(self.WIDTH * min(fraction, 1.0))
-        bar = "#" * filled + "." * (self.WIDTH - filled)
-        line = (f"{key:<18} [{bar}] {fraction:4.0%} {settled}/{planned} requests  "
-                f"t={virtual:,.0f}s  wall {wall:.1f}s")
-        if self.tty:
-            self.stream.write("\r" + line + ("\n" if finished else ""))
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
-        if finished:
+        self._fractions[key] = min(settled / planned, 1.0) if planned else 1.0
+        wall = time.perf_counter() - self._started
+        out = []
+        if settled >= planned:
             self._done.add(key)
+            out.append(f"{key}: {planned} requests over {virtual:,.0f} s of scenario time "
+                       f"(done at {wall:.1f} s)")
+        if self.tty:
+            total = sum(self._fractions.values()) / self.runs
+            filled = round(self.WIDTH * total)
+            running = ", ".join(f"{k} {f:.0%}" for k, f in self._fractions.items()
+                                if k not in self._done)
+            bar = (f"[{'#' * filled}{'.' * (self.WIDTH - filled)}] {total:4.0%}  "
+                   f"{len(self._done)}/{self.runs} runs  {wall:.0f}s  {running}")
+            text = "".join(f"\r\033[K{line}\n" for line in out) + f"\r\033[K{bar}"
+            if len(self._done) == self.runs:
+                text += "\r\033[K"
+            self.stream.write(text)
+        else:
+            self.stream.write("".join(line + "\n" for line in out))
+        self.stream.flush()
 
 
 def _policy_specs(options: BenchOptions) -> list[Any]:
@@ -73,7 +82,8 @@ def _policy_specs(options: BenchOptions) -> list[Any]:
     if options.victim_orders:
         from kvquota.bench.variants import victim_order_specs
 
-        specs += victim_order_specs(options.victim_orders)
+        bases = tuple(p for p in options.policies if POLICIES[p].scheduler == "kvquota")
+        specs += victim_order_specs(options.victim_orders, bases or ("kvquota",))
     return specs
 
 
@@ -96,8 +106,10 @@ def run_bench(options: BenchOptions, out: TextIO | None = None) -> dict[str, Any
     scenario = load_scenario(options.scenario, scale=scale, seed=options.seed)
     sessions = generate_sessions(scenario)
     num_requests = sum(len(s.turns) for s in sessions)
-    progress = ProgressBar(enabled=options.progress)
     base_scenario = _baseline_scenario(scenario) if options.baseline else None
+    specs = _policy_specs(options) if options.backend == "twin" else []
+    num_runs = (len(specs) if specs else len(options.policies)) + (base_scenario is not None)
+    progress = ProgressBar(num_runs, enabled=options.progress)
     if out is not None:
         out.write(f"{scenario.name}: {len(sessions)} sessions, {num_requests} requests, "
                   f"{scenario.engine.capacity_blocks} KV blocks, backend {options.backend}\n")
@@ -106,14 +118,16 @@ def run_bench(options: BenchOptions, out: TextIO | None = None) -> dict[str, Any
     runs: list[RunResult] = []
     baseline: RunResult | None = None
     if options.backend == "twin":
-        from kvquota.bench.twin import BASELINE, run_twin
+        from kvquota.bench.twin import BASELINE, TwinTask, run_twin_tasks
 
         profile = load_profile(options.profile or scenario.profile)
-        for spec in _policy_specs(options):
-            runs.append(run_twin(scenario, sessions, spec, profile, progress))
+        tasks: list[TwinTask] = [(scenario, spec) for spec in specs]
         if base_scenario is not None:
-            baseline = run_twin(base_scenario, generate_sessions(base_scenario), BASELINE,
-                                profile, progress)
+            tasks.append((base_scenario, BASELINE))
+        results = run_twin_tasks(tasks, profile, jobs=options.jobs, progress=progress,
+                                 quiet=options.quiet)
+        runs = results[:len(specs)]
+        baseline = results[len(specs)] if base_scenario is not None else None
     elif options.backend == "engine":
         from kvquota.bench.engine_backend import run_engine_bench
 

@@ -20,7 +20,7 @@ import json
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +29,7 @@ from engine_sidecar.stats_publisher import STEP_INTERVAL_S
 from kvquota.bench.admission import TwinGateway
 from kvquota.bench.cost import CostProfile
 from kvquota.bench.metrics import Outcome, RunResult, Timeline
-from kvquota.bench.scenario import Scenario, Session
+from kvquota.bench.scenario import Scenario, Session, generate_sessions
 
 if TYPE_CHECKING:
     from engine_sidecar.gateway.ledger import Reservation
@@ -54,9 +54,12 @@ class PolicySpec:
 POLICIES: dict[str, PolicySpec] = {
     "fcfs": PolicySpec("fcfs", "stock vLLM FCFS", "stock-fcfs", False, False),
     "priority": PolicySpec("priority", "stock vLLM priority", "stock-priority", False, True),
-    "kvquota": PolicySpec("kvquota", "KVQuota (plugin + admission)", "kvquota", True, True),
+    "kvquota": PolicySpec("kvquota", "KVQuota", "kvquota", True, True),
+    # Not in the default set: the plugin alone, every request admitted (shows what the
+    # victim order and leases do when memory does run out).
+    "plugin": PolicySpec("plugin", "KVQuota plugin only", "kvquota", False, True),
 }
-BASELINE = PolicySpec("baseline", "no free-tier load (stock FCFS)", "stock-fcfs", False, False)
+BASELINE = PolicySpec("baseline", "baseline: no noisy tiers", "stock-fcfs", False, False)
 
 
 def twin_model_dir(max_model_len: int) -> Path:
@@ -73,13 +76,9 @@ def twin_model_dir(max_model_len: int) -> Path:
     return out
 
 
-@dataclass(order=True)
-class _Event:
-    time: float
-    seq: int
-    session: Session = field(compare=False)
-    turn: int = field(compare=False)  # 0-based
-    outcome: Outcome | None = field(default=None, compare=False)  # set on a retry
+# (time, sequence number, session, 0-based turn, the outcome of an earlier attempt);
+# the sequence number breaks ties, so sessions are never compared.
+_Event = tuple[float, int, Session, int, Outcome | None]
 
 
 @dataclass
@@ -165,7 +164,7 @@ class TwinRun:
     def _push(self, at: float, session: Session, turn: int, outcome: Outcome | None = None
               ) -> None:
         self._seq += 1
-        heapq.heappush(self._events, _Event(at, self._seq, session, turn, outcome))
+        heapq.heappush(self._events, (at, self._seq, session, turn, outcome))
 
     def _engine_stats(self, harness: SchedulerHarness) -> EngineStats | None:
         """The plugin's stats as the sidecar sees them: refreshed as often as the plugin
@@ -178,11 +177,10 @@ class TwinRun:
         return self._stats
 
     def _arrive(self, harness: SchedulerHarness, event: _Event) -> None:
-        session, turn = event.session, event.turn
-        outcome = event.outcome
+        at, _, session, turn, outcome = event
         if outcome is None:
             outcome = Outcome(session.tenant, session.tier.value, session.session_id, turn + 1,
-                              event.time)
+                              at)
             self.outcomes.append(outcome)
         outcome.attempts += 1
         prompt = self._prompts.pop((session.session_id, turn), None) or self._prompt(session, turn)
@@ -194,7 +192,8 @@ class TwinRun:
         reservation = None
         if self.gateway is not None:
             verdict, reservation = self.gateway.admit(
-                session.tenant, len(prompt), requested, self._engine_stats(harness)
+                session.tenant, len(prompt), requested,
+                lambda: self._engine_stats(harness), self._stats,
             )
             if verdict.error is not None:
                 outcome.rejections.append(verdict.error.status)
@@ -217,7 +216,7 @@ class TwinRun:
             priority=tenant.priority if self.spec.tier_priority else 0,
             tenant=session.tenant if use_tenant else None,
             session=session.session_id if use_tenant else None,
-            arrival_time=event.time,
+            arrival_time=at,
         )
         self._tier_of_req[req_id] = session.tier.value
         self._live[req_id] = _Live(outcome, session, turn, prompt, reservation)
@@ -276,7 +275,7 @@ class TwinRun:
     # -- the loop -----------------------------------------------------------------
 
     def run(self) -> RunResult:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         with tempfile.TemporaryDirectory(prefix="kvquota-twin-", dir=self.work_dir) as tmp:
             harness = self._harness(Path(tmp))
             try:
@@ -284,6 +283,7 @@ class TwinRun:
             finally:
                 harness.shutdown()
         result.wall_seconds = time.perf_counter() - started
+        result.cpu_seconds = time.process_time() - cpu_started
         return result
 
     def _loop(self, harness: SchedulerHarness) -> RunResult:
@@ -296,11 +296,11 @@ class TwinRun:
         steps = 0
         last_report = -1.0
         while self._events or harness.has_unfinished():
-            while self._events and self._events[0].time <= harness.now:
+            while self._events and self._events[0][0] <= harness.now:
                 self._arrive(harness, heapq.heappop(self._events))
             if not harness.has_unfinished():
                 if self._events:
-                    harness.advance(self._events[0].time - harness.now)
+                    harness.advance(self._events[0][0] - harness.now)
                 continue
             if harness.now >= deadline:
                 notes.append(
@@ -323,7 +323,7 @@ class TwinRun:
                     notes.append(f"stalled at {harness.now:.0f} s: {len(self._live)} requests "
                                  "could not be scheduled")
                     break
-                harness.advance(max(0.0, self._events[0].time - harness.now))
+                harness.advance(max(0.0, self._events[0][0] - harness.now))
             if self.progress is not None and harness.now - last_report >= 1.0:
                 last_report = harness.now
                 self.progress(self.spec.key, self._settled, self._planned, harness.now)
@@ -365,8 +365,8 @@ def _plugin_extra(stats: EngineStats) -> dict[str, Any]:
         for reason, count in tenant_stats.lease_drops.items():
             drops[reason] = drops.get(reason, 0) + count
     return {
-        "preemptionsByReason": dict(sorted(reasons.items())),
-        "leaseDrops": dict(sorted(drops.items())),
+        "preemptionsByReason": {str(k): v for k, v in sorted(reasons.items())},
+        "leaseDrops": {str(k): v for k, v in sorted(drops.items())},
         "degradedEpisodes": stats.degraded_episodes,
     }
 
@@ -379,3 +379,80 @@ def run_twin(
     progress: Progress | None = None,
 ) -> RunResult:
     return TwinRun(scenario, sessions, spec, profile, progress=progress).run()
+
+
+# -- several runs, in parallel processes --------------------------------------------
+
+TwinTask = tuple[Scenario, PolicySpec]
+_worker_queue: Any = None
+
+
+def quiet_vllm_logs() -> None:
+    """Keep vLLM's config-time notices (CPU platform, block size) out of bench output."""
+    import logging
+
+    import vllm  # noqa: F401  (vLLM configures its logger on import)
+
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+
+
+def _init_worker(queue: Any, quiet: bool) -> None:
+    global _worker_queue
+    _worker_queue = queue
+    if quiet:
+        quiet_vllm_logs()
+
+
+def _report(key: str, settled: int, planned: int, virtual: float) -> None:
+    if _worker_queue is not None:
+        _worker_queue.put((key, settled, planned, virtual))
+
+
+def _run_task(scenario: Scenario, spec: PolicySpec, profile: CostProfile) -> RunResult:
+    return run_twin(scenario, generate_sessions(scenario), spec, profile, _report)
+
+
+def run_twin_tasks(
+    tasks: list[TwinTask], profile: CostProfile, *, jobs: int = 1,
+    progress: Progress | None = None, quiet: bool = False,
+) -> list[RunResult]:
+    """Run each (scenario, policy) on its own scheduler; results in task order.
+
+    With `jobs` > 1 the runs go to that many worker processes (spawned: each imports
+    vLLM once); each run is still deterministic, so the results do not depend on
+    `jobs`. KVQuota runs, the slowest, are started first."""
+    if jobs <= 1 or len(tasks) <= 1:
+        if quiet:
+            quiet_vllm_logs()
+        return [
+            run_twin(scenario, generate_sessions(scenario), spec, profile, progress)
+            for scenario, spec in tasks
+        ]
+    import multiprocessing
+    import queue as queue_module
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+    context = multiprocessing.get_context("spawn")
+    updates = context.Queue()
+    order = sorted(range(len(tasks)), key=lambda i: tasks[i][1].scheduler != "kvquota")
+    with ProcessPoolExecutor(
+        max_workers=min(jobs, len(tasks)), mp_context=context,
+        initializer=_init_worker, initargs=(updates, quiet),
+    ) as pool:
+        futures = {i: pool.submit(_run_task, *tasks[i], profile) for i in order}
+        pending = set(futures.values())
+        while pending:
+            done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+            while True:
+                try:
+                    update = updates.get_nowait()
+                except queue_module.Empty:
+                    break
+                if progress is not None:
+                    progress(*update)
+            for future in done:
+                result = future.result()  # a worker's exception surfaces here
+                if progress is not None:
+                    planned = len(result.outcomes)
+                    progress(result.key, planned, planned, result.makespan)
+        return [futures[i].result() for i in range(len(tasks))]

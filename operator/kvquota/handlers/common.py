@@ -14,7 +14,13 @@ BACKOFF = 5.0  # seconds before kopf retries a failed handler
 KEPT_METADATA = ("name", "namespace", "uid", "generation", "resourceVersion",
                  "creationTimestamp", "deletionTimestamp")
 
-__all__ = ["BACKOFF", "GROUP", "VERSION", "retrying", "snapshot"]
+__all__ = ["BACKOFF", "GROUP", "VERSION", "deleted", "retrying", "snapshot"]
+
+
+def deleted(type: str, **_: Any) -> bool:
+    """`when=` filter of event handlers: only the final DELETED event (kopf then skips
+    the call, and its log line, for the thousands of other events)."""
+    return type == "DELETED"
 
 
 def snapshot(body: Mapping[str, Any]) -> dict[str, Any]:

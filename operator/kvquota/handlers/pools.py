@@ -15,7 +15,7 @@ from typing import Any
 
 import kopf
 
-from kvquota.handlers.common import BACKOFF, GROUP, VERSION, retrying, snapshot
+from kvquota.handlers.common import BACKOFF, GROUP, VERSION, deleted, retrying, snapshot
 from kvquota.reconciler import POOLS, PoolKey
 from kvquota.runtime import runtime_of
 
@@ -33,16 +33,15 @@ def inferencepools_by_key(
 @kopf.on.create(GROUP, VERSION, POOLS, backoff=BACKOFF)
 @kopf.on.update(GROUP, VERSION, POOLS, backoff=BACKOFF)
 async def pool_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
-    await runtime_of(memo).reconciler.reconcile((namespace, name))
+    """A new or edited pool (maybe a new selector): look at its engines right away."""
+    await runtime_of(memo).reconciler.poll((namespace, name))
 
 
-@kopf.on.event(GROUP, VERSION, POOLS)
-async def pool_event(
-    type: str, namespace: str, name: str, memo: kopf.Memo, logger: kopf.Logger, **_: Any
+@kopf.on.event(GROUP, VERSION, POOLS, when=deleted)
+async def pool_deleted(
+    namespace: str, name: str, memo: kopf.Memo, logger: kopf.Logger, **_: Any
 ) -> None:
     """A deleted pool leaves its quotas with PoolNotFound."""
-    if type != "DELETED":
-        return
     reconciler = runtime_of(memo).reconciler
     reconciler.forget(POOLS, namespace, name)
     await retrying(lambda: reconciler.reconcile((namespace, name)), logger)

@@ -15,7 +15,7 @@ from typing import Any
 
 import kopf
 
-from kvquota.handlers.common import BACKOFF, GROUP, VERSION, retrying, snapshot
+from kvquota.handlers.common import BACKOFF, GROUP, VERSION, deleted, retrying, snapshot
 from kvquota.reconciler import TENANTS, PoolKey
 from kvquota.runtime import runtime_of
 
@@ -48,14 +48,14 @@ async def quota_changed(
         await reconciler.reconcile((namespace, pool))
 
 
-@kopf.on.event(GROUP, VERSION, TENANTS)
-async def quota_event(
-    type: str, namespace: str, name: str, spec: kopf.Spec, memo: kopf.Memo,
+@kopf.on.event(GROUP, VERSION, TENANTS, when=deleted)
+async def quota_deleted(
+    namespace: str, name: str, spec: kopf.Spec, memo: kopf.Memo,
     logger: kopf.Logger, **_: Any,
 ) -> None:
     """A deleted quota leaves its pool's policy."""
     pool = _pool_name(spec)
-    if type != "DELETED" or pool is None:
+    if pool is None:
         return
     reconciler = runtime_of(memo).reconciler
     reconciler.forget(TENANTS, namespace, name)

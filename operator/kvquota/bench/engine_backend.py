@@ -1,0 +1,389 @@
+"""The `engine` backend: a scenario against the real vLLM CPU server, in wall time.
+
+Each policy gets a fresh engine (the tiny model, the scenario's `engine` settings,
+`--enable-prompt-tokens-details`):
+
+- `fcfs`: stock vLLM, `--scheduling-policy fcfs`, requests sent straight to it;
+- `priority`: stock vLLM, `--scheduling-policy priority`, each request carrying its
+  tier's priority;
+- `kvquota`: vLLM with the TenantAwareScheduler plugin behind the sidecar. The sidecar
+  serves the EnginePolicy rendered from the scenario's tenants, with the tenant taken
+  from a trusted header (no JWTs to mint); sessions travel as `X-Session-Id`;
+- the baseline: stock FCFS without the noisy tiers.
+
+Prompts are token ids (the same generator as the twin); each turn resends the
+conversation with the tokens the engine generated (`return_token_ids`). vLLM cannot
+stop a random-weight model at a chosen length other than by `max_tokens`, so a request
+asks for exactly its drawn output length (capped by the client's `maxTokens`): the
+sidecar therefore reserves less than in the twin, where the client's `maxTokens` is
+reserved and the model stops earlier. Refused requests are retried after Retry-After,
+as in the twin. KV usage per tier comes from the plugin's stats file (KVQuota) or, for
+stock vLLM, as a total from `/metrics`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import secrets
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from engine_sidecar.policy import AuthPolicy, write_atomically
+from engine_sidecar.stats import EngineStats
+from kvquota.bench.metrics import Outcome, RunResult, Timeline
+from kvquota.bench.scenario import Scenario, Session, generate_sessions
+from kvquota.bench.twin import BASELINE, POLICIES, PolicySpec, Progress
+from kvquota.loadgen import Target
+
+if TYPE_CHECKING:
+    import httpx
+
+    from kvquota.processes import ManagedProcess
+    from kvquota.stack import Processes
+
+TENANT_HEADER = "x-kvquota-bench-tenant"
+# Plugin preemption reasons that are lease releases, not running requests.
+_LEASE_REASONS = frozenset({"lease_break", "degraded"})
+SAMPLE_SECONDS = 0.5
+
+
+def kv_bytes_per_token() -> int:
+    """K and V of every layer for one token of the tiny model (2-byte KV cache on CPU)."""
+    from kvquota.tinymodel import MODEL_CONFIG
+
+    return int(2 * MODEL_CONFIG["num_hidden_layers"] * MODEL_CONFIG["num_key_value_heads"]
+               * MODEL_CONFIG["head_dim"] * 2)
+
+
+@dataclass
+class _Reply:
+    status: int
+    code: str | None = None
+    retry_after: float | None = None
+    first_token: float | None = None
+    finish: float | None = None
+    output_ids: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+
+
+async def complete(
+    client: httpx.AsyncClient, target: Target, tenant: str, prompt: list[int],
+    max_tokens: int, *, session: str | None, priority: int | None, clock: Any,
+) -> _Reply:
+    """One streamed completion of token ids; times come from `clock()`."""
+    headers = dict(target.headers(tenant))
+    if session:
+        headers["X-Session-Id"] = session
+    body: dict[str, Any] = {
+        "model": target.model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+        "stream_options": {"include_usage": True}, "temperature": 0.0, "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    if priority is not None:
+        body["priority"] = priority
+    reply = _Reply(200)
+    async with client.stream(
+        "POST", f"{target.url}/v1/completions", json=body, headers=headers
+    ) as resp:
+        if resp.status_code != 200:
+            raw = await resp.aread()
+            reply.status = resp.status_code
+            try:
+                reply.code = str(json.loads(raw)["error"].get("code"))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                reply.code = None
+            retry_after = resp.headers.get("retry-after")
+            reply.retry_after = float(retry_after) if retry_after else None
+            return reply
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage")
+            if usage:
+                details = usage.get("prompt_tokens_details") or {}
+                reply.cached_tokens = int(details.get("cached_tokens") or 0)
+            for choice in chunk.get("choices", []):
+                ids = choice.get("token_ids") or []
+                if ids or choice.get("text"):
+                    now = clock()
+                    if reply.first_token is None:
+                        reply.first_token = now
+                    reply.output_ids.extend(ids)
+    reply.finish = clock()
+    return reply
+
+
+class _Driver:
+    """Plays the scenario's sessions against one target in wall time."""
+
+    def __init__(self, scenario: Scenario, sessions: list[Session], spec: PolicySpec,
+                 target: Target, progress: Progress | None) -> None:
+        self.scenario = scenario
+        self.sessions = sessions
+        self.spec = spec
+        self.target = target
+        self.progress = progress
+        self.policy = scenario.engine_policy()
+        self.outcomes: list[Outcome] = []
+        self.planned = sum(len(s.turns) for s in sessions)
+        self.settled = 0
+        self.t0 = 0.0
+
+    def clock(self) -> float:
+        return time.monotonic() - self.t0
+
+    async def run(self) -> None:
+        import httpx
+
+        limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
+        async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
+            # Warm-up (compilation, first allocation): not measured.
+            await complete(client, self.target, next(iter(self.policy.tenants)),
+                           list(range(16, 48)), 2, session=None, priority=None,
+                           clock=time.monotonic)
+            self.t0 = time.monotonic()
+            tasks = [asyncio.create_task(self._session(client, s)) for s in self.sessions]
+            deadline = self.scenario.duration + self.scenario.drain_timeout
+            _, pending = await asyncio.wait(tasks, timeout=deadline)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    async def _session(self, client: httpx.AsyncClient, session: Session) -> None:
+        await asyncio.sleep(max(0.0, session.start - self.clock()))
+        context: list[int] = []
+        tenant = self.policy.tenants[session.tenant]
+        for index, turn in enumerate(session.turns):
+            if index:
+                await asyncio.sleep(turn.think_time)
+                prompt = context + session.new_tokens(index)
+            else:
+                prompt = session.first_prompt()
+            outcome = Outcome(session.tenant, session.tier.value, session.session_id,
+                              index + 1, self.clock(), prompt_tokens=len(prompt))
+            self.outcomes.append(outcome)
+            room = self.scenario.engine.max_model_len - len(prompt)
+            cap = min(session.max_tokens, room) if session.max_tokens else room
+            max_tokens = max(1, min(turn.output_tokens, cap))
+            use_sidecar = self.spec.admission
+            reply = None
+            while outcome.attempts < self.scenario.clients.max_attempts:
+                outcome.attempts += 1
+                try:
+                    reply = await complete(
+                        client, self.target, session.tenant, prompt, max_tokens,
+                        session=session.session_id if use_sidecar else None,
+                        priority=tenant.priority if self.spec.tier_priority and not use_sidecar
+                        else None,
+                        clock=self.clock,
+                    )
+                except Exception:  # transport error: counted, the session ends
+                    outcome.status = "failed"
+                    break
+                if reply.status in (429, 503):
+                    outcome.rejections.append(reply.status)
+                    await asyncio.sleep(
+                        reply.retry_after or self.scenario.clients.retry_after_seconds
+                    )
+                    continue
+                break
+            self._settle()
+            if reply is None or reply.status != 200:
+                if outcome.status != "failed":
+                    outcome.status = "rejected" if outcome.rejections else "failed"
+                return
+            outcome.status = "ok"
+            outcome.first_token = reply.first_token
+            outcome.finish = reply.finish
+            outcome.output_tokens = len(reply.output_ids)
+            outcome.cached_tokens = reply.cached_tokens
+            context = prompt + reply.output_ids
+
+    def _settle(self) -> None:
+        self.settled += 1
+        if self.progress is not None:
+            self.progress(self.spec.key, self.settled, self.planned, self.clock())
+
+
+_METRIC = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})?\s+([0-9.eE+-]+)$")
+
+
+async def _scrape(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+    values: dict[str, float] = {}
+    try:
+        resp = await client.get(f"{url}/metrics")
+    except Exception:
+        return values
+    for line in resp.text.splitlines():
+        match = _METRIC.match(line)
+        if match:
+            values[match.group(1)] = values.get(match.group(1), 0.0) + float(match.group(2))
+    return values
+
+
+async def _sample(driver: _Driver, timeline: Timeline, stats_path: Path | None,
+                  engine_url: str, tier_of: dict[str, str], stop: asyncio.Event) -> None:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        while not stop.is_set():
+            if driver.t0:
+                by_tier: dict[str, int] = {}
+                if stats_path is not None:
+                    stats = _read_stats(stats_path)
+                    for tenant, t in (stats.tenants if stats else {}).items():
+                        tier = tier_of.get(tenant)
+                        if tier is not None:
+                            by_tier[tier] = by_tier.get(tier, 0) + t.used_blocks
+                else:
+                    usage = (await _scrape(client, engine_url)).get("vllm:kv_cache_usage_perc")
+                    if usage is not None:
+                        by_tier["all"] = round(usage * timeline.capacity)
+                timeline.add(round(driver.clock(), 3), by_tier)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), SAMPLE_SECONDS)
+
+
+def _read_stats(path: Path) -> EngineStats | None:
+    try:
+        return EngineStats.model_validate_json(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+
+
+def _start_stack(
+    procs: Processes, spec: PolicySpec, scenario: Scenario, model: Path, run: Path
+) -> tuple[ManagedProcess, str, Target]:
+    from kvquota.stack import engine_process, sidecar_process
+
+    engine_spec = scenario.engine
+    extra = ["--enable-prompt-tokens-details",
+             "--max-num-batched-tokens", str(engine_spec.max_num_batched_tokens)]
+    if spec.scheduler == "stock-priority":
+        extra += ["--scheduling-policy", "priority"]  # the last one given wins
+    plugin = spec.scheduler == "kvquota"
+    engine, engine_url = engine_process(
+        model, run, f"vllm-{spec.key}", plugin=plugin,
+        kv_cache_bytes=engine_spec.capacity_blocks * engine_spec.block_size
+        * kv_bytes_per_token(),
+        extra_args=extra, block_size=engine_spec.block_size,
+        max_model_len=engine_spec.max_model_len, max_num_seqs=engine_spec.max_num_seqs,
+    )
+    procs.start(engine).wait_http(engine_url + "/health", 300)
+    if not spec.admission:
+        return engine, engine_url, Target(engine_url, str(model))
+    policy = scenario.engine_policy().model_copy(update={
+        "model": str(model), "auth": AuthPolicy(trusted_tenant_header=TENANT_HEADER),
+    }).with_version()
+    policy_file = run / "policy-source.json"
+    write_atomically(policy_file, policy.to_json())
+    secrets_dir = run / "secrets"
+    secrets_dir.mkdir(parents=True, exist_ok=True)
+    (secrets_dir / "cache-salt").write_text(secrets.token_hex(32))
+    sidecar, sidecar_url = sidecar_process(
+        engine, engine_url, run, policy_file=policy_file, secrets_dir=secrets_dir,
+        tokenizer=model,
+        extra_args=["--retry-after", str(scenario.clients.retry_after_seconds)],
+    )
+    procs.start(sidecar).wait_http(sidecar_url + "/readyz", 120)
+    return engine, engine_url, Target(
+        sidecar_url, str(model), lambda tenant: {TENANT_HEADER: tenant}
+    )
+
+
+def _stats_path(engine: ManagedProcess) -> Path | None:
+    from engine_sidecar.stats import STATS_PATH_ENV
+
+    value = engine.env.get(STATS_PATH_ENV)
+    return Path(value) if value else None
+
+
+def run_engine_policy(
+    scenario: Scenario, sessions: list[Session], spec: PolicySpec, run: Path,
+    progress: Progress | None = None,
+) -> RunResult:
+    from kvquota.stack import Processes, terminate_as_interrupt, tiny_model
+
+    started = time.perf_counter()
+    model = tiny_model()
+    procs = Processes()
+    timeline = Timeline(capacity=scenario.engine.capacity_blocks)
+    tier_of = {tid: t.tier.value for tid, t in scenario.tenants.items()}
+    try:
+        with terminate_as_interrupt():
+            engine, engine_url, target = _start_stack(procs, spec, scenario, model, run)
+            stats_path = _stats_path(engine) if spec.scheduler == "kvquota" else None
+            driver = _Driver(scenario, sessions, spec, target, progress)
+
+            async def main() -> dict[str, float]:
+                stop = asyncio.Event()
+                sampler = asyncio.create_task(
+                    _sample(driver, timeline, stats_path, engine_url, tier_of, stop)
+                )
+                try:
+                    await driver.run()
+                finally:
+                    stop.set()
+                    await sampler
+                import httpx
+
+                async with httpx.AsyncClient(timeout=5.0) as client:
+                    return await _scrape(client, engine_url)
+
+            metrics = asyncio.run(main())
+            final = _read_stats(stats_path) if stats_path is not None else None
+    finally:
+        procs.stop_all()
+    makespan = max((o.finish for o in driver.outcomes if o.finish is not None), default=0.0)
+    result = RunResult(
+        key=spec.key, label=spec.label, outcomes=driver.outcomes, timeline=timeline,
+        makespan=makespan, wall_seconds=time.perf_counter() - started,
+    )
+    result.extra["enginePreemptions"] = int(metrics.get("vllm:num_preemptions_total", 0))
+    if final is not None:
+        result.has_leases = True
+        reasons: dict[str, int] = {}
+        by_tier: dict[str, int] = {}
+        for tenant, t in final.tenants.items():
+            tier = tier_of.get(tenant)
+            if tier is not None:
+                result.lease_breaks[tier] = result.lease_breaks.get(tier, 0) + t.lease_breaks
+                running = sum(c for r, c in t.preemptions.items() if r not in _LEASE_REASONS)
+                by_tier[tier] = by_tier.get(tier, 0) + running
+            for reason, count in t.preemptions.items():
+                reasons[reason] = reasons.get(reason, 0) + count
+        result.preemptions_by_tier = by_tier
+        result.extra["preemptionsByReason"] = dict(sorted(reasons.items()))
+    else:
+        result.preemptions_known = False
+        result.notes.append(
+            "stock vLLM does not attribute preemptions to requests; engine total: "
+            f"{result.extra['enginePreemptions']}"
+        )
+    return result
+
+
+def run_engine_bench(
+    scenario: Scenario, sessions: list[Session], policies: list[str],
+    base_scenario: Scenario | None, progress: Progress | None, *,
+    run_dir: Path | None = None,
+) -> tuple[list[RunResult], RunResult | None]:
+    unknown = [p for p in policies if p not in POLICIES or p == "plugin"]
+    if unknown:
+        raise ValueError(f"engine backend policies: fcfs, priority, kvquota (not {unknown})")
+    with tempfile.TemporaryDirectory(prefix="kvquota-bench-") as tmp:
+        root = run_dir or Path(tmp)
+        runs = [run_engine_policy(scenario, sessions, POLICIES[key], root / key, progress)
+                for key in policies]
+        baseline = None
+        if base_scenario is not None:
+            baseline = run_engine_policy(base_scenario, generate_sessions(base_scenario),
+                                         BASELINE, root / "baseline", progress)
+    return runs, baseline

@@ -1,0 +1,134 @@
+"""Scenario files: what users write, what the loader tells them when it is wrong."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from engine_sidecar.policy import Tier
+from kvquota.bench.scenario import (
+    ScenarioError,
+    generate_sessions,
+    load_scenario,
+    parse_scenario,
+    scenario_scales,
+    shipped_scenarios,
+)
+
+SHIPPED = ("noisy-neighbour", "premium-idle-burst", "all-premium-saturation", "steady-mixed")
+
+
+def test_the_documented_scenarios_ship_with_small_and_engine_scales() -> None:
+    assert set(SHIPPED) <= set(shipped_scenarios())
+    for name in SHIPPED:
+        assert {"small", "engine"} <= set(scenario_scales(name))
+        for scale in (None, "small", "engine"):
+            scenario = load_scenario(name, scale=scale)
+            assert generate_sessions(scenario), (name, scale)
+        engine = load_scenario(name, scale="engine").engine
+        assert engine.block_size % 32 == 0  # vLLM's CPU attention needs it
+
+
+def test_noisy_neighbour_is_at_realistic_scale() -> None:
+    scenario = load_scenario("noisy-neighbour")
+    sessions = generate_sessions(scenario)
+    assert scenario.engine.capacity_blocks >= 20_000
+    assert sum(len(s.turns) for s in sessions) >= 2_000
+
+
+def test_same_seed_same_requests_and_a_new_seed_changes_them() -> None:
+    first = generate_sessions(load_scenario("noisy-neighbour", scale="small"))
+    again = generate_sessions(load_scenario("noisy-neighbour", scale="small"))
+    other = generate_sessions(load_scenario("noisy-neighbour", scale="small", seed=99))
+    assert first == again
+    assert [s.first_prompt() for s in first[:5]] == [s.first_prompt() for s in again[:5]]
+    assert first != other
+
+
+def test_the_baseline_keeps_the_premium_sessions_exactly() -> None:
+    scenario = load_scenario("noisy-neighbour", scale="small")
+    premium = [s for s in generate_sessions(scenario) if s.tier is Tier.PREMIUM]
+    quiet = generate_sessions(scenario.without_tiers([Tier.FREE]))
+    assert quiet == premium
+
+
+def test_quotas_render_into_the_policy_production_applies(tiny_scenario: Path) -> None:
+    policy = load_scenario(str(tiny_scenario)).engine_policy()
+    acme, free = policy.tenants["acme"], policy.tenants["hobbyist"]
+    assert (acme.guaranteed_blocks, acme.max_blocks) == (400, 560)  # 50% / 70% of 800
+    assert acme.lease.max_blocks == 240
+    assert acme.priority == 0 and acme.lease.seconds == 300  # premium tier defaults
+    assert free.priority == 2 and free.lease.seconds == 0
+    assert free.max_concurrent_requests == 8
+    assert policy.version == policy.content_hash()
+
+
+def _error(text: str, **kwargs: object) -> str:
+    with pytest.raises(ScenarioError) as info:
+        parse_scenario(text, source="my.yaml", **kwargs)  # type: ignore[arg-type]
+    return str(info.value)
+
+
+def _tiny_with(tiny_scenario: Path, change: dict[str, object]) -> str:
+    data = yaml.safe_load(tiny_scenario.read_text())
+    acme = data["tenants"]["acme"]
+    for key, value in change.items():
+        target = acme
+        *path, last = key.split(".")
+        for part in path:
+            target = target[part]
+        target[last] = value
+    return yaml.safe_dump(data)
+
+
+def test_a_misspelt_field_is_named_with_its_path(tiny_scenario: Path) -> None:
+    text = _tiny_with(tiny_scenario, {"workloads.chat.promptToken": 100})
+    message = _error(text)
+    assert message.startswith("invalid scenario my.yaml:")
+    assert "tenants.acme.workloads.chat.promptToken" in message
+    assert "Extra inputs are not permitted" in message
+
+
+def test_a_distribution_missing_a_parameter_says_which(tiny_scenario: Path) -> None:
+    text = _tiny_with(tiny_scenario, {"workloads.chat.promptTokens": {"dist": "lognormal",
+                                                                      "median": 500}})
+    message = _error(text)
+    assert "tenants.acme.workloads.chat.promptTokens.lognormal.sigma" in message
+    assert "Field required" in message
+
+
+def test_guarantees_that_cannot_fit_are_refused_with_the_numbers(tiny_scenario: Path) -> None:
+    text = _tiny_with(tiny_scenario, {"kvCache.guaranteedBlocks": "90%",
+                                      "kvCache.maxBlocks": "95%"})
+    message = _error(text)
+    assert "guaranteedBlocks add up to 760" in message
+    assert "680" in message  # 800 x (1 - 0.15)
+
+
+def test_a_bad_percentage_and_a_max_below_the_guarantee(tiny_scenario: Path) -> None:
+    assert "percentage of engine.capacityBlocks" in _error(
+        _tiny_with(tiny_scenario, {"kvCache.maxBlocks": "lots"})
+    )
+    assert "maxBlocks (80) must be >= guaranteedBlocks (400)" in _error(
+        _tiny_with(tiny_scenario, {"kvCache.maxBlocks": 80})
+    )
+
+
+def test_unknown_names_list_what_exists(tiny_scenario: Path) -> None:
+    with pytest.raises(ScenarioError, match=r"shipped: .*noisy-neighbour"):
+        load_scenario("noisy-neighbor")
+    with pytest.raises(ScenarioError, match=r"no scale 'huge' \(scales: engine, small\)"):
+        load_scenario("noisy-neighbour", scale="huge")
+    with pytest.raises(ScenarioError, match="does not exist"):
+        load_scenario(str(tiny_scenario.parent / "missing.yaml"))
+    assert "not valid YAML" in _error("name: [unclosed")
+
+
+def test_scale_overrides_replace_distributions_whole() -> None:
+    scenario = load_scenario("noisy-neighbour", scale="engine")
+    chat = scenario.tenants["acme"].workloads["chat"]
+    # The engine scale gives a uniform where the full scenario has a lognormal.
+    assert chat.prompt_tokens.dist == "uniform"
+    assert scenario.engine.capacity_blocks == 640

@@ -1,0 +1,70 @@
+"""The twin reproduces the noisy-neighbour problem and KVQuota's fix, deterministically.
+
+Small scales only (seconds); the realistic-scale numbers come from `kvquota bench`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvquota.bench.runner import BenchOptions, run_bench
+
+
+def _bench(scenario: str, **kwargs: Any) -> dict[str, Any]:
+    options = BenchOptions(scenario=scenario, progress=False, jobs=1, **kwargs)
+    return run_bench(options)
+
+
+@pytest.fixture(scope="module")
+def noisy() -> dict[str, Any]:
+    return _bench("noisy-neighbour", scale="small", policies=("fcfs", "kvquota"))
+
+
+def test_stock_fcfs_lets_the_free_burst_wreck_premium_latency(noisy: dict[str, Any]) -> None:
+    ratios = noisy["comparison"]["ttftP99VsBaseline"]
+    assert noisy["comparison"]["tier"] == "premium"
+    assert ratios["fcfs"] >= 5.0
+
+
+def test_kvquota_keeps_premium_close_to_its_quiet_latency(noisy: dict[str, Any]) -> None:
+    ratios = noisy["comparison"]["ttftP99VsBaseline"]
+    fcfs, kvquota = noisy["policies"]["fcfs"], noisy["policies"]["kvquota"]
+    assert ratios["kvquota"] <= ratios["fcfs"] / 4
+    assert kvquota["tiers"]["premium"]["prefixHitRate"] > fcfs["tiers"]["premium"]["prefixHitRate"]
+    # The free tier was held back by admission (its concurrency limit), not dropped.
+    free = kvquota["tiers"]["free"]
+    assert free["rejected429"] > 0 and free["completed"] == free["requests"]
+    assert noisy["comparison"]["throughputVsFcfs"]["kvquota"] >= 0.9
+
+
+def test_leases_keep_idle_premium_conversations_cached() -> None:
+    document = _bench("premium-idle-burst", scale="small", policies=("fcfs", "kvquota"),
+                      baseline=False)
+    premium = {key: p["tiers"]["premium"] for key, p in document["policies"].items()}
+    assert premium["fcfs"]["prefixHitRate"] < 0.2  # the burst evicted every conversation
+    assert premium["kvquota"]["prefixHitRate"] > 0.8
+    assert premium["kvquota"]["ttftP99"] < premium["fcfs"]["ttftP99"]
+
+
+def test_same_scenario_and_seed_give_the_same_twin_json(tiny_scenario: Path) -> None:
+    first = _bench(str(tiny_scenario))
+    second = _bench(str(tiny_scenario))
+    first.pop("run"), second.pop("run")
+    assert first == second
+    assert set(first["policies"]) == {"fcfs", "priority", "kvquota"}
+    assert first["scenario"]["requests"] > 20
+    reseeded = _bench(str(tiny_scenario), seed=2, baseline=False)
+    assert reseeded["policies"]["kvquota"] != first["policies"]["kvquota"]
+
+
+def test_victim_order_variants_run_as_extra_policies(tiny_scenario: Path) -> None:
+    document = _bench(str(tiny_scenario), policies=("plugin",), baseline=False,
+                      victim_orders=("all",))
+    assert set(document["policies"]) == {
+        "plugin", "plugin:tier-first", "plugin:running-before-leases", "plugin:newest-first",
+    }
+    for summary in document["policies"].values():
+        assert summary["completed"] == summary["requests"]
