@@ -100,6 +100,7 @@ def _run_sidecar(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call
     host, port = parse_listen(args.listen)
     source: PolicySource
     if args.policy_configmap:
@@ -155,3 +156,15 @@ def _run_install_plugin(args: argparse.Namespace) -> int:
     final = install_plugin(args.dir)
     print(f"installed {final} (add {args.dir.resolve()} to PYTHONPATH)")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m engine_sidecar.cli sidecar ...` without the operator's console script."""
+    parser = argparse.ArgumentParser(prog="python -m engine_sidecar.cli")
+    register(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -23,7 +23,7 @@ What the plugin adds to vLLM's scheduler:
 
 - identity: `kvq_tenant` / `kvq_session` from `sampling_params.extra_args` (the
   sidecar sets them through `vllm_xargs`); requests without a tenant known to the
-  policy are unclassified and rank lowest;
+  policy are unclassified and the first to give blocks back;
 - leases: when a request of a tenant with `lease.seconds > 0` finishes, the session's
   prefix-cached blocks keep one extra reference (pinned) until `lease.seconds` after
   the session's last activity, within `lease.maxSessions` / `lease.maxBlocks`; the
@@ -34,13 +34,16 @@ What the plugin adds to vLLM's scheduler:
   `max(running, key=(priority, arrival_time))`; the plugin gives its chosen victim the
   top priority value for that instant and restores it before the request re-enters
   the waiting heap (no request's priority changes while it is in the heap);
-- degraded mode: when nothing ranks below the request that needs blocks and no
-  other request can make progress, live leases are released (oldest premium last)
-  so the engine always makes progress; counted, logged once per episode, exposed;
-- preemption mode: vLLM V1 has no swap. With KV offloading configured, preempted
-  requests holding at least the policy's `recomputeBelowBlocks` blocks are counted
-  as `offload` (the offloading connector reloads them), the others as `recompute`;
-  without offloading every preemption is `recompute`.
+- degraded mode: when nothing ranks above the request that needs blocks in the
+  victim order and no other request is running, live leases are released (oldest
+  premium last) so the engine always makes progress; counted, logged once per
+  episode, exposed;
+- preemption mode: vLLM V1 has no swap. With KV offloading configured (a
+  `kv_offloading_size` or an offloading KV connector), preempted requests holding at
+  least the policy's `recomputeBelowBlocks` blocks are reported as `offload` (the
+  connector is expected to reload them; their blocks show as `swappedBlocks` while
+  they wait) and the others as `recompute`; without offloading every preemption is
+  `recompute`. The plugin does not change what the connector stores or reloads.
 
 All vLLM private-API access goes through `engine_sidecar.vllm_compat`.
 """
@@ -66,6 +69,7 @@ from engine_sidecar.stats_publisher import (
 )
 from engine_sidecar.tenant_policy import (
     NO_IDENTITY,
+    UNCLASSIFIED,
     CounterBook,
     DegradedEpisodes,
     Identity,
@@ -349,9 +353,12 @@ class TenantAwareScheduler(compat.Scheduler):
         if view is not None:
             return view
         policy = self._kvq_watcher.policy
-        entries, usage, shared = compat.scan_running(
+        entries, scanned, scanned_shared = compat.scan_running(
             self, self._kvq_ids, policy.tenants if policy is not None else {}, self._kvq_marked
         )
+        # Unclassified work (key None) has no quota to rank against.
+        usage = {tenant: n for tenant, n in scanned.items() if tenant is not None}
+        shared = {tenant: ids for tenant, ids in scanned_shared.items() if tenant is not None}
         for lease in self._kvq_leases:
             lease_shared = shared.setdefault(lease.tenant, set())
             held = compat.count_unshared_blocks(lease.blocks, lease_shared)
@@ -553,32 +560,32 @@ class TenantAwareScheduler(compat.Scheduler):
                 stats = tenants[key] = TenantEngineStats()
             return stats
 
-        running_ids: set[int] = set()
-        running_by_tenant: dict[str, set[int]] = {}
-        for request in compat.running_requests(self):
-            req_id = compat.request_id(request)
-            key = stats_tenant(policy, self._kvq_ids.get(req_id, NO_IDENTITY).tenant)
-            block_ids = compat.request_block_ids(self, req_id)
-            running_ids.update(block_ids)
-            running_by_tenant.setdefault(key, set()).update(block_ids)
-            entry(key).running += 1
-        for key, ids in running_by_tenant.items():
-            entry(key).running_blocks = len(ids)
+        entries, held, shared = compat.scan_running(
+            self, self._kvq_ids, policy.tenants if policy is not None else {}, self._kvq_marked
+        )
+        for _, tenant, *_ in entries:
+            entry(tenant or UNCLASSIFIED).running += 1
+        for tenant, num_blocks in held.items():
+            entry(tenant or UNCLASSIFIED).running_blocks += num_blocks
+        for tenant, block_ids in shared.items():
+            entry(tenant or UNCLASSIFIED).running_blocks += len(block_ids)
         for request in compat.all_requests(self):
             if compat.is_waiting(request):
                 tenant = self._kvq_ids.get(compat.request_id(request), NO_IDENTITY).tenant
                 entry(stats_tenant(policy, tenant)).waiting += 1
 
-        leased_by_tenant: dict[str, set[int]] = {}
+        running_shared: set[int] = set().union(*shared.values())
+        counted: dict[str, set[int]] = {}
         views: list[LeaseView] = []
         for lease in self._kvq_leases:
             key = stats_tenant(policy, lease.tenant)
-            own = {compat.block_id(block) for block in lease.blocks} - running_ids
-            leased_by_tenant.setdefault(key, set()).update(own)
-            entry(key).leased_sessions += 1
-            views.append(LeaseView(key, lease.last_activity, lease.expires_at, len(own)))
-        for key, ids in leased_by_tenant.items():
-            entry(key).leased_blocks = len(ids)
+            own = compat.count_lease_only_blocks(
+                lease.blocks, running_shared, counted.setdefault(key, set())
+            )
+            stats = entry(key)
+            stats.leased_sessions += 1
+            stats.leased_blocks += own
+            views.append(LeaseView(key, lease.last_activity, lease.expires_at, own))
         for req_id, num_blocks in list(self._kvq_offloaded.items()):
             preempted = compat.get_request(self, req_id)
             if preempted is None or not compat.is_preempted(preempted):

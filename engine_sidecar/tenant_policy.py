@@ -3,27 +3,41 @@
 Everything here works on plain values (tenant ids, token counts, times, opaque block
 handles); `engine_sidecar.scheduler` feeds it from vLLM's scheduler state.
 
-Victim order (DESIGN.md §4). When vLLM must free KV blocks it takes the candidate with
-the *largest* key below; candidates are running requests and live leases (the pinned
-blocks of an idle session):
+Victim order (DESIGN.md §4), a total order over the candidates for giving blocks
+back: running requests and live leases (the pinned blocks of an idle session). The
+candidate with the largest key goes first:
 
-1. expired leases, always first (they are released before anything else is tried);
+1. expired leases, always first: they are released at the start of every step and
+   before anything else when an allocation fails;
 2. band: unclassified traffic (no tenant, or a tenant the policy does not know), then
    borrowers (tenants whose usage, running + pinned blocks, is above
    `guaranteedBlocks`), then tenants within their guarantee;
-3. tier: lower tier (larger `priority` number) before higher;
-4. within a band and tier, live leases before running requests (an idle session's
-   cache before work in flight); leases oldest activity first; running requests that
-   lose the least work first (fewest computed tokens), ties newest arrival first.
-   Unclassified requests use vLLM's own priority-policy order, `(priority,
-   arrival_time)`, so with no policy at all the plugin picks vLLM's victims.
+3. tier: within a band, lower tier (larger `priority` number) first;
+4. within a band and tier: live leases before running requests (an idle session's
+   cache before work in flight), leases with the oldest activity first; then the
+   running request that loses the least work (fewest computed tokens), ties newest
+   arrival first. Unclassified requests keep vLLM's own priority-policy order,
+   `(priority, arrival_time)`, so with no policy at all the plugin picks exactly
+   vLLM's victims.
 
-A running request only gives way to candidates that rank below it, a waiting request
-only to leases that rank below it. When nothing ranks below the request that needs
-blocks and nothing else can make progress (no other request running), the engine is
-*degraded*: live leases are released in the same order (so the oldest premium leases
-go last of all, oldest first) until the request fits. A degraded episode ends with the
-first step in which no allocation failed.
+When a running request R needs blocks, the plugin releases live leases whose key is
+above the key of the running request it would preempt next, then lets vLLM preempt
+that request (possibly R itself). A waiting request W can only take blocks from
+leases whose key is above W's own key; it never preempts running work (vLLM admits
+waiting requests into free blocks only). The requester's own session lease is never
+released for it (those blocks are the prefix it reuses), and neither is the lease of
+a session with a request in the engine, except in degraded mode.
+
+Degraded mode: when nothing ranks above the requester and no other request is
+running, waiting would stall the engine until leases expire. The plugin then
+releases live leases in the same order (the oldest premium leases go last of all,
+oldest first) until the request fits. A degraded episode is logged once and ends with
+the first step in which no allocation failed.
+
+Preemption reasons (`preemptions` in the stats): `unclassified`, `borrower`, `tier`
+(a running request within its guarantee) for running requests; `lease_break` and
+`degraded` for live leases released under pressure. Leases that end without pressure
+are `leaseDrops` (`expired`, `cap`, `policy`, `reset`), not evictions.
 """
 
 from __future__ import annotations

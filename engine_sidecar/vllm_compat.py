@@ -274,18 +274,19 @@ def scan_running(
     identities: Mapping[str, Any],
     known_tenants: Container[str],
     marked: Mapping[str, tuple[Any, int]],
-) -> tuple[list[RunningEntry], dict[str, int], dict[str, set[int]]]:
+) -> tuple[list[RunningEntry], dict[str | None, int], dict[str | None, set[int]]]:
     """One pass over `running` for victim ranking (it is hot under memory pressure).
 
     Returns per request (request, tenant if the policy knows it else None, priority
-    -- the one to restore if marked --, computed tokens, arrival time); per tenant the
-    blocks only its requests hold; and per tenant the ids of shared (prefix) blocks.
+    -- the one to restore if marked --, computed tokens, arrival time); per tenant
+    (None: unclassified) the blocks only one request holds; and per tenant the ids of
+    shared (prefix) blocks, so that distinct blocks = unshared + len(shared ids).
     `identities` maps req_id to an object with a `tenant` attribute."""
     managers = scheduler.kv_cache_manager.coordinator.single_type_managers
     req_to_blocks = managers[0].req_to_blocks if len(managers) == 1 else None
     entries: list[RunningEntry] = []
-    usage: dict[str, int] = {}
-    shared: dict[str, set[int]] = {}
+    usage: dict[str | None, int] = {}
+    shared: dict[str | None, set[int]] = {}
     append = entries.append
     for request in scheduler.running:
         req_id = request.request_id
@@ -294,18 +295,17 @@ def scan_running(
             priority = marked[req_id][1]
         identity = identities.get(req_id)
         tenant = identity.tenant if identity is not None else None
-        if tenant is not None and tenant in known_tenants:
-            if req_to_blocks is not None:
-                blocks = req_to_blocks.get(req_id) or []
-            else:
-                blocks = request_blocks(scheduler, req_id)
-            if blocks and (blocks[0].ref_cnt > 1 or blocks[0].is_null):
-                held = count_unshared_blocks(blocks, shared.setdefault(tenant, set()))
-            else:
-                held = len(blocks)
-            usage[tenant] = usage.get(tenant, 0) + held
-        else:
+        if tenant is not None and tenant not in known_tenants:
             tenant = None
+        if req_to_blocks is not None:
+            blocks = req_to_blocks.get(req_id) or []
+        else:
+            blocks = request_blocks(scheduler, req_id)
+        if blocks and (blocks[0].ref_cnt > 1 or blocks[0].is_null):
+            held = count_unshared_blocks(blocks, shared.setdefault(tenant, set()))
+        else:
+            held = len(blocks)
+        usage[tenant] = usage.get(tenant, 0) + held
         append((request, tenant, priority, request.num_computed_tokens, request.arrival_time))
     return entries, usage, shared
 
@@ -322,6 +322,22 @@ def count_unshared_blocks(blocks: list[KVCacheBlock], shared_ids: set[int]) -> i
         num_shared += 1
     num_null = sum(1 for block in blocks if block.is_null) if blocks and blocks[0].is_null else 0
     return len(blocks) - num_shared - num_null
+
+
+def count_lease_only_blocks(
+    blocks: list[KVCacheBlock], running_shared: Container[int], counted: set[int]
+) -> int:
+    """Blocks of a lease no running request holds: refcount 1 (the lease alone), or
+    shared only with other leases (counted once, via `counted`). Running requests
+    share a lease's blocks only as their prefix, which `scan_running` reported."""
+    num = 0
+    for block in blocks:
+        if block.ref_cnt == 1:
+            num += 1
+        elif block.block_id not in running_shared and block.block_id not in counted:
+            counted.add(block.block_id)
+            num += 1
+    return num
 
 
 def block_id(block: KVCacheBlock) -> int:

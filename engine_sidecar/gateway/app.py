@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from engine_sidecar.gateway import errors
 from engine_sidecar.gateway.active_policy import ActivePolicy, PolicyHolder
@@ -39,9 +39,6 @@ from engine_sidecar.gateway.engine_stats import EngineStatsReader
 from engine_sidecar.gateway.errors import ApiError
 from engine_sidecar.gateway.forward import (
     REQUEST_DROP,
-    Receive,
-    Scope,
-    Send,
     Upstream,
     exchange,
     filter_headers,
@@ -58,6 +55,7 @@ from engine_sidecar.stats import STATUS_ROUTE
 logger = logging.getLogger(__name__)
 
 JSON_HEADERS = [(b"content-type", b"application/json")]
+ASGIHandler = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 @dataclass
@@ -104,7 +102,6 @@ class Gateway:
         policy_source: PolicySource | None,
         *,
         token_counter: TokenCounter | None = None,
-        upstream_transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.config = config
         self.metrics = GatewayMetrics(config.tenant_label_limit)
@@ -119,8 +116,7 @@ class Gateway:
         self.monitor = EngineMonitor(interval=config.engine_probe_interval)
         self.upstream = Upstream(
             config.upstream, request_timeout=config.request_timeout,
-            connect_timeout=config.connect_timeout, transport=upstream_transport,
-            on_error=self._upstream_failed,
+            connect_timeout=config.connect_timeout, on_error=self._upstream_failed,
         )
         self.token_counter = token_counter
         self.metrics.attach_state(StateSources(
@@ -129,19 +125,51 @@ class Gateway:
             stats=self.stats.current,
             label=self._tenant_label,
         ))
-        routes = [
-            Route("/v1/completions", _AsgiEndpoint(self._completions), methods=["POST"]),
-            Route("/v1/chat/completions", _AsgiEndpoint(self._chat), methods=["POST"]),
-            Route("/v1/models", _AsgiEndpoint(self._models), methods=["GET"]),
-            Route("/healthz", self._healthz, methods=["GET"]),
-            Route("/readyz", self._readyz, methods=["GET"]),
-            Route("/metrics", self._metrics, methods=["GET"]),
-            Route(STATUS_ROUTE, self._status, methods=["GET"]),
-        ]
-        self.app = Starlette(
-            routes=routes, lifespan=self._lifespan,
+        # The proxied routes bypass Starlette's routing and middleware: they run once per
+        # request and their `send` once per token chunk. Everything else is Starlette.
+        self._proxied: dict[str, tuple[str, ASGIHandler]] = {
+            "/v1/completions": ("POST", self._completions),
+            "/v1/chat/completions": ("POST", self._chat),
+            "/v1/models": ("GET", self._models),
+        }
+        self.starlette = Starlette(
+            routes=[
+                Route("/healthz", self._healthz, methods=["GET"]),
+                Route("/readyz", self._readyz, methods=["GET"]),
+                Route("/metrics", self._metrics, methods=["GET"]),
+                Route(STATUS_ROUTE, self._status, methods=["GET"]),
+            ],
+            lifespan=self._lifespan,
             exception_handlers={HTTPException: _http_exception},
         )
+        self._tier_children: dict[str, tuple[Any, Any, Any]] = {}
+
+    async def app(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The ASGI application."""
+        if scope["type"] == "http" and (route := self._proxied.get(scope["path"])):
+            method, handler = route
+            if scope["method"] != method:
+                await send_error(send, ApiError(405, errors.METHOD_NOT_ALLOWED,
+                                                f"use {method} on this route"))
+                return
+            try:
+                await handler(scope, receive, send)
+            except Exception:  # a bug: answer like an API, keep the trace in the log only
+                logger.exception("unhandled error on %s", scope["path"])
+                with contextlib.suppress(Exception):
+                    await send_error(send, ApiError(
+                        500, errors.INTERNAL_ERROR, "the sidecar failed on this request"))
+            return
+        await self.starlette(scope, receive, send)
+
+    def _tier_metrics(self, tier: str) -> tuple[Any, Any, Any]:
+        """(ttft, duration, reserved-blocks) children for a tier, looked up once."""
+        children = self._tier_children.get(tier)
+        if children is None:
+            children = (self.metrics.ttft.labels(tier), self.metrics.duration.labels(tier),
+                        self.metrics.reserved_blocks.labels(tier))
+            self._tier_children[tier] = children
+        return children
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -265,9 +293,10 @@ class Gateway:
                 on_done=reservation.release,
             )
             outcome = result.outcome
+            ttft, duration, _ = self._tier_metrics(tier)
             if result.ttft is not None:
-                self.metrics.ttft.labels(tier).observe(result.ttft)
-            self.metrics.duration.labels(tier).observe(result.duration)
+                ttft.observe(result.ttft)
+            duration.observe(result.duration)
         finally:
             reservation.release(outcome)
             self.metrics.reservations.labels(tier, outcome).inc()
@@ -315,7 +344,7 @@ class Gateway:
         if verdict.error is not None:
             raise self._reject(verdict.error, verdict.decision.removeprefix("rejected_"))
         reservation = self.ledger.reserve(tenant_id, verdict.blocks)
-        self.metrics.reserved_blocks.labels(tier).inc(verdict.blocks)
+        self._tier_metrics(tier)[2].inc(verdict.blocks)
         body = rewrite(
             request, max_tokens=verdict.max_tokens, priority=tenant.priority,
             tenant_id=tenant_id, session=session_id(headers, request.body),
@@ -365,16 +394,6 @@ class Gateway:
         return Response(status.model_dump_json(by_alias=True), media_type="application/json")
 
 
-class _AsgiEndpoint:
-    """Marks a bound method as a raw ASGI app for Starlette's Route (streaming control)."""
-
-    def __init__(self, handler: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
-        self._handler = handler
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self._handler(scope, receive, send)
-
-
 async def _http_exception(_request: Request, exc: Exception) -> Response:
     status = getattr(exc, "status_code", 500)
     codes = {404: errors.NOT_FOUND, 405: errors.METHOD_NOT_ALLOWED}
@@ -389,5 +408,5 @@ def create_app(
     config: GatewayConfig,
     policy_source: PolicySource | None,
     **kwargs: Any,
-) -> Starlette:
+) -> ASGIHandler:
     return Gateway(config, policy_source, **kwargs).app

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from engine_sidecar.policy import AuthPolicy, JwtPolicy
 logger = logging.getLogger(__name__)
 
 MAX_TOKEN_BYTES = 16 * 1024
+VERIFIED_CACHE_SIZE = 10_000
 MIN_HMAC_KEY_BYTES = 32
 _EC_CURVES = {"ES256": "secp256r1", "ES384": "secp384r1", "ES512": "secp521r1"}
 
@@ -166,6 +168,10 @@ class JwtVerifier:
         self._policy = policy
         self._keys = keys
         self._pinned = frozenset(policy.algorithms)
+        # Verified tokens -> (tenant, expiry): clients resend the same token on every
+        # request, and a signature check costs far more than the rest of admission.
+        # Keys or policy changing builds a new verifier, so the cache never outlives them.
+        self._verified: dict[str, tuple[str, float]] = {}
         self._require = ["exp"]
         if policy.issuer:
             self._require.append("iss")
@@ -173,6 +179,19 @@ class JwtVerifier:
             self._require.append("aud")
 
     def tenant_of(self, token: str) -> str:
+        cached = self._verified.get(token)
+        if cached is not None:
+            tenant, expires = cached
+            if time.time() <= expires:
+                return tenant
+            del self._verified[token]
+        tenant, expires = self._verify(token)
+        if len(self._verified) >= VERIFIED_CACHE_SIZE:
+            self._verified.pop(next(iter(self._verified)))  # oldest first
+        self._verified[token] = (tenant, expires)
+        return tenant
+
+    def _verify(self, token: str) -> tuple[str, float]:
         if len(token) > MAX_TOKEN_BYTES:
             raise _unauthenticated("bearer token is too large")
         try:
@@ -192,7 +211,8 @@ class JwtVerifier:
                 403, UNKNOWN_TENANT,
                 f"token has no string claim {self._policy.tenant_claim!r} naming the tenant",
             )
-        return tenant
+        # `exp` is required and was checked; the cache honours it with the same leeway.
+        return tenant, float(claims["exp"]) + self._policy.leeway_seconds
 
     def _candidates(self, alg: str, kid: Any) -> list[Any]:
         if self._keys.hmac_secret is not None:

@@ -1,10 +1,14 @@
 """The streaming proxy to the engine: status and headers first, then chunks untouched.
 
-One long-lived, cookieless httpx client per app. An exchange runs as two tasks: the
-pump (open upstream, relay bytes) and a watcher for the client's `http.disconnect`.
-Whichever ends first ends the other; the pump closes the upstream response in its
-`finally` (so vLLM aborts the generation) and the caller's reservation is released
-exactly once, whatever happened.
+Two clients, each for what it is good at: the data plane (generation requests) goes
+through `UpstreamPool` (upstream_http.py, C-parsed, one callback per chunk); control
+calls (health probes, model card, /tokenize) go through one long-lived, cookieless
+httpx client. Neither reads proxy settings from the environment.
+
+An exchange runs as two tasks: the pump (open upstream, relay bytes) and a watcher for
+the client's `http.disconnect`. Whichever ends first ends the other; the pump closes
+the upstream response in its `finally` (aborting an unfinished one, so vLLM stops
+generating) and reports the outcome exactly once, as soon as the engine is done.
 """
 
 from __future__ import annotations
@@ -16,17 +20,22 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import httpx
+from starlette.types import Receive, Send
 
 from engine_sidecar.gateway import errors
 from engine_sidecar.gateway.errors import ApiError, sse_error_event
+from engine_sidecar.gateway.upstream_http import (
+    UpstreamConnectError,
+    UpstreamPool,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
 
 logger = logging.getLogger(__name__)
 
-Scope = dict
-Receive = Callable[[], Awaitable[dict]]
-Send = Callable[[dict], Awaitable[None]]
 
 HOP_BY_HOP = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
@@ -56,17 +65,13 @@ def filter_headers(
     return [(k.lower(), v) for k, v in headers if k.lower() not in drop and k.lower() not in extra]
 
 
-def upstream_error(exc: httpx.HTTPError, timeout: float) -> tuple[ApiError, str]:
+def upstream_error(exc: BaseException, timeout: float) -> tuple[ApiError, str]:
     """Transport failure -> (client error, metric kind); nothing internal leaks."""
-    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+    if isinstance(exc, UpstreamConnectError):
         return ApiError(503, errors.ENGINE_UNAVAILABLE,
                         "the inference engine is not accepting connections; retry later",
                         retry_after=1), "connect"
-    if isinstance(exc, httpx.PoolTimeout):
-        return ApiError(503, errors.ENGINE_UNAVAILABLE,
-                        "too many requests are waiting for the inference engine; retry later",
-                        retry_after=1), "pool"
-    if isinstance(exc, httpx.TimeoutException):
+    if isinstance(exc, UpstreamTimeout | TimeoutError):
         return ApiError(504, errors.UPSTREAM_TIMEOUT,
                         f"the inference engine did not respond within {timeout:g}s"), "timeout"
     return ApiError(502, errors.UPSTREAM_ERROR,
@@ -80,38 +85,38 @@ class Upstream:
         *,
         request_timeout: float,
         connect_timeout: float = 5.0,
-        transport: httpx.AsyncBaseTransport | None = None,
-        max_connections: int = 1024,
         on_error: Callable[[str], None] | None = None,
     ) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"--upstream must be an http:// URL of the local engine, "
+                             f"got {base_url!r}")
+        self.request_timeout = request_timeout
+        self.pool = UpstreamPool(parts.hostname, parts.port or 80,
+                                 connect_timeout=connect_timeout, read_timeout=request_timeout)
         no_cookies = http.cookiejar.CookieJar(
             policy=http.cookiejar.DefaultCookiePolicy(allowed_domains=[])
         )
-        self.request_timeout = request_timeout
         self.client = httpx.AsyncClient(
             base_url=base_url.rstrip("/"),
-            timeout=httpx.Timeout(request_timeout, connect=connect_timeout,
-                                  pool=connect_timeout),
-            limits=httpx.Limits(max_connections=max_connections,
-                                max_keepalive_connections=256, keepalive_expiry=30.0),
+            timeout=httpx.Timeout(request_timeout, connect=connect_timeout),
             cookies=no_cookies,
             trust_env=False,  # never route engine traffic through an env proxy
             follow_redirects=False,
-            transport=transport,
         )
         self._on_error = on_error
 
     async def aclose(self) -> None:
+        self.pool.close()
         await self.client.aclose()
 
     async def open(
         self, method: str, path: str, headers: list[tuple[bytes, bytes]], body: bytes
-    ) -> httpx.Response:
+    ) -> UpstreamResponse:
         """Send, wait for status and headers; the body is left to stream."""
-        request = self.client.build_request(method, path, headers=headers, content=body)
         try:
-            return await self.client.send(request, stream=True)
-        except httpx.HTTPError as exc:
+            return await self.pool.request(method, path, headers, body)
+        except OSError as exc:
             raise self.failure(exc) from None
 
     def failure_status(self, status: int) -> ApiError:
@@ -127,7 +132,7 @@ class Upstream:
         return ApiError(502, errors.UPSTREAM_ERROR,
                         f"the inference engine failed to process the request (HTTP {status})")
 
-    def failure(self, exc: httpx.HTTPError) -> ApiError:
+    def failure(self, exc: BaseException) -> ApiError:
         error, kind = upstream_error(exc, self.request_timeout)
         if self._on_error is not None:
             self._on_error(kind)
@@ -166,9 +171,10 @@ class _Pump:
         self.result.outcome = outcome
         self.on_done(outcome)
 
-    async def run(self, opener: Callable[[], Awaitable[httpx.Response]], start: float) -> None:
+    async def run(self, opener: Callable[[], Awaitable[UpstreamResponse]], start: float) -> None:
         result = self.result
-        response: httpx.Response | None = None
+        send = self.send
+        response: UpstreamResponse | None = None
         try:
             try:
                 response = await opener()
@@ -176,7 +182,7 @@ class _Pump:
                 self._done("timeout" if error.status == 504 else "upstream_error")
                 result.status = error.status
                 result.started = True
-                await send_error(self.send, error)
+                await send_error(send, error)
                 return
             result.status = response.status_code
             if response.status_code >= 500:
@@ -185,34 +191,35 @@ class _Pump:
                 await response.aclose()
                 self._done("upstream_error")
                 result.started = True
-                await send_error(self.send, refusal)
+                await send_error(send, refusal)
                 return
-            await self.send({
+            await send({
                 "type": "http.response.start", "status": response.status_code,
-                "headers": filter_headers(response.headers.raw, RESPONSE_DROP),
+                "headers": filter_headers(response.raw_headers, RESPONSE_DROP),
             })
             result.started = True
             try:
                 async for chunk in response.aiter_raw():
                     if result.ttft is None:
                         result.ttft = time.perf_counter() - start
-                    await self.send({"type": "http.response.body", "body": chunk,
-                                     "more_body": True})
-            except httpx.HTTPError as exc:
+                    await send({"type": "http.response.body", "body": chunk,
+                                "more_body": True})
+            except OSError as exc:
                 failure = self.upstream.failure(exc)
                 await response.aclose()
                 self._done("timeout" if failure.status == 504 else "upstream_error")
-                if response.headers.get("content-type", "").startswith("text/event-stream"):
+                content_type = response.header(b"content-type") or b""
+                if content_type.startswith(b"text/event-stream"):
                     self.finishing = True
-                    await self.send({"type": "http.response.body",
-                                     "body": sse_error_event(failure), "more_body": False})
+                    await send({"type": "http.response.body",
+                                "body": sse_error_event(failure), "more_body": False})
                 # Otherwise leave the response incomplete: the server drops the connection,
                 # which is how a client learns that a plain body was cut short.
                 return
             self.finishing = True
             await response.aclose()
             self._done("completed" if response.status_code < 400 else "upstream_error")
-            await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             if response is not None:
                 await response.aclose()
@@ -229,7 +236,7 @@ async def exchange(
     receive: Receive,
     send: Send,
     upstream: Upstream,
-    opener: Callable[[], Awaitable[httpx.Response]],
+    opener: Callable[[], Awaitable[UpstreamResponse]],
     on_done: Callable[[str], object] = lambda _outcome: None,
 ) -> ExchangeResult:
     """Run one proxied exchange to its end; never raises for client or engine failures.

@@ -60,6 +60,9 @@ class HfTokenCounter:
 
     def __init__(self, tokenizer: Any, name: str) -> None:
         self._tokenizer = tokenizer
+        # The Rust tokenizer underneath a fast tokenizer: same ids, a fraction of the
+        # Python overhead of `tokenizer.encode` (which goes through batch encoding).
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self.description = f"local tokenizer {name}"
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvq-tok")
 
@@ -69,16 +72,21 @@ class HfTokenCounter:
 
         return cls(AutoTokenizer.from_pretrained(name_or_path), name_or_path)
 
+    def _encoded_length(self, text: str, special: bool) -> int:
+        if self._backend is not None:
+            return len(self._backend.encode(text, add_special_tokens=special))
+        return len(self._tokenizer.encode(text, add_special_tokens=special))
+
     def _count_sync(self, request: ParsedRequest) -> tuple[int, ...]:
-        tok = self._tokenizer
         if request.kind is Kind.CHAT:
             messages = [{**m, "content": _text_of(m.get("content"))} for m in request.messages]
-            text = tok.apply_chat_template(messages, tokenize=False, **_chat_options(request.body))
+            text = self._tokenizer.apply_chat_template(
+                messages, tokenize=False, **_chat_options(request.body))
             special = request.body.get("add_special_tokens") is True
-            return (len(tok.encode(text, add_special_tokens=special)),)
+            return (self._encoded_length(text, special),)
         special = request.body.get("add_special_tokens", True) is not False
         return tuple(
-            len(p) if isinstance(p, list) else len(tok.encode(p, add_special_tokens=special))
+            len(p) if isinstance(p, list) else self._encoded_length(p, special)
             for p in request.prompts
         )
 

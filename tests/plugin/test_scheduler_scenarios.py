@@ -26,10 +26,30 @@ def _first_preemption_order(harness) -> list[str]:
     return order
 
 
+def _assert_blocks_add_up(harness) -> None:
+    """Every block not free is held by running work or pinned by a lease, counted once."""
+    stats = harness.kvq_stats()
+    used = sum(t.running_blocks + t.leased_blocks for t in stats.tenants.values())
+    assert used == stats.total_blocks - stats.free_blocks
+
+
+def _assert_priorities_untouched(harness) -> None:
+    """The priority a request was sent with is the one it has between steps (the
+    victim mark lives only inside schedule(), and never in the waiting heap)."""
+    for req_id, request in harness.scheduler.requests.items():
+        assert request.priority == harness.requests[req_id].priority, req_id
+
+
 def _saturate_with_free_burst(harness, tokens: Tokens, *, count: int, prompt: int) -> None:
     for i in range(count):
         harness.add_request(f"burst-{i}", tokens(prompt), 64, priority=2, tenant="freeco")
-    harness.run_until_done(max_steps=5_000)
+    for _ in range(5_000):
+        if not harness.has_unfinished():
+            return
+        harness.step()
+        if harness.plugin is not None and len(harness.steps) % 7 == 0:
+            _assert_blocks_add_up(harness)
+    raise AssertionError("the burst did not finish")
 
 
 # -- a. an idle premium session keeps its prefix through a free-tier burst ----------------
@@ -137,6 +157,23 @@ def test_session_activity_extends_the_lease(make_harness, policy_path, tokens):
     assert stats.lease_drops == {}
 
 
+def test_a_running_turn_and_its_lease_count_shared_blocks_once(make_harness, policy_path, tokens):
+    write_policy(policy_path, engine_policy(tenant("acme", guaranteed=100, lease_seconds=60)))
+    harness = make_harness(num_blocks=201, block_size=BLOCK, policy_path=policy_path)
+    turn1 = harness.add_request("t1", tokens(320), 8, tenant="acme", session="s1")
+    harness.run_until_done()
+    harness.add_request("t2", [*turn1.all_token_ids, *tokens(64)], 200, tenant="acme",
+                        session="s1")
+    for _ in range(10):
+        harness.step()
+
+    stats = harness.kvq_stats().tenants["acme"]
+    assert stats.running == 1 and stats.leased_sessions == 1
+    assert stats.leased_blocks == 0  # all 20 pinned blocks are turn 2's prefix
+    assert stats.running_blocks == (327 + 64 + 10) // BLOCK + 1
+    _assert_blocks_add_up(harness)
+
+
 def test_lease_caps_keep_the_newest_sessions(make_harness, policy_path, tokens):
     write_policy(policy_path, engine_policy(
         tenant("acme", guaranteed=500, lease_seconds=300, lease_sessions=2, lease_blocks=25)
@@ -173,7 +210,9 @@ def test_victim_order_unclassified_then_borrower_then_lower_tier(make_harness, p
     harness.add_request("gold", tokens(160), 300, priority=0, tenant="gold")
     harness.add_request("silver", tokens(160), 300, priority=1, tenant="silver")
     harness.add_request("bronze", tokens(160), 300, priority=2, tenant="bronze")
-    harness.run_until_done()
+    while harness.has_unfinished():
+        harness.step()
+        _assert_priorities_untouched(harness)
 
     order = _first_preemption_order(harness)
     assert order[:3] == ["anon", "bronze", "silver"]
@@ -469,6 +508,7 @@ def test_allocation_never_fails_while_the_hook_is_disarmed(
         while harness.has_unfinished():
             harness.step()
             disarmed_steps += not hook.armed
+            _assert_priorities_untouched(harness)
         harness.advance(60)  # leases expire: the next phase starts from an empty cache
 
     # 48 sub-block prompts admitted together cross into their 2nd block in the same

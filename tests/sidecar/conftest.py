@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from engine_sidecar.gateway.app import Gateway, GatewayConfig
@@ -23,7 +22,6 @@ from engine_sidecar.policy import EnginePolicy
 
 from .helpers import Keys, ServerThread, wait_for, write_policy
 from .stub_engine import StubEngine
-
 
 SEND_BUFFER = 16 * 1024
 
@@ -61,6 +59,15 @@ class Harness:
         ledger = self.gateway.ledger
         return ledger.total_blocks == 0 and ledger.total_inflight == 0 and not ledger.tenants()
 
+    def wait_ledger_empty(self, timeout: float = 5.0) -> bool:
+        """The ledger settles when the engine's response ends, which can be a moment
+        after a client already holds every byte of a Content-Length response."""
+        ledger = self.gateway.ledger
+        wait_for(self.ledger_is_empty, timeout,
+                 f"ledger not empty: {ledger.total_blocks} blocks, "
+                 f"{ledger.total_inflight} in flight")
+        return True
+
 
 def start_harness(
     tmp: Path, config: GatewayConfig, counter: TokenCounter | None, **kwargs: Any
@@ -97,28 +104,19 @@ StubFactory = Callable[..., tuple[Harness, StubEngine]]
 def stub_sidecar(
     keys: Keys, token_counter: TokenCounter, tmp_path: Path
 ) -> Iterator[StubFactory]:
-    """Factory: a sidecar in front of a recording stub engine (in process, cheap)."""
+    """Factory: a sidecar in front of a recording stub engine served on a socket."""
     servers: list[ServerThread] = []
 
     def make(
-        stub: StubEngine | None = None, *, tcp: bool = False, wait_up: bool = True,
-        **config: Any
+        stub: StubEngine | None = None, *, wait_up: bool = True, **config: Any
     ) -> tuple[Harness, StubEngine]:
-        """`tcp=True` serves the stub over a real socket (timeouts, disconnects)."""
         stub = stub or StubEngine()
-        transport: httpx.AsyncBaseTransport | None = None
-        upstream = "http://engine.invalid"
-        if tcp:
-            stub_server = ServerThread(stub).start()
-            servers.append(stub_server)
-            upstream = stub_server.url
-        else:
-            transport = httpx.ASGITransport(app=stub)
-        settings = {"upstream": upstream, "secrets_dir": keys.dir,
+        stub_server = ServerThread(stub).start()
+        servers.append(stub_server)
+        settings = {"upstream": stub_server.url, "secrets_dir": keys.dir,
                     "plugin_policy_path": tmp_path / "plugin-policy.json",
                     "engine_probe_interval": 0.2, **config}
-        harness = start_harness(tmp_path, GatewayConfig(**settings), token_counter,
-                                upstream_transport=transport)
+        harness = start_harness(tmp_path, GatewayConfig(**settings), token_counter)
         servers.append(harness.server)
         if wait_up:
             wait_for(lambda: harness.gateway.monitor.up, 10, "stub engine not seen up")

@@ -90,6 +90,7 @@ def test_watermark_refuses_borrowers_only() -> None:
     assert _decide(borrower, 10, 86, capacity=UNKNOWN_CAPACITY).admitted
 
 
+@settings(database=None)
 @given(
     guaranteed=st.integers(0, 200), used=st.integers(0, 200), prompt=st.integers(1, 1500),
     max_tokens=st.integers(1, 500), free=st.integers(0, 1000), watermark=st.floats(0, 0.49),
@@ -115,7 +116,7 @@ def test_capacity_view_counts_unallocated_reservations_once() -> None:
     assert capacity_view(None, None, 150) == UNKNOWN_CAPACITY
 
 
-@settings(max_examples=200)
+@settings(max_examples=200, database=None)
 @given(st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.integers(0, 50),
                           st.sampled_from(["completed", "upstream_error", "timeout",
                                            "cancelled"]), st.integers(1, 3)),

@@ -51,9 +51,7 @@ def _engine_stats(engine: Any) -> EngineStats | None:
 
 
 def _wait_ledger_empty(harness: Harness, timeout: float = 30.0) -> None:
-    wait_for(harness.ledger_is_empty, timeout,
-             f"ledger not empty: {harness.gateway.ledger.total_blocks} blocks, "
-             f"{harness.gateway.ledger.total_inflight} in flight")
+    harness.wait_ledger_empty(timeout)
 
 
 @contextmanager

@@ -117,7 +117,7 @@ def fuzz_stub(stub_sidecar: StubFactory) -> Harness:
     return harness
 
 
-@settings(max_examples=200, deadline=None,
+@settings(max_examples=200, deadline=None, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_fuzzed_requests_never_500_stub_engine(
@@ -125,11 +125,11 @@ def test_fuzzed_requests_never_500_stub_engine(
 ) -> None:
     with httpx.Client(timeout=30) as client:
         _check(fuzz_stub, client, data.draw(requests(keys)))
-    assert fuzz_stub.ledger_is_empty()
+    assert fuzz_stub.wait_ledger_empty()
 
 
 @pytest.mark.engine
-@settings(max_examples=60, deadline=None,
+@settings(max_examples=60, deadline=None, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_fuzzed_requests_never_500_real_engine(

@@ -80,13 +80,12 @@ def test_streams_relay_headers_minus_hop_by_hop_and_cookies(
     assert response.headers["x-upstream"] == "stub"
     assert "set-cookie" not in response.headers
     assert events[-1] == "data: [DONE]" and len(events) == 7
-    assert harness.ledger_is_empty()
+    assert harness.wait_ledger_empty()
 
 
 def test_engine_down_is_503_and_not_ready(stub_sidecar: StubFactory, keys: Keys) -> None:
     closed = f"http://127.0.0.1:{free_port()}"
-    harness, _ = stub_sidecar(tcp=False, wait_up=False, upstream=closed)
-    harness.gateway.upstream.client._transport = httpx.AsyncHTTPTransport()  # real sockets
+    harness, _ = stub_sidecar(wait_up=False, upstream=closed)
     harness.apply(make_policy(tenant("acme")))
 
     response = httpx.post(harness.url + "/v1/completions", json={"prompt": "x"},
@@ -98,7 +97,7 @@ def test_engine_down_is_503_and_not_ready(stub_sidecar: StubFactory, keys: Keys)
     assert response.headers["retry-after"] == "1"
     assert "127.0.0.1" not in response.text  # no internal addresses
     assert ready.status_code == 503 and ready.json()["ready"] is False
-    assert harness.ledger_is_empty()
+    assert harness.wait_ledger_empty()
 
 
 def test_engine_5xx_is_mapped_without_its_body(stub_sidecar: StubFactory, keys: Keys) -> None:
@@ -109,17 +108,17 @@ def test_engine_5xx_is_mapped_without_its_body(stub_sidecar: StubFactory, keys: 
     assert response.status_code == 502
     assert response.json()["error"]["code"] == "UPSTREAM_ERROR"
     assert "exploded" not in response.text
-    assert harness.ledger_is_empty()
+    assert harness.wait_ledger_empty()
 
 
 def test_upstream_timeout_is_504(stub_sidecar: StubFactory, keys: Keys) -> None:
-    harness, _ = stub_sidecar(StubEngine(mode="hang_headers"), tcp=True, request_timeout=0.3)
+    harness, _ = stub_sidecar(StubEngine(mode="hang_headers"), request_timeout=0.3)
     harness.apply(make_policy(tenant("acme")))
     response = httpx.post(harness.url + "/v1/completions", json={"prompt": "x"},
                           headers=_bearer(keys.hs("acme")))
     assert response.status_code == 504
     assert response.json()["error"]["code"] == "UPSTREAM_TIMEOUT"
-    assert harness.ledger_is_empty()
+    assert harness.wait_ledger_empty()
 
 
 @pytest.mark.parametrize(("mode", "code"), [("hang_midstream", "UPSTREAM_TIMEOUT"),
@@ -127,7 +126,7 @@ def test_upstream_timeout_is_504(stub_sidecar: StubFactory, keys: Keys) -> None:
 def test_failure_mid_stream_ends_the_stream_with_an_error_event(
     stub_sidecar: StubFactory, keys: Keys, mode: str, code: str
 ) -> None:
-    harness, _ = stub_sidecar(StubEngine(mode=mode), tcp=True, request_timeout=0.3)
+    harness, _ = stub_sidecar(StubEngine(mode=mode), request_timeout=0.3)
     harness.apply(make_policy(tenant("acme")))
     with httpx.stream("POST", harness.url + "/v1/completions",
                       json={"prompt": "x", "stream": True},
@@ -135,7 +134,7 @@ def test_failure_mid_stream_ends_the_stream_with_an_error_event(
         events = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert response.status_code == 200
     assert json.loads(events[-1].removeprefix("data: "))["error"]["code"] == code
-    assert harness.ledger_is_empty()
+    assert harness.wait_ledger_empty()
 
 
 def test_no_policy_means_503_and_not_ready(stub_sidecar: StubFactory, keys: Keys) -> None:

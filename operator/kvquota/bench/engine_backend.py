@@ -144,10 +144,16 @@ class _Driver:
 
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
         async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
-            # Warm-up (compilation, first allocation): not measured.
-            await complete(client, self.target, next(iter(self.policy.tenants)),
-                           list(range(16, 48)), 2, session=None, priority=None,
-                           clock=time.monotonic)
+            # Warm-up (first allocations, shapes of a long prefill and of a batch):
+            # not measured. Distinct prompts, so nothing of it is cached for the run.
+            tenant = next(iter(self.policy.tenants))
+            length = min(1024, self.scenario.engine.max_model_len // 2)
+            await asyncio.gather(*(
+                complete(client, self.target, tenant, [16 + (i + k) % 2000 for k in range(
+                    length if i == 0 else 64)], 4, session=None, priority=None,
+                    clock=time.monotonic)
+                for i in range(8)
+            ))
             self.t0 = time.monotonic()
             tasks = [asyncio.create_task(self._session(client, s)) for s in self.sessions]
             deadline = self.scenario.duration + self.scenario.drain_timeout

@@ -1,0 +1,453 @@
+"""Latency the sidecar adds: `python -m engine_sidecar.gateway.bench`.
+
+Streams the same requests straight to an upstream and through a sidecar in front of
+it, at 1, 16 and 64 concurrent streams, and prints p50/p99 of time to first byte
+(TTFT) and total time for both, and the difference.
+
+Upstreams:
+- a local streaming stub (always): fixed TTFT, fixed chunk cadence, ~vLLM-sized SSE
+  chunks. Its latency is constant, so the difference isolates the sidecar's cost.
+- a real vLLM engine (`--engine-url URL`, or `--model PATH` to start a CPU one):
+  shows the overhead against real engine variance.
+
+Every process (stub, sidecar, engine) runs separately from the load generator, which
+speaks raw HTTP/1.1 over asyncio streams to keep its own overhead out of the numbers.
+Directs and proxied runs alternate in rounds to cancel drift on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+CONCURRENCY = (1, 16, 64)
+
+
+# ---------------------------------------------------------------- stub engine
+
+def stub_app(ttft_ms: float, chunks: int, interval_ms: float) -> Any:
+    """A raw ASGI app answering like vLLM's streaming completions, at a fixed pace."""
+    chunk = json.dumps({"id": "cmpl-bench", "object": "text_completion", "created": 0,
+                        "model": "stub", "choices": [{"index": 0, "text": " token",
+                                                      "logprobs": None,
+                                                      "finish_reason": None}]})
+    event = b"data: " + chunk.encode() + b"\n\n"
+    models = json.dumps({"object": "list", "data": [
+        {"id": "stub", "root": "stub", "max_model_len": 4096}]}).encode()
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        path = scope["path"]
+        if path in ("/health", "/v1/models", "/tokenize"):
+            payload = models if path == "/v1/models" else (
+                json.dumps({"count": len(body) // 4}).encode() if path == "/tokenize" else b"{}")
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": payload})
+            return
+        await asyncio.sleep(ttft_ms / 1000)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+        for i in range(chunks):
+            if i:
+                await asyncio.sleep(interval_ms / 1000)
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    return app
+
+
+def _serve_stub(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    uvicorn.run(stub_app(args.ttft_ms, args.chunks, args.interval_ms), host="127.0.0.1",
+                port=args.port, log_level="warning", access_log=False)
+    return 0
+
+
+# ---------------------------------------------------------------- load generator
+
+@dataclass
+class Sample:
+    ttft: float
+    total: float
+
+
+async def _read_headers(reader: asyncio.StreamReader) -> tuple[int, dict[bytes, bytes]]:
+    status_line = await reader.readline()
+    if not status_line:
+        raise ConnectionError("connection closed before the status line")
+    status = int(status_line.split()[1])
+    headers: dict[bytes, bytes] = {}
+    while True:
+        line = await reader.readline()
+        if line in (b"\r\n", b""):
+            return status, headers
+        key, _, value = line.partition(b":")
+        headers[key.strip().lower()] = value.strip()
+
+
+async def _read_body(reader: asyncio.StreamReader, headers: dict[bytes, bytes],
+                     start: float) -> float:
+    """Consume the body; return the time its first byte arrived."""
+    first: float | None = None
+    if headers.get(b"transfer-encoding", b"").lower() == b"chunked":
+        while True:
+            size = int((await reader.readline()).split(b";")[0], 16)
+            if size == 0:
+                await reader.readline()
+                break
+            await reader.readexactly(size + 2)
+            first = first or time.perf_counter()
+    else:
+        length = int(headers.get(b"content-length", b"0"))
+        if length:
+            await reader.readexactly(length)
+            first = time.perf_counter()
+    return (first or time.perf_counter()) - start
+
+
+class Connection:
+    """One keep-alive HTTP/1.1 connection, one request at a time."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def request(self, path: str, body: bytes, headers: dict[str, str]) -> Sample:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+            sock = self.writer.get_extra_info("socket")
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        assert self.reader is not None
+        head = [f"POST {path} HTTP/1.1", f"Host: {self.host}:{self.port}",
+                "Content-Type: application/json", f"Content-Length: {len(body)}",
+                *(f"{k}: {v}" for k, v in headers.items()), "", ""]
+        start = time.perf_counter()
+        self.writer.write("\r\n".join(head).encode() + body)
+        status, response_headers = await _read_headers(self.reader)
+        ttft = await _read_body(self.reader, response_headers, start)
+        total = time.perf_counter() - start
+        if status != 200:
+            raise RuntimeError(f"HTTP {status} from {self.host}:{self.port}{path}")
+        return Sample(ttft, total)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+async def run_load(url: str, body: bytes, headers: dict[str, str], concurrency: int,
+                   requests: int) -> list[Sample]:
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    samples: list[Sample] = []
+    remaining = requests
+
+    async def worker() -> None:
+        nonlocal remaining
+        connection = Connection(host, port)
+        try:
+            while remaining > 0:
+                remaining -= 1
+                samples.append(await connection.request("/v1/completions", body, headers))
+        finally:
+            connection.close()
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return samples
+
+
+# ---------------------------------------------------------------- processes
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(5)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _spawn(name: str, argv: list[str], workdir: Path, env: dict[str, str] | None = None
+           ) -> Proc:
+    log = workdir / f"{name}.log"
+    with log.open("wb") as out:
+        popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                 env={**os.environ, **(env or {})}, start_new_session=True)
+    return Proc(name, popen, log)
+
+
+def _wait_ready(proc: Proc, url: str, timeout: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.popen.poll() is not None:
+            tail = proc.log.read_text(errors="replace")[-2000:]
+            raise SystemExit(f"{proc.name} exited early:\n{tail}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        time.sleep(0.25)
+    raise SystemExit(f"{proc.name} not ready at {url} after {timeout:.0f}s (log: {proc.log})")
+
+
+@dataclass
+class Setup:
+    workdir: Path
+    procs: list[Proc] = field(default_factory=list)
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+
+
+def _write_policy(workdir: Path, model: str) -> tuple[Path, Path, str]:
+    import jwt
+
+    from engine_sidecar.policy import EnginePolicy
+
+    secrets_dir = workdir / "secrets"
+    secrets_dir.mkdir()
+    hs_secret = secrets.token_bytes(32)  # generated per run, never stored in code
+    (secrets_dir / "jwt-hs").write_bytes(hs_secret)
+    (secrets_dir / "cache-salt").write_bytes(secrets.token_bytes(32))
+    policy = EnginePolicy.model_validate({
+        "pool": "bench/pool", "model": model, "block_size": 32, "watermark": 0.1,
+        "auth": {"jwt": {"key_file": "jwt-hs", "algorithms": ["HS256"],
+                         "audience": "bench", "issuer": "bench"}},
+        "tenants": {"bench": {
+            "tenant_id": "bench", "tier": "premium", "priority": 0,
+            "guaranteed_blocks": 1_000_000, "max_blocks": 1_000_000,
+            "max_tokens": 4096, "default_max_tokens": 16,
+        }},
+    }).with_version()
+    policy_file = workdir / "policy.json"
+    policy_file.write_text(policy.to_json())
+    token = jwt.encode({"tenant_id": "bench", "aud": "bench", "iss": "bench",
+                        "exp": int(time.time()) + 86_400}, hs_secret, algorithm="HS256")
+    return policy_file, secrets_dir, token
+
+
+def _start_sidecar(setup: Setup, upstream: str, model: str, tokenizer: str | None
+                   ) -> tuple[str, str]:
+    policy_file, secrets_dir, token = _write_policy(setup.workdir, model)
+    port = _free_port()
+    argv = [sys.executable, "-m", "engine_sidecar.cli", "sidecar",
+            "--listen", f"127.0.0.1:{port}", "--upstream", upstream,
+            "--policy-file", str(policy_file), "--secrets-dir", str(secrets_dir),
+            "--log-level", "warning"]
+    argv += ["--tokenizer", tokenizer] if tokenizer else ["--engine-tokenizer"]
+    proc = _spawn(f"sidecar-{port}", argv, setup.workdir)
+    setup.procs.append(proc)
+    _wait_ready(proc, f"http://127.0.0.1:{port}/readyz", timeout=180)
+    return f"http://127.0.0.1:{port}", token
+
+
+def _start_stub(setup: Setup, args: argparse.Namespace) -> str:
+    port = _free_port()
+    proc = _spawn("stub", [sys.executable, "-m", "engine_sidecar.gateway.bench", "serve-stub",
+                           "--port", str(port), "--ttft-ms", str(args.stub_ttft_ms),
+                           "--chunks", str(args.stub_chunks),
+                           "--interval-ms", str(args.stub_interval_ms)], setup.workdir)
+    setup.procs.append(proc)
+    _wait_ready(proc, f"http://127.0.0.1:{port}/health", timeout=60)
+    return f"http://127.0.0.1:{port}"
+
+
+def _start_engine(setup: Setup, model: str) -> str:
+    port = _free_port()
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
+            "--block-size", "32", "--disable-log-stats", "--enable-prefix-caching"]
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    proc = _spawn("vllm", argv, setup.workdir, env)
+    setup.procs.append(proc)
+    _wait_ready(proc, f"http://127.0.0.1:{port}/health", timeout=600)
+    return f"http://127.0.0.1:{port}"
+
+
+# ---------------------------------------------------------------- measuring
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+@dataclass
+class Row:
+    concurrency: int
+    direct: list[Sample]
+    proxied: list[Sample]
+
+    def stats(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, samples in (("direct", self.direct), ("sidecar", self.proxied)):
+            for metric in ("ttft", "total"):
+                values = [getattr(s, metric) * 1000 for s in samples]
+                out[f"{name}_{metric}_p50"] = statistics.median(values)
+                out[f"{name}_{metric}_p99"] = _pct(values, 99)
+        for metric in ("ttft", "total"):
+            for q in ("p50", "p99"):
+                out[f"added_{metric}_{q}"] = (out[f"sidecar_{metric}_{q}"]
+                                              - out[f"direct_{metric}_{q}"])
+        return out
+
+
+async def _measure(direct_url: str, sidecar_url: str, body: bytes, token: str,
+                   concurrency: int, requests: int, rounds: int) -> Row:
+    auth = {"Authorization": f"Bearer {token}"}
+    for url, headers in ((direct_url, {}), (sidecar_url, auth)):  # warm connections & caches
+        await run_load(url, body, headers, concurrency, max(concurrency, 8))
+    row = Row(concurrency, [], [])
+    per_round = max(concurrency, requests // rounds)
+    for _ in range(rounds):
+        row.direct += await run_load(direct_url, body, {}, concurrency, per_round)
+        row.proxied += await run_load(sidecar_url, body, auth, concurrency, per_round)
+    return row
+
+
+def _print_table(title: str, rows: list[Row]) -> None:
+    print(f"\n{title}")
+    print(f"{'streams':>7} {'n':>5} | {'TTFT p50 / p99 (ms)':^35} | {'total p50 / p99 (ms)':^35}")
+    print(f"{'':>7} {'':>5} | {'direct':>10} {'sidecar':>11} {'added':>11} | "
+          f"{'direct':>10} {'sidecar':>11} {'added':>11}")
+    for row in rows:
+        s = row.stats()
+        cells = []
+        for metric in ("ttft", "total"):
+            cells.append(
+                f"{s[f'direct_{metric}_p50']:5.2f}/{s[f'direct_{metric}_p99']:<5.2f}"
+                f"{s[f'sidecar_{metric}_p50']:6.2f}/{s[f'sidecar_{metric}_p99']:<6.2f}"
+                f"{s[f'added_{metric}_p50']:+6.2f}/{s[f'added_{metric}_p99']:<+6.2f}")
+        print(f"{row.concurrency:>7} {len(row.proxied):>5} | {cells[0]} | {cells[1]}")
+
+
+def _bench(label: str, direct_url: str, sidecar_url: str, body: dict[str, Any], token: str,
+           args: argparse.Namespace) -> list[Row]:
+    raw = json.dumps(body).encode()
+    rows = [asyncio.run(_measure(direct_url, sidecar_url, raw, token, c,
+                                 max(args.requests, 4 * c), args.rounds))
+            for c in args.concurrency]
+    _print_table(label, rows)
+    return rows
+
+
+def _run(args: argparse.Namespace) -> int:
+    workdir = Path(tempfile.mkdtemp(prefix="kvquota-bench-"))
+    setup = Setup(workdir)
+    results: dict[str, list[dict[str, float]]] = {}
+    try:
+        if not args.no_stub:
+            stub = _start_stub(setup, args)
+            sidecar, token = _start_sidecar(setup, stub, "stub", args.tokenizer)
+            body = {"model": "stub", "prompt": args.prompt, "max_tokens": 16, "stream": True}
+            rows = _bench(
+                f"stub upstream (TTFT {args.stub_ttft_ms:g} ms, {args.stub_chunks} chunks "
+                f"every {args.stub_interval_ms:g} ms); tokenizer: "
+                f"{args.tokenizer or 'engine /tokenize'}",
+                stub, sidecar, body, token, args)
+            results["stub"] = [r.stats() for r in rows]
+        engine = args.engine_url
+        if engine is None and args.model:
+            engine = _start_engine(setup, args.model)
+        if engine:
+            import httpx
+
+            model = httpx.get(engine + "/v1/models").json()["data"][0]["id"]
+            sidecar, token = _start_sidecar(setup, engine, model, args.tokenizer or model)
+            body = {"model": model, "prompt": args.prompt, "max_tokens": args.max_tokens,
+                    "stream": True, "ignore_eos": True, "temperature": 0}
+            rows = _bench(f"vLLM at {engine} (max_tokens {args.max_tokens})",
+                          engine, sidecar, body, token, args)
+            results["engine"] = [r.stats() for r in rows]
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+        print(f"\nadded = sidecar - direct, same percentile. Logs: {workdir}")
+    finally:
+        setup.close()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m engine_sidecar.gateway.bench",
+                                     description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command")
+    stub = sub.add_parser("serve-stub", help="(internal) run the streaming stub engine")
+    stub.add_argument("--port", type=int, required=True)
+    stub.add_argument("--ttft-ms", type=float, default=20.0)
+    stub.add_argument("--chunks", type=int, default=32)
+    stub.add_argument("--interval-ms", type=float, default=2.0)
+    stub.set_defaults(func=_serve_stub)
+
+    parser.add_argument("--engine-url", help="an already running vLLM OpenAI server")
+    parser.add_argument("--model", help="start a vLLM CPU engine with this model directory")
+    parser.add_argument("--tokenizer", help="tokenizer for the sidecar (default for the stub: "
+                                            "the engine's /tokenize; for vLLM: its model)")
+    parser.add_argument("--no-stub", action="store_true", help="skip the stub upstream")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
+    parser.add_argument("--requests", type=int, default=300,
+                        help="requests per target and concurrency (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternate direct/sidecar this many times (default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=32, help="for the real engine")
+    parser.add_argument("--prompt", default="tenant quota cache block lease premium standard")
+    parser.add_argument("--stub-ttft-ms", type=float, default=20.0)
+    parser.add_argument("--stub-chunks", type=int, default=32)
+    parser.add_argument("--stub-interval-ms", type=float, default=2.0)
+    parser.add_argument("--json", help="also write the numbers to this file")
+    parser.set_defaults(func=_run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,272 @@
+"""A lean HTTP/1.1 client for the data plane: asyncio Protocol + httptools (llhttp).
+
+Why not httpx here: relaying an SSE stream costs one parse and one hand-off per token
+chunk. Through httpx/httpcore/h11/anyio that is ~80 us of Python per chunk; at 16
+concurrent streams of vLLM tokens it alone eats most of a core and pushes the added
+latency into tens of milliseconds on a small node. Here a chunk is one C-level parse
+and one callback (~5 us). httpx stays the client for control calls (health, model
+card, /tokenize), where per-call cost does not matter.
+
+Scope is deliberately narrow: one upstream origin, HTTP/1.1, keep-alive pool (LIFO,
+idle connections expire before uvicorn's 5 s keep-alive would close them), request
+bodies sent in one write, Content-Length or chunked responses, read back-pressure
+(pause the socket when the consumer lags), inactivity timeout between chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import socket
+import time
+from collections.abc import AsyncIterator
+from typing import cast
+
+import httptools
+
+KEEPALIVE_EXPIRY = 4.0  # seconds; below uvicorn's default timeout_keep_alive of 5
+HIGH_WATER = 256 * 1024  # pause reading the engine when this much is queued
+LOW_WATER = 64 * 1024
+
+
+class UpstreamConnectError(ConnectionError):
+    """Could not connect to the engine."""
+
+
+class UpstreamTimeout(TimeoutError):
+    """The engine did not answer (headers or next chunk) in time."""
+
+
+class UpstreamProtocolError(ConnectionError):
+    """The engine closed the connection mid-response or sent invalid HTTP."""
+
+
+def _expire(waiter: asyncio.Future[None], timeout: float) -> None:
+    if not waiter.done():
+        waiter.set_exception(UpstreamTimeout(f"no data from the engine for {timeout:g}s"))
+
+
+class _Connection(asyncio.Protocol):
+    """One upstream connection; one exchange at a time."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.idle_since = 0.0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.status = 0
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.headers_done = False
+        self.complete = False
+        self.keep_alive = False
+        self.delimited = False  # Content-Length or chunked (else: ends at EOF)
+        self.error: BaseException | None = None
+        self.chunks: collections.deque[bytes] = collections.deque()
+        self.queued = 0
+        self.paused = False
+        self.waiter: asyncio.Future[None] | None = None
+
+    # -- asyncio.Protocol ----------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self._fail(UpstreamProtocolError("invalid HTTP from the engine"))
+            if self.transport is not None:
+                self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.headers_done and not self.delimited and not self.complete:
+            self.complete = True  # body delimited by EOF
+        if not self.complete:
+            self._fail(UpstreamProtocolError("the engine closed the connection"))
+        self._wake()
+
+    # -- httptools callbacks -------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        lowered = name.lower()
+        if lowered in (b"content-length", b"transfer-encoding"):
+            self.delimited = True
+        self.raw_headers.append((lowered, value))
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        self.keep_alive = self.parser.should_keep_alive()
+        self.headers_done = True
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(bytes(body))
+        self.queued += len(body)
+        if self.queued > HIGH_WATER and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        self._wake()
+
+    # -- plumbing ------------------------------------------------------------------
+
+    def _fail(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait(self, timeout: float) -> None:
+        """Until the parser has news, or `timeout` seconds of silence (UpstreamTimeout).
+
+        A bare timer handle rather than `asyncio.timeout()`: this runs once per token
+        chunk, and the context manager costs several times more."""
+        loop = asyncio.get_running_loop()
+        waiter = self.waiter = loop.create_future()
+        timer = loop.call_later(timeout, _expire, waiter, timeout)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self.waiter = None
+
+    def take(self) -> bytes:
+        chunk = self.chunks.popleft()
+        self.queued -= len(chunk)
+        if self.paused and self.queued < LOW_WATER and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
+        return chunk
+
+    def reusable(self) -> bool:
+        return (not self.closed and self.complete and self.keep_alive and self.error is None
+                and not self.chunks)
+
+    def abort(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class UpstreamResponse:
+    """Status and headers are in; the body streams through `aiter_raw()`."""
+
+    def __init__(self, pool: UpstreamPool, conn: _Connection) -> None:
+        self._pool = pool
+        self._conn: _Connection | None = conn
+        self.status_code = conn.status
+        self.raw_headers = conn.raw_headers
+
+    def header(self, name: bytes) -> bytes | None:
+        for key, value in self.raw_headers:
+            if key == name:
+                return value
+        return None
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        conn = self._conn
+        if conn is None:
+            return
+        while True:
+            if conn.chunks:
+                yield conn.take()
+                continue
+            if conn.complete:
+                return
+            if conn.error is not None:
+                raise conn.error
+            await conn.wait(self._pool.read_timeout)
+
+    async def aclose(self) -> None:
+        """Return a finished connection to the pool; abort an unfinished one (so the
+        engine sees the client leave and stops generating)."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        if conn.reusable():
+            self._pool.release(conn)
+        else:
+            conn.abort()
+
+
+class UpstreamPool:
+    def __init__(
+        self, host: str, port: int, *, connect_timeout: float, read_timeout: float,
+        max_idle: int = 256,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.max_idle = max_idle
+        self._idle: list[_Connection] = []
+        self._host_header = f"{host}:{port}".encode()
+
+    async def _connect(self) -> _Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                _, conn = await loop.create_connection(_Connection, self.host, self.port)
+        except TimeoutError:
+            raise UpstreamConnectError("connect timed out") from None
+        except OSError as exc:
+            raise UpstreamConnectError(f"connect failed ({type(exc).__name__})") from None
+        return conn
+
+    def _checkout(self) -> _Connection | None:
+        now = time.monotonic()
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.closed and now - conn.idle_since < KEEPALIVE_EXPIRY:
+                return conn
+            conn.abort()
+        return None
+
+    def release(self, conn: _Connection) -> None:
+        if len(self._idle) >= self.max_idle:
+            conn.abort()
+            return
+        conn._reset()
+        conn.idle_since = time.monotonic()
+        self._idle.append(conn)
+
+    async def request(
+        self, method: str, target: str, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> UpstreamResponse:
+        conn = self._checkout() or await self._connect()
+        head = [f"{method} {target} HTTP/1.1\r\n".encode(), b"host: ", self._host_header,
+                b"\r\ncontent-length: ", str(len(body)).encode(), b"\r\n"]
+        for key, value in headers:
+            head += [key, b": ", value, b"\r\n"]
+        head.append(b"\r\n")
+        assert conn.transport is not None
+        try:
+            conn.transport.write(b"".join(head) + body)
+            while not conn.headers_done:
+                if conn.error is not None:
+                    raise conn.error
+                await conn.wait(self.read_timeout)
+        except BaseException:
+            conn.abort()
+            raise
+        return UpstreamResponse(self, conn)
+
+    def close(self) -> None:
+        for conn in self._idle:
+            conn.abort()
+        self._idle.clear()

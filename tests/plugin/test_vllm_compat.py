@@ -1,0 +1,67 @@
+"""The vLLM compatibility layer: version gate, configuration probes, cache reset."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+from plugin_policies import Tokens, engine_policy, tenant, write_policy
+
+from engine_sidecar import vllm_compat
+from engine_sidecar.vllm_compat import UnsupportedVllmError, check_supported_vllm
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.4", "0.32.0+cpu"])
+def test_supported_versions_pass(version):
+    check_supported_vllm(version)
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "0.320.1", "1.0.0"])
+def test_unsupported_versions_are_refused_by_name(version):
+    with pytest.raises(UnsupportedVllmError) as error:
+        check_supported_vllm(version)
+    assert f"vLLM {version}" in str(error.value)
+    assert "0.32.x" in str(error.value)
+
+
+def test_unsupported_version_can_be_tried_on_purpose(monkeypatch, caplog):
+    monkeypatch.setenv(vllm_compat.ALLOW_UNSUPPORTED_ENV, "1")
+    caplog.set_level(logging.WARNING)
+    check_supported_vllm("0.33.0")
+    assert "0.33.0" in caplog.text
+
+
+def test_the_plugin_fails_at_construction_on_an_unsupported_vllm(make_harness, monkeypatch):
+    monkeypatch.setattr(vllm_compat, "installed_vllm_version", lambda: "0.99.1")
+    with pytest.raises(UnsupportedVllmError, match=r"vLLM 0\.99\.1"):
+        make_harness(num_blocks=64, scheduler="kvquota")
+
+
+@pytest.mark.parametrize(("cache", "transfer", "expected"), [
+    ({"kv_offloading_size": None}, None, False),
+    ({"kv_offloading_size": 8.0}, None, True),
+    ({"kv_offloading_size": None}, {"kv_connector": "OffloadingConnector"}, True),
+    ({"kv_offloading_size": None}, {"kv_connector": "LMCacheConnectorV1"}, True),
+    ({"kv_offloading_size": None}, {"kv_connector": "NixlConnector"}, False),
+])
+def test_offloading_is_detected_from_the_engine_config(cache, transfer, expected):
+    config = SimpleNamespace(
+        cache_config=SimpleNamespace(**cache),
+        kv_transfer_config=SimpleNamespace(**transfer) if transfer else None,
+    )
+    assert vllm_compat.offloading_configured(config) is expected  # type: ignore[arg-type]
+
+
+def test_prefix_cache_reset_releases_leases_first(make_harness, policy_path):
+    write_policy(policy_path, engine_policy(tenant("acme", guaranteed=100, lease_seconds=300)))
+    harness = make_harness(num_blocks=101, block_size=16, policy_path=policy_path)
+    harness.add_request("t1", Tokens()(320), 8, tenant="acme", session="s1")
+    harness.run_until_done()
+    assert harness.kvq_stats().tenants["acme"].leased_sessions == 1
+
+    assert harness.scheduler.reset_prefix_cache() is True
+    stats = harness.kvq_stats()
+    assert stats.tenants["acme"].leased_sessions == 0
+    assert stats.tenants["acme"].lease_drops == {"reset": 1}
+    assert stats.free_blocks == stats.total_blocks
