@@ -126,7 +126,7 @@ def _run_sidecar(args: argparse.Namespace) -> int:
     gateway = Gateway(config, source)
     server = uvicorn.Server(uvicorn.Config(
         gateway.app, host=host, port=port, log_level=args.log_level,
-        access_log=args.access_log, server_header=False, lifespan="on",
+        access_log=args.access_log, server_header=False, lifespan="on", interface="asgi3",
         timeout_graceful_shutdown=30,
     ))
     server.run()

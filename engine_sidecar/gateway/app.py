@@ -143,9 +143,9 @@ class Gateway:
             exception_handlers={HTTPException: _http_exception},
         )
         self._tier_children: dict[str, tuple[Any, Any, Any]] = {}
+        self.app: ASGIHandler = _GatewayApp(self)
 
-    async def app(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The ASGI application."""
+    async def dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and (route := self._proxied.get(scope["path"])):
             method, handler = route
             if scope["method"] != method:
@@ -392,6 +392,17 @@ class Gateway:
             stats=self.stats.current(), capacity=self.capacity(),
         )
         return Response(status.model_dump_json(by_alias=True), media_type="application/json")
+
+
+class _GatewayApp:
+    """The ASGI application: a plain object with an async `__call__`, so servers detect
+    ASGI 3 (a bound method would look like ASGI 2 to uvicorn)."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self._gateway = gateway
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._gateway.dispatch(scope, receive, send)
 
 
 async def _http_exception(_request: Request, exc: Exception) -> Response:

@@ -119,7 +119,8 @@ def test_a_bad_percentage_and_a_max_below_the_guarantee(tiny_scenario: Path) -> 
 def test_unknown_names_list_what_exists(tiny_scenario: Path) -> None:
     with pytest.raises(ScenarioError, match=r"shipped: .*noisy-neighbour"):
         load_scenario("noisy-neighbor")
-    with pytest.raises(ScenarioError, match=r"no scale 'huge' \(scales: engine, small\)"):
+    scales = r"no scale 'huge' \(scales: a100-40gb, engine, small\)"
+    with pytest.raises(ScenarioError, match=scales):
         load_scenario("noisy-neighbour", scale="huge")
     with pytest.raises(ScenarioError, match="does not exist"):
         load_scenario(str(tiny_scenario.parent / "missing.yaml"))

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from engine_sidecar.gateway.active_policy import cache_salt
+from engine_sidecar.policy import write_atomically
 from engine_sidecar.stats import EngineStats, SidecarStatus, TenantEngineStats
 from kvquota.processes import free_port
 
@@ -152,7 +153,7 @@ def test_bad_policy_keeps_the_last_good_one(stub_sidecar: StubFactory, keys: Key
     harness, _ = stub_sidecar()
     good = harness.apply(make_policy(tenant("acme", max_tokens=16)))
     errors_before = harness.gateway.metrics.policy_errors._value.get()
-    harness.policy_file.write_text(json.dumps({"pool": "default/test", "tenants": 3}))
+    write_atomically(harness.policy_file, json.dumps({"pool": "default/test", "tenants": 3}))
     wait_for(lambda: harness.gateway.holder.error, 5, "bad policy not noticed")
 
     status = _status(harness.url)
@@ -175,7 +176,7 @@ def test_policy_needing_a_missing_secret_is_refused(
     good = harness.apply(make_policy(tenant("acme")))
     bad = make_policy(tenant("acme"), auth={"jwt": {"key_file": "no-such-key",
                                                      "algorithms": ["RS256"]}})
-    harness.policy_file.write_text(bad.to_json())
+    write_atomically(harness.policy_file, bad.to_json())
     wait_for(lambda: harness.gateway.holder.error, 5, "bad policy not noticed")
     status = _status(harness.url)
     assert status.policy_version == good.version

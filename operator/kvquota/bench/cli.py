@@ -71,6 +71,9 @@ def _run(args: argparse.Namespace) -> int:
     except (ScenarioError, CostProfileError, ValueError) as exc:
         print(f"kvquota bench: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:  # a process of the engine backend failed (log tail inside)
+        print(f"kvquota bench: {exc}", file=sys.stderr)
+        return 1
 
 
 def _list() -> int:
