@@ -89,6 +89,7 @@ def _env_path(name: str) -> Path | None:
 def _run_sidecar(args: argparse.Namespace) -> int:
     import logging
 
+    import prometheus_client
     import uvicorn
 
     from engine_sidecar.gateway.app import Gateway, GatewayConfig
@@ -101,6 +102,7 @@ def _run_sidecar(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call
+    prometheus_client.disable_created_metrics()  # no `_created` series per label set
     host, port = parse_listen(args.listen)
     source: PolicySource
     if args.policy_configmap:

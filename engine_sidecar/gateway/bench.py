@@ -12,7 +12,8 @@ Upstreams:
 
 Every process (stub, sidecar, engine) runs separately from the load generator, which
 speaks raw HTTP/1.1 over asyncio streams to keep its own overhead out of the numbers.
-Directs and proxied runs alternate in rounds to cancel drift on a shared machine.
+Each stream alternates direct and proxied requests, so both see the same machine and
+engine state (a paired design: drift and noise from a shared machine cancel out).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import secrets
 import signal
 import socket
@@ -40,8 +42,14 @@ CONCURRENCY = (1, 16, 64)
 
 # ---------------------------------------------------------------- stub engine
 
-def stub_app(ttft_ms: float, chunks: int, interval_ms: float) -> Any:
-    """A raw ASGI app answering like vLLM's streaming completions, at a fixed pace."""
+def stub_app(ttft_ms: float, chunks: int, interval_ms: float, jitter: float = 0.0) -> Any:
+    """A raw ASGI app answering like vLLM's streaming completions.
+
+    With `jitter`, each delay is drawn from [1 - jitter, 1 + jitter] x its mean (seeded).
+    The default is fixed delays, so the upstream's own latency is a constant and the
+    difference between direct and proxied runs is the sidecar's; the load generator's
+    think time keeps streams out of lockstep."""
+    rng = random.Random(0)
     chunk = json.dumps({"id": "cmpl-bench", "object": "text_completion", "created": 0,
                         "model": "stub", "choices": [{"index": 0, "text": " token",
                                                       "logprobs": None,
@@ -70,12 +78,12 @@ def stub_app(ttft_ms: float, chunks: int, interval_ms: float) -> Any:
                         "headers": [(b"content-type", b"application/json")]})
             await send({"type": "http.response.body", "body": payload})
             return
-        await asyncio.sleep(ttft_ms / 1000)
+        await asyncio.sleep(ttft_ms / 1000 * rng.uniform(1 - jitter, 1 + jitter))
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
         for i in range(chunks):
             if i:
-                await asyncio.sleep(interval_ms / 1000)
+                await asyncio.sleep(interval_ms / 1000 * rng.uniform(1 - jitter, 1 + jitter))
             await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
@@ -85,7 +93,8 @@ def stub_app(ttft_ms: float, chunks: int, interval_ms: float) -> Any:
 def _serve_stub(args: argparse.Namespace) -> int:
     import uvicorn
 
-    uvicorn.run(stub_app(args.ttft_ms, args.chunks, args.interval_ms), host="127.0.0.1",
+    uvicorn.run(stub_app(args.ttft_ms, args.chunks, args.interval_ms, args.jitter),
+                host="127.0.0.1",
                 port=args.port, log_level="warning", access_log=False)
     return 0
 
@@ -163,24 +172,46 @@ class Connection:
             self.writer.close()
 
 
-async def run_load(url: str, body: bytes, headers: dict[str, str], concurrency: int,
-                   requests: int) -> list[Sample]:
-    parts = urlsplit(url)
-    host, port = parts.hostname or "127.0.0.1", parts.port or 80
-    samples: list[Sample] = []
-    remaining = requests
+@dataclass(frozen=True)
+class Target:
+    url: str
+    headers: dict[str, str]
 
-    async def worker() -> None:
+
+async def run_load(targets: list[Target], body: bytes, concurrency: int, requests: int,
+                   think_ms: float = 0.0) -> list[list[Sample]]:
+    """`concurrency` closed-loop streams sending `requests` requests per target.
+
+    Each stream alternates between the targets request by request (one keep-alive
+    connection to each), so direct and proxied requests see the same engine state at
+    the same moment: a paired design that cancels drift and the engine's own regime
+    changes. Each stream pauses a random [0, think_ms] before a request (not measured)
+    so streams do not run in lockstep."""
+    samples: list[list[Sample]] = [[] for _ in targets]
+    remaining = requests * len(targets)
+    rng = random.Random(concurrency)
+
+    async def worker(offset: int) -> None:
         nonlocal remaining
-        connection = Connection(host, port)
+        connections = []
+        for target in targets:
+            parts = urlsplit(target.url)
+            connections.append(Connection(parts.hostname or "127.0.0.1", parts.port or 80))
+        turn = offset
         try:
             while remaining > 0:
                 remaining -= 1
-                samples.append(await connection.request("/v1/completions", body, headers))
+                index = turn % len(targets)
+                turn += 1
+                if think_ms:
+                    await asyncio.sleep(rng.uniform(0, think_ms) / 1000)
+                samples[index].append(await connections[index].request(
+                    "/v1/completions", body, targets[index].headers))
         finally:
-            connection.close()
+            for connection in connections:
+                connection.close()
 
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    await asyncio.gather(*(worker(i) for i in range(concurrency)))
     return samples
 
 
@@ -272,8 +303,10 @@ def _write_policy(workdir: Path, model: str) -> tuple[Path, Path, str]:
 
 def _start_sidecar(setup: Setup, upstream: str, model: str, tokenizer: str | None
                    ) -> tuple[str, str]:
-    policy_file, secrets_dir, token = _write_policy(setup.workdir, model)
     port = _free_port()
+    home = setup.workdir / f"sidecar-{port}"
+    home.mkdir()
+    policy_file, secrets_dir, token = _write_policy(home, model)
     argv = [sys.executable, "-m", "engine_sidecar.cli", "sidecar",
             "--listen", f"127.0.0.1:{port}", "--upstream", upstream,
             "--policy-file", str(policy_file), "--secrets-dir", str(secrets_dir),
@@ -290,7 +323,8 @@ def _start_stub(setup: Setup, args: argparse.Namespace) -> str:
     proc = _spawn("stub", [sys.executable, "-m", "engine_sidecar.gateway.bench", "serve-stub",
                            "--port", str(port), "--ttft-ms", str(args.stub_ttft_ms),
                            "--chunks", str(args.stub_chunks),
-                           "--interval-ms", str(args.stub_interval_ms)], setup.workdir)
+                           "--interval-ms", str(args.stub_interval_ms),
+                           "--jitter", str(args.stub_jitter)], setup.workdir)
     setup.procs.append(proc)
     _wait_ready(proc, f"http://127.0.0.1:{port}/health", timeout=60)
     return f"http://127.0.0.1:{port}"
@@ -338,16 +372,11 @@ class Row:
 
 
 async def _measure(direct_url: str, sidecar_url: str, body: bytes, token: str,
-                   concurrency: int, requests: int, rounds: int) -> Row:
-    auth = {"Authorization": f"Bearer {token}"}
-    for url, headers in ((direct_url, {}), (sidecar_url, auth)):  # warm connections & caches
-        await run_load(url, body, headers, concurrency, max(concurrency, 8))
-    row = Row(concurrency, [], [])
-    per_round = max(concurrency, requests // rounds)
-    for _ in range(rounds):
-        row.direct += await run_load(direct_url, body, {}, concurrency, per_round)
-        row.proxied += await run_load(sidecar_url, body, auth, concurrency, per_round)
-    return row
+                   concurrency: int, requests: int, think_ms: float) -> Row:
+    targets = [Target(direct_url, {}), Target(sidecar_url, {"Authorization": f"Bearer {token}"})]
+    await run_load(targets, body, concurrency, max(concurrency, 8), think_ms)  # warm up
+    direct, proxied = await run_load(targets, body, concurrency, requests, think_ms)
+    return Row(concurrency, direct, proxied)
 
 
 def _print_table(title: str, rows: list[Row]) -> None:
@@ -370,7 +399,7 @@ def _bench(label: str, direct_url: str, sidecar_url: str, body: dict[str, Any], 
            args: argparse.Namespace) -> list[Row]:
     raw = json.dumps(body).encode()
     rows = [asyncio.run(_measure(direct_url, sidecar_url, raw, token, c,
-                                 max(args.requests, 4 * c), args.rounds))
+                                 max(args.requests, 4 * c), args.think_ms))
             for c in args.concurrency]
     _print_table(label, rows)
     return rows
@@ -422,6 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     stub.add_argument("--ttft-ms", type=float, default=20.0)
     stub.add_argument("--chunks", type=int, default=32)
     stub.add_argument("--interval-ms", type=float, default=2.0)
+    stub.add_argument("--jitter", type=float, default=0.0)
     stub.set_defaults(func=_serve_stub)
 
     parser.add_argument("--engine-url", help="an already running vLLM OpenAI server")
@@ -432,13 +462,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
     parser.add_argument("--requests", type=int, default=300,
                         help="requests per target and concurrency (default: %(default)s)")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="alternate direct/sidecar this many times (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=32, help="for the real engine")
     parser.add_argument("--prompt", default="tenant quota cache block lease premium standard")
     parser.add_argument("--stub-ttft-ms", type=float, default=20.0)
     parser.add_argument("--stub-chunks", type=int, default=32)
     parser.add_argument("--stub-interval-ms", type=float, default=2.0)
+    parser.add_argument("--think-ms", type=float, default=10.0,
+                        help="random pause in [0, this] before each request, so streams "
+                             "do not run in lockstep (default: %(default)s)")
+    parser.add_argument("--stub-jitter", type=float, default=0.0,
+                        help="stub delays vary by +-this fraction (default: %(default)s)")
     parser.add_argument("--json", help="also write the numbers to this file")
     parser.set_defaults(func=_run)
     return parser

@@ -38,8 +38,8 @@ class EngineMonitor:
             reason = None if healthy else f"engine /health answered {response.status_code}"
         except httpx.HTTPError as exc:
             healthy, reason = False, f"engine unreachable ({type(exc).__name__})"
-        if healthy and self.model is None:
-            await self._learn_model(client)
+        if healthy and (self.model is None or not self.up):
+            await self._learn_model(client)  # again after a restart: config may differ
         if healthy != self.up:
             logger.info("engine is %s", "up" if healthy else f"down: {reason}")
         self.up, self.error = healthy, reason

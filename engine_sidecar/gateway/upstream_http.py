@@ -26,7 +26,6 @@ import httptools
 
 KEEPALIVE_EXPIRY = 4.0  # seconds; below uvicorn's default timeout_keep_alive of 5
 HIGH_WATER = 256 * 1024  # pause reading the engine when this much is queued
-LOW_WATER = 64 * 1024
 
 
 class UpstreamConnectError(ConnectionError):
@@ -146,9 +145,13 @@ class _Connection(asyncio.Protocol):
             self.waiter = None
 
     def take(self) -> bytes:
-        chunk = self.chunks.popleft()
-        self.queued -= len(chunk)
-        if self.paused and self.queued < LOW_WATER and self.transport is not None:
+        """Everything queued, as one piece: when the consumer lags behind the engine,
+        chunks already here go out in one write instead of one write each."""
+        chunks = self.chunks
+        chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self.queued = 0
+        if self.paused and self.transport is not None:
             self.paused = False
             self.transport.resume_reading()
         return chunk

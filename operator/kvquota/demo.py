@@ -113,7 +113,7 @@ def _run_policy_on(
     engine, engine_url = _engine(model, run, "vllm-policy", plugin=True)
     procs.start(engine).wait_http(engine_url + "/health", 300)
     sidecar, sidecar_url = sidecar_process(
-        engine, engine_url, run, policy_file=policy_file, secrets_dir=secrets_dir,
+        engine.env, engine_url, run, policy_file=policy_file, secrets_dir=secrets_dir,
         tokenizer=model,
     )
     procs.start(sidecar)

@@ -87,10 +87,12 @@ def engine_process(
 
 
 def sidecar_process(
-    engine: ManagedProcess, engine_url: str, run: Path, *, policy_file: Path,
+    engine_env: dict[str, str], engine_url: str, run: Path, *, policy_file: Path,
     secrets_dir: Path, tokenizer: Path, extra_args: list[str] | None = None,
 ) -> tuple[ManagedProcess, str]:
-    """The sidecar in front of `engine` (sharing its policy and stats paths); not started."""
+    """The sidecar in front of the engine at `engine_url`; `engine_env` carries the
+    engine's policy and stats paths (the sidecar writes the one, reads the other).
+    Not started."""
     port = free_port()
     proc = ManagedProcess(
         "sidecar",
@@ -98,6 +100,6 @@ def sidecar_process(
          "--upstream", engine_url, "--policy-file", str(policy_file),
          "--secrets-dir", str(secrets_dir), "--tokenizer", str(tokenizer),
          *(extra_args or [])],
-        run / "sidecar.log", engine.env,
+        run / "sidecar.log", dict(engine_env),
     )
     return proc, f"http://127.0.0.1:{port}"

@@ -17,8 +17,9 @@ stop a random-weight model at a chosen length other than by `max_tokens`, so a r
 asks for exactly its drawn output length (capped by the client's `maxTokens`): the
 sidecar therefore reserves less than in the twin, where the client's `maxTokens` is
 reserved and the model stops earlier. Refused requests are retried after Retry-After,
-as in the twin. KV usage per tier comes from the plugin's stats file (KVQuota) or, for
-stock vLLM, as a total from `/metrics`.
+as in the twin. KV usage per tier comes from the plugin's stats file (KVQuota); for
+stock vLLM only `/metrics` could tell (a total), and it is empty while
+`kvquota.processes` starts vLLM with `--disable-log-stats`.
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ from kvquota.loadgen import Target
 if TYPE_CHECKING:
     import httpx
 
-    from kvquota.processes import ManagedProcess
     from kvquota.stack import Processes
 
 TENANT_HEADER = "x-kvquota-bench-tenant"
@@ -69,7 +69,7 @@ class _Reply:
     first_token: float | None = None
     finish: float | None = None
     output_ids: list[int] = field(default_factory=list)
-    cached_tokens: int = 0
+    cached_tokens: int | None = None  # None: the engine did not report it
 
 
 async def complete(
@@ -106,8 +106,8 @@ async def complete(
                 continue
             chunk = json.loads(line[6:])
             usage = chunk.get("usage")
-            if usage:
-                details = usage.get("prompt_tokens_details") or {}
+            details = usage.get("prompt_tokens_details") if usage else None
+            if details:
                 reply.cached_tokens = int(details.get("cached_tokens") or 0)
             for choice in chunk.get("choices", []):
                 ids = choice.get("token_ids") or []
@@ -134,6 +134,7 @@ class _Driver:
         self.outcomes: list[Outcome] = []
         self.planned = sum(len(s.turns) for s in sessions)
         self.settled = 0
+        self.cached_unknown = False
         self.t0 = 0.0
 
     def clock(self) -> float:
@@ -209,7 +210,10 @@ class _Driver:
             outcome.first_token = reply.first_token
             outcome.finish = reply.finish
             outcome.output_tokens = len(reply.output_ids)
-            outcome.cached_tokens = reply.cached_tokens
+            if reply.cached_tokens is None:
+                self.cached_unknown = True
+            else:
+                outcome.cached_tokens = reply.cached_tokens
             context = prompt + reply.output_ids
 
     def _settle(self) -> None:
@@ -264,27 +268,45 @@ def _read_stats(path: Path) -> EngineStats | None:
         return None
 
 
+@dataclass(frozen=True)
+class RunningEngine:
+    """An engine with the plugin that is already up (e.g. a test session's): the
+    KVQuota policy runs against it as it is, instead of starting one."""
+
+    url: str
+    policy_path: Path
+    stats_path: Path
+
+
 def _start_stack(
-    procs: Processes, spec: PolicySpec, scenario: Scenario, model: Path, run: Path
-) -> tuple[ManagedProcess, str, Target]:
+    procs: Processes, spec: PolicySpec, scenario: Scenario, model: Path, run: Path,
+    existing: RunningEngine | None = None,
+) -> tuple[dict[str, str], str, Target]:
+    """Start what `spec` needs; returns the engine's environment, its URL, the target."""
+    from engine_sidecar.stats import POLICY_PATH_ENV, STATS_PATH_ENV
     from kvquota.stack import engine_process, sidecar_process
 
-    engine_spec = scenario.engine
-    extra = ["--enable-prompt-tokens-details",
-             "--max-num-batched-tokens", str(engine_spec.max_num_batched_tokens)]
-    if spec.scheduler == "stock-priority":
-        extra += ["--scheduling-policy", "priority"]  # the last one given wins
-    plugin = spec.scheduler == "kvquota"
-    engine, engine_url = engine_process(
-        model, run, f"vllm-{spec.key}", plugin=plugin,
-        kv_cache_bytes=engine_spec.capacity_blocks * engine_spec.block_size
-        * kv_bytes_per_token(),
-        extra_args=extra, block_size=engine_spec.block_size,
-        max_model_len=engine_spec.max_model_len, max_num_seqs=engine_spec.max_num_seqs,
-    )
-    procs.start(engine).wait_http(engine_url + "/health", 300)
+    if existing is not None and spec.scheduler == "kvquota":
+        engine_url = existing.url
+        engine_env = {POLICY_PATH_ENV: str(existing.policy_path),
+                      STATS_PATH_ENV: str(existing.stats_path)}
+    else:
+        engine_spec = scenario.engine
+        extra = ["--enable-prompt-tokens-details",
+                 "--max-num-batched-tokens", str(engine_spec.max_num_batched_tokens)]
+        if spec.scheduler == "stock-priority":
+            extra += ["--scheduling-policy", "priority"]  # the last one given wins
+        engine, engine_url = engine_process(
+            model, run, f"vllm-{spec.key}", plugin=spec.scheduler == "kvquota",
+            kv_cache_bytes=engine_spec.capacity_blocks * engine_spec.block_size
+            * kv_bytes_per_token(),
+            extra_args=extra, block_size=engine_spec.block_size,
+            max_model_len=engine_spec.max_model_len, max_num_seqs=engine_spec.max_num_seqs,
+        )
+        procs.start(engine).wait_http(engine_url + "/health", 300)
+        engine_env = engine.env
     if not spec.admission:
-        return engine, engine_url, Target(engine_url, str(model))
+        return engine_env, engine_url, Target(engine_url, str(model))
     policy = scenario.engine_policy().model_copy(update={
         "model": str(model), "auth": AuthPolicy(trusted_tenant_header=TENANT_HEADER),
     }).with_version()
@@ -294,38 +316,41 @@ def _start_stack(
     secrets_dir.mkdir(parents=True, exist_ok=True)
     (secrets_dir / "cache-salt").write_text(secrets.token_hex(32))
     sidecar, sidecar_url = sidecar_process(
-        engine, engine_url, run, policy_file=policy_file, secrets_dir=secrets_dir,
+        engine_env, engine_url, run, policy_file=policy_file, secrets_dir=secrets_dir,
         tokenizer=model,
         extra_args=["--retry-after", str(scenario.clients.retry_after_seconds)],
     )
     procs.start(sidecar).wait_http(sidecar_url + "/readyz", 120)
-    return engine, engine_url, Target(
+    return engine_env, engine_url, Target(
         sidecar_url, str(model), lambda tenant: {TENANT_HEADER: tenant}
     )
 
 
-def _stats_path(engine: ManagedProcess) -> Path | None:
+def _stats_path(engine_env: dict[str, str]) -> Path | None:
     from engine_sidecar.stats import STATS_PATH_ENV
 
-    value = engine.env.get(STATS_PATH_ENV)
+    value = engine_env.get(STATS_PATH_ENV)
     return Path(value) if value else None
 
 
 def run_engine_policy(
     scenario: Scenario, sessions: list[Session], spec: PolicySpec, run: Path,
-    progress: Progress | None = None,
+    progress: Progress | None = None, *, existing: RunningEngine | None = None,
+    model: Path | None = None,
 ) -> RunResult:
     from kvquota.stack import Processes, terminate_as_interrupt, tiny_model
 
     started = time.perf_counter()
-    model = tiny_model()
+    model = model or tiny_model()
     procs = Processes()
     timeline = Timeline(capacity=scenario.engine.capacity_blocks)
     tier_of = {tid: t.tier.value for tid, t in scenario.tenants.items()}
     try:
         with terminate_as_interrupt():
-            engine, engine_url, target = _start_stack(procs, spec, scenario, model, run)
-            stats_path = _stats_path(engine) if spec.scheduler == "kvquota" else None
+            engine_env, engine_url, target = _start_stack(
+                procs, spec, scenario, model, run, existing
+            )
+            stats_path = _stats_path(engine_env) if spec.scheduler == "kvquota" else None
             driver = _Driver(scenario, sessions, spec, target, progress)
 
             async def main() -> dict[str, float]:
@@ -352,26 +377,43 @@ def run_engine_policy(
         key=spec.key, label=spec.label, outcomes=driver.outcomes, timeline=timeline,
         makespan=makespan, wall_seconds=time.perf_counter() - started,
     )
-    result.extra["enginePreemptions"] = int(metrics.get("vllm:num_preemptions_total", 0))
+    preempted = metrics.get("vllm:num_preemptions_total")
+    # None: the engine exports no stats (kvquota.processes starts it with
+    # --disable-log-stats), so stock vLLM's preemptions and KV usage are unknown.
+    result.extra["enginePreemptions"] = None if preempted is None else int(preempted)
+    if driver.cached_unknown:
+        result.prefix_known = False
+        result.notes.append("the engine does not report cached prompt tokens (start it with "
+                            "--enable-prompt-tokens-details); prefix hit rates are unknown")
     if final is not None:
         result.has_leases = True
         reasons: dict[str, int] = {}
         by_tier: dict[str, int] = {}
+        hits: dict[str, list[int]] = {}
         for tenant, t in final.tenants.items():
             tier = tier_of.get(tenant)
             if tier is not None:
                 result.lease_breaks[tier] = result.lease_breaks.get(tier, 0) + t.lease_breaks
                 running = sum(c for r, c in t.preemptions.items() if r not in _LEASE_REASONS)
                 by_tier[tier] = by_tier.get(tier, 0) + running
+                seen = hits.setdefault(tier, [0, 0])
+                seen[0] += t.prefix_hit_tokens
+                seen[1] += t.prompt_tokens
             for reason, count in t.preemptions.items():
                 reasons[reason] = reasons.get(reason, 0) + count
         result.preemptions_by_tier = by_tier
         result.extra["preemptionsByReason"] = dict(sorted(reasons.items()))
+        # The plugin's own count, over every request (first turns included).
+        result.extra["pluginPrefixHitRate"] = {
+            tier: round(hit / prompt, 4) for tier, (hit, prompt) in sorted(hits.items())
+            if prompt
+        }
     else:
         result.preemptions_known = False
+        total = result.extra["enginePreemptions"]
         result.notes.append(
             "stock vLLM does not attribute preemptions to requests; engine total: "
-            f"{result.extra['enginePreemptions']}"
+            + ("unknown (no /metrics stats)" if total is None else str(total))
         )
     return result
 

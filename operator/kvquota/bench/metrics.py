@@ -74,6 +74,7 @@ class RunResult:
     # engine backend: from the plugin's stats); None: count them from the outcomes.
     preemptions_by_tier: dict[str, int] | None = None
     preemptions_known: bool = True
+    prefix_known: bool = True  # False: the backend could not see cached prompt tokens
     makespan: float = 0.0  # seconds from 0 to the last finish
     steps: int = 0
     wall_seconds: float = 0.0
@@ -106,7 +107,7 @@ def cdf(values: list[float]) -> list[float]:
 
 def tier_summary(
     outcomes: list[Outcome], scenario: Scenario, tier: str, makespan: float,
-    lease_breaks: int | None, preemptions: int | None = -1,
+    lease_breaks: int | None, preemptions: int | None = -1, prefix_known: bool = True,
 ) -> dict[str, Any]:
     """One tier's numbers; `preemptions` -1 means: sum them over the outcomes."""
     mine = [o for o in outcomes if o.tier == tier]
@@ -144,9 +145,9 @@ def tier_summary(
         "sloAttainment": _r(good / len(done), 4) if done else None,
         "preemptions": sum(o.preemptions for o in mine) if preemptions == -1 else preemptions,
         "prefixHitRate": _r(sum(o.cached_tokens for o in followups) / follow_prompt)
-        if follow_prompt else None,
+        if follow_prompt and prefix_known else None,
         "prefixHitRateAll": _r(sum(o.cached_tokens for o in done) / all_prompt)
-        if all_prompt else None,
+        if all_prompt and prefix_known else None,
         "leaseBreaks": lease_breaks,
         "rejected429": sum(1 for s in rejected if s == 429),
         "rejected503": sum(1 for s in rejected if s == 503),
@@ -168,6 +169,7 @@ def summarize(run: RunResult, scenario: Scenario) -> dict[str, Any]:
         tier: tier_summary(
             run.outcomes, scenario, tier, run.makespan,
             run.lease_breaks.get(tier, 0) if run.has_leases else None, preemptions(tier),
+            run.prefix_known,
         )
         for tier in tiers
     }

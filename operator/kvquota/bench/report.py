@@ -231,6 +231,9 @@ def write_plot(document: dict[str, Any], path: Path) -> None:
             panel.stackplot(times, *[values for _, values in series],
                             labels=[t for t, _ in series],
                             colors=[TIER_COLOURS[t] for t, _ in series], alpha=0.8)
+        else:
+            panel.text(0.5, 0.5, "no KV usage reported for this run", ha="center",
+                       va="center", transform=panel.transAxes, color="grey")
         if timeline.get("capacityBlocks"):
             panel.axhline(timeline["capacityBlocks"], color="black", linewidth=0.8,
                           linestyle=":", label="capacity")
