@@ -114,10 +114,15 @@ def _run_sidecar(args: argparse.Namespace) -> int:
         source = FilePolicySource(args.policy_file)
     if args.secrets_dir is not None and not args.secrets_dir.is_dir():
         raise SystemExit(f"--secrets-dir {args.secrets_dir} is not a directory")
+    plugin_policy_path = _env_path(POLICY_PATH_ENV)
+    if plugin_policy_path and args.policy_file and (
+        plugin_policy_path.resolve() == args.policy_file.resolve()
+    ):
+        plugin_policy_path = None  # the plugin already reads the file we poll
     config = GatewayConfig(
         upstream=args.upstream,
         secrets_dir=args.secrets_dir,
-        plugin_policy_path=_env_path(POLICY_PATH_ENV),
+        plugin_policy_path=plugin_policy_path,
         stats_path=_env_path(STATS_PATH_ENV),
         tokenizer=args.tokenizer,
         engine_tokenizer=args.engine_tokenizer,
@@ -129,6 +134,7 @@ def _run_sidecar(args: argparse.Namespace) -> int:
     server = uvicorn.Server(uvicorn.Config(
         gateway.app, host=host, port=port, log_level=args.log_level,
         access_log=args.access_log, server_header=False, lifespan="on", interface="asgi3",
+        proxy_headers=False,  # client addresses are not used; skip the middleware
         timeout_graceful_shutdown=30,
     ))
     server.run()

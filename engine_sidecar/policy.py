@@ -176,6 +176,7 @@ def write_atomically(path: str | Path, text: str) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
     try:
+        os.fchmod(fd, 0o644)  # policy and stats are read by the other container's user
         with os.fdopen(fd, "w") as handle:
             handle.write(text)
         os.replace(tmp, target)

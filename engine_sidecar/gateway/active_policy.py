@@ -107,6 +107,7 @@ class PolicyHolder:
         self.error: str | None = None
         self._on_error = on_error
         self._last_raw: bytes | None = None
+        self._latest: EnginePolicy | None = None  # last well-formed policy offered
         self._secret_prints: dict[Path, tuple[int, int] | None] = {}
 
     def offer(self, raw: str | bytes, origin: str) -> bool:
@@ -121,6 +122,7 @@ class PolicyHolder:
             return self._reject(f"{origin}: invalid EnginePolicy: {_first_lines(exc)}")
         if not policy.version:
             policy = policy.with_version()
+        self._latest = policy
         return self._activate(policy, origin)
 
     def report(self, message: str) -> None:
@@ -137,19 +139,22 @@ class PolicyHolder:
         if prints == self._secret_prints:
             return
         self._secret_prints = prints
-        if self.active is not None:
+        if self._latest is not None and (
+            self.active is None or self._latest.version != self.active.version
+        ):
+            self._activate(self._latest, "secrets")  # the refused one may work now
+        elif self.active is not None:
             self._activate(self.active.policy, "secrets")
-        elif self._last_raw is not None:
-            raw, self._last_raw = self._last_raw, None
-            self.offer(raw, "secrets")
 
     def _fingerprints(self) -> dict[Path, tuple[int, int] | None]:
         if self.secrets_dir is None:
             return {}
         names = {CACHE_SALT_FILE}
-        policy = self.active.policy if self.active else None
-        if policy and policy.auth.jwt:
-            names.add(policy.auth.jwt.key_file)
+        # The active policy's key file, and the latest one's (refused maybe only because
+        # its key was not mounted yet: it is retried when the file appears).
+        for policy in (self.active.policy if self.active else None, self._latest):
+            if policy is not None and policy.auth.jwt:
+                names.add(policy.auth.jwt.key_file)
         return {self.secrets_dir / n: _secret_fingerprint(self.secrets_dir / n) for n in names}
 
     def _activate(self, policy: EnginePolicy, origin: str) -> bool:

@@ -73,9 +73,10 @@ class GatewayConfig:
     tenant_label_limit: int = 100
     engine_probe_interval: float = 2.0
     extra_request_drop: set[bytes] = field(default_factory=set)
+    data_plane: str = "auto"  # "httptools" (fast), "httpx" (fallback), "auto"
 
 
-async def _read_body(receive: Receive, limit: int) -> bytes | None:
+async def read_body(receive: Receive, limit: int) -> bytes | None:
     """The whole request body; None if the client went away first."""
     chunks: list[bytes] = []
     size = 0
@@ -117,6 +118,7 @@ class Gateway:
         self.upstream = Upstream(
             config.upstream, request_timeout=config.request_timeout,
             connect_timeout=config.connect_timeout, on_error=self._upstream_failed,
+            data_plane=config.data_plane,
         )
         self.token_counter = token_counter
         self.metrics.attach_state(StateSources(
@@ -242,6 +244,12 @@ class Gateway:
             reasons.append("tokenizer still loading")
         return reasons
 
+    async def _read_body(self, receive: Receive) -> bytes | None:
+        try:
+            return await read_body(receive, self.config.max_body_bytes)
+        except ApiError as error:
+            raise self._reject(error, "too_large") from None
+
     def _reject(self, error: ApiError, reason: str) -> ApiError:
         self.metrics.rejections.labels(reason).inc()
         return error
@@ -275,7 +283,7 @@ class Gateway:
     async def _generate(self, scope: Scope, receive: Receive, send: Send, kind: Kind) -> None:
         headers = dict(scope["headers"])
         try:
-            raw = await _read_body(receive, self.config.max_body_bytes)
+            raw = await self._read_body(receive)
             if raw is None:
                 return
             admitted = await self._admit(kind, raw, headers)
@@ -343,13 +351,13 @@ class Gateway:
         self.counters.count(tenant_id, verdict.decision)
         if verdict.error is not None:
             raise self._reject(verdict.error, verdict.decision.removeprefix("rejected_"))
-        reservation = self.ledger.reserve(tenant_id, verdict.blocks)
-        self._tier_metrics(tier)[2].inc(verdict.blocks)
-        body = rewrite(
+        body = rewrite(  # before reserving: nothing may fail between reserve and forward
             request, max_tokens=verdict.max_tokens, priority=tenant.priority,
             tenant_id=tenant_id, session=session_id(headers, request.body),
             cache_salt=active.cache_salts.get(tenant_id),
         )
+        reservation = self.ledger.reserve(tenant_id, verdict.blocks)
+        self._tier_metrics(tier)[2].inc(verdict.blocks)
         return reservation, body, tier
 
     def _forward_headers(self, scope: Scope) -> list[tuple[bytes, bytes]]:
@@ -364,7 +372,7 @@ class Gateway:
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = dict(scope["headers"])
         try:
-            if await _read_body(receive, self.config.max_body_bytes) is None:
+            if await self._read_body(receive) is None:
                 return
             self._authenticate(self._active(), headers)
         except ApiError as error:

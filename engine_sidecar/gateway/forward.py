@@ -18,21 +18,22 @@ import contextlib
 import http.cookiejar
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 from urllib.parse import urlsplit
 
 import httpx
 from starlette.types import Receive, Send
 
-from engine_sidecar.gateway import errors
+from engine_sidecar.gateway import errors, upstream_http
 from engine_sidecar.gateway.errors import ApiError, sse_error_event
 from engine_sidecar.gateway.upstream_http import (
     UpstreamConnectError,
     UpstreamPool,
-    UpstreamResponse,
     UpstreamTimeout,
 )
+from engine_sidecar.gateway.upstream_httpx import HttpxPool
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,27 @@ def filter_headers(
     return [(k.lower(), v) for k, v in headers if k.lower() not in drop and k.lower() not in extra]
 
 
+class UpstreamResponse(Protocol):
+    """What both data planes return once status and headers are in."""
+
+    status_code: int
+    raw_headers: list[tuple[bytes, bytes]]
+
+    def header(self, name: bytes) -> bytes | None: ...
+
+    def aiter_raw(self) -> AsyncIterator[bytes]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class DataPlane(Protocol):
+    async def request(
+        self, method: str, target: str, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> UpstreamResponse: ...
+
+    def close(self) -> None: ...
+
+
 def upstream_error(exc: BaseException, timeout: float) -> tuple[ApiError, str]:
     """Transport failure -> (client error, metric kind); nothing internal leaks."""
     if isinstance(exc, UpstreamConnectError):
@@ -86,14 +108,13 @@ class Upstream:
         request_timeout: float,
         connect_timeout: float = 5.0,
         on_error: Callable[[str], None] | None = None,
+        data_plane: str = "auto",
     ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"--upstream must be an http:// URL of the local engine, "
                              f"got {base_url!r}")
         self.request_timeout = request_timeout
-        self.pool = UpstreamPool(parts.hostname, parts.port or 80,
-                                 connect_timeout=connect_timeout, read_timeout=request_timeout)
         no_cookies = http.cookiejar.CookieJar(
             policy=http.cookiejar.DefaultCookiePolicy(allowed_domains=[])
         )
@@ -104,6 +125,17 @@ class Upstream:
             trust_env=False,  # never route engine traffic through an env proxy
             follow_redirects=False,
         )
+        self.pool: DataPlane
+        if data_plane == "httpx" or (data_plane == "auto" and not upstream_http.AVAILABLE):
+            if data_plane == "auto":
+                logger.warning("httptools is not installed: streaming through httpx, which "
+                               "costs several times more CPU per token chunk; install "
+                               "uvicorn[standard]")
+            self.pool = HttpxPool(self.client)
+        else:
+            self.pool = UpstreamPool(parts.hostname, parts.port or 80,
+                                     connect_timeout=connect_timeout,
+                                     read_timeout=request_timeout)
         self._on_error = on_error
 
     async def aclose(self) -> None:

@@ -173,4 +173,7 @@ def rewrite(
         body["cache_salt"] = cache_salt
     else:
         body.pop("cache_salt", None)
-    return json.dumps(body, separators=(",", ":")).encode()
+    try:
+        return json.dumps(body, separators=(",", ":")).encode()
+    except (ValueError, RecursionError):  # e.g. nesting deeper than the encoder allows
+        raise _invalid("the request body cannot be re-encoded as JSON") from None

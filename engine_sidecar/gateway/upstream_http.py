@@ -22,7 +22,12 @@ import time
 from collections.abc import AsyncIterator
 from typing import cast
 
-import httptools
+try:
+    import httptools
+except ImportError:  # uvicorn without [standard]: forward.py falls back to httpx
+    httptools = None  # type: ignore[assignment]
+
+AVAILABLE = httptools is not None
 
 KEEPALIVE_EXPIRY = 4.0  # seconds; below uvicorn's default timeout_keep_alive of 5
 HIGH_WATER = 256 * 1024  # pause reading the engine when this much is queued
@@ -212,6 +217,8 @@ class UpstreamPool:
         self, host: str, port: int, *, connect_timeout: float, read_timeout: float,
         max_idle: int = 256,
     ) -> None:
+        if not AVAILABLE:
+            raise RuntimeError("the fast data plane needs httptools (uvicorn[standard])")
         self.host = host
         self.port = port
         self.connect_timeout = connect_timeout
@@ -235,7 +242,9 @@ class UpstreamPool:
         now = time.monotonic()
         while self._idle:
             conn = self._idle.pop()
-            if not conn.closed and now - conn.idle_since < KEEPALIVE_EXPIRY:
+            # Closed by the engine, or bytes arrived while idle (not HTTP we can trust).
+            healthy = not conn.closed and conn.error is None and not conn.headers_done
+            if healthy and now - conn.idle_since < KEEPALIVE_EXPIRY:
                 return conn
             conn.abort()
         return None

@@ -66,7 +66,8 @@ class StubEngine:
             return
         if self.mode == "hang_headers":
             await asyncio.sleep(3600)
-        max_tokens = payload.get("max_completion_tokens") or payload.get("max_tokens") or 16
+        chat = scope["path"] == "/v1/chat/completions"
+        max_tokens = payload.get("max_completion_tokens" if chat else "max_tokens") or 16
         usage = {"prompt_tokens": 1, "completion_tokens": max_tokens,
                  "total_tokens": 1 + max_tokens}
         if not payload.get("stream"):

@@ -68,10 +68,14 @@ def test_chat_clamps_through_max_completion_tokens_and_shared_isolation_drops_sa
     assert response.json()["usage"]["completion_tokens"] == 32
 
 
+PLANES = pytest.mark.parametrize("plane", ["auto", "httpx"])  # fast path and fallback
+
+
+@PLANES
 def test_streams_relay_headers_minus_hop_by_hop_and_cookies(
-    stub_sidecar: StubFactory, keys: Keys
+    stub_sidecar: StubFactory, keys: Keys, plane: str
 ) -> None:
-    harness, _stub = stub_sidecar(StubEngine(chunks=5))
+    harness, _stub = stub_sidecar(StubEngine(chunks=5), data_plane=plane)
     harness.apply(make_policy(tenant("acme")))
     with httpx.stream("POST", harness.url + "/v1/completions",
                       json={"prompt": "x", "stream": True},
@@ -84,9 +88,12 @@ def test_streams_relay_headers_minus_hop_by_hop_and_cookies(
     assert harness.wait_ledger_empty()
 
 
-def test_engine_down_is_503_and_not_ready(stub_sidecar: StubFactory, keys: Keys) -> None:
+@PLANES
+def test_engine_down_is_503_and_not_ready(
+    stub_sidecar: StubFactory, keys: Keys, plane: str
+) -> None:
     closed = f"http://127.0.0.1:{free_port()}"
-    harness, _ = stub_sidecar(wait_up=False, upstream=closed)
+    harness, _ = stub_sidecar(wait_up=False, upstream=closed, data_plane=plane)
     harness.apply(make_policy(tenant("acme")))
 
     response = httpx.post(harness.url + "/v1/completions", json={"prompt": "x"},
@@ -112,8 +119,10 @@ def test_engine_5xx_is_mapped_without_its_body(stub_sidecar: StubFactory, keys: 
     assert harness.wait_ledger_empty()
 
 
-def test_upstream_timeout_is_504(stub_sidecar: StubFactory, keys: Keys) -> None:
-    harness, _ = stub_sidecar(StubEngine(mode="hang_headers"), request_timeout=0.3)
+@PLANES
+def test_upstream_timeout_is_504(stub_sidecar: StubFactory, keys: Keys, plane: str) -> None:
+    harness, _ = stub_sidecar(StubEngine(mode="hang_headers"), request_timeout=0.3,
+                              data_plane=plane)
     harness.apply(make_policy(tenant("acme")))
     response = httpx.post(harness.url + "/v1/completions", json={"prompt": "x"},
                           headers=_bearer(keys.hs("acme")))
@@ -122,12 +131,13 @@ def test_upstream_timeout_is_504(stub_sidecar: StubFactory, keys: Keys) -> None:
     assert harness.wait_ledger_empty()
 
 
+@PLANES
 @pytest.mark.parametrize(("mode", "code"), [("hang_midstream", "UPSTREAM_TIMEOUT"),
                                             ("drop_midstream", "UPSTREAM_ERROR")])
 def test_failure_mid_stream_ends_the_stream_with_an_error_event(
-    stub_sidecar: StubFactory, keys: Keys, mode: str, code: str
+    stub_sidecar: StubFactory, keys: Keys, mode: str, code: str, plane: str
 ) -> None:
-    harness, _ = stub_sidecar(StubEngine(mode=mode), request_timeout=0.3)
+    harness, _ = stub_sidecar(StubEngine(mode=mode), request_timeout=0.3, data_plane=plane)
     harness.apply(make_policy(tenant("acme")))
     with httpx.stream("POST", harness.url + "/v1/completions",
                       json={"prompt": "x", "stream": True},

@@ -134,3 +134,23 @@ async def test_configmap_watch_hot_loads_and_survives_bad_updates(
 def _wait_version(holder: PolicyHolder, policy: EnginePolicy) -> Awaitable[None]:
     return _until(lambda: holder.active is not None and holder.active.version == policy.version,
                   f"policy {policy.version}")
+
+
+def test_a_policy_waiting_for_its_key_is_applied_when_the_key_is_mounted(
+    keys: Keys, tmp_path: Path
+) -> None:
+    secrets_dir = Keys(tmp_path / "secrets").write().dir
+    holder = PolicyHolder(secrets_dir, None)
+    first = make_policy(tenant("acme"))
+    holder.offer(first.to_json(), "test")
+    waiting = make_policy(tenant("acme"), auth={"jwt": {"key_file": "rotated.pem",
+                                                         "algorithms": ["RS256"]}})
+    holder.offer(waiting.to_json(), "test")
+    assert holder.active is not None and holder.active.version == first.version
+    assert "'rotated.pem' not found" in str(holder.error)
+
+    holder.refresh_secrets()  # nothing changed yet
+    assert holder.active.version == first.version
+    (secrets_dir / "rotated.pem").write_bytes(keys.rsa_public_pem())
+    holder.refresh_secrets()
+    assert holder.error is None and holder.active.version == waiting.version
