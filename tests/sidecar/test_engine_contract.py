@@ -199,12 +199,12 @@ def test_prompt_counts_match_vllm_and_limits_are_400(sidecar: Harness, keys: Key
 def test_concurrency_limit_is_429_while_a_stream_is_held(sidecar: Harness, keys: Keys) -> None:
     sidecar.apply(make_policy(tenant("acme", max_tokens=2000, max_concurrent_requests=1)))
     token = keys.hs("acme")
-    with _held_stream(sidecar, token, {"max_tokens": 2000}):
+    with _held_stream(sidecar, token, {"max_tokens": 2000}) as first_line:
         time.sleep(0.5)  # however long: the reservation is held until we disconnect
         refused = _post(sidecar, {"prompt": PROMPT, "max_tokens": 1}, token)
         held = _status(sidecar).tenants["acme"].usage
-    assert held.inflight == 1
-    assert refused.status_code == 429, refused.text
+    assert refused.status_code == 429, (refused.text, first_line)
+    assert held.inflight == 1, (held, first_line)
     assert refused.json()["error"]["code"] == "TENANT_CONCURRENCY_EXHAUSTED"
     assert int(refused.headers["retry-after"]) >= 1
     _wait_ledger_empty(sidecar)
