@@ -56,10 +56,11 @@ def _wait_ledger_empty(harness: Harness, timeout: float = 30.0) -> None:
 
 @contextmanager
 def _held_stream(harness: Harness, token: str, body: dict[str, Any]) -> Iterator[str]:
-    """A streaming request that stays admitted until the block ends, however fast the
-    engine is: the client stops reading after one line, and with small socket buffers
-    on both ends (a few ten KB) the sidecar's send blocks long before the stream's
-    ~500 KB are through, so the reservation is held until the client disconnects."""
+    """A streaming request that stays admitted while the engine generates its 2,000
+    tokens (seconds on the tiny CPU model): the sidecar releases a reservation when the
+    engine is done with the request, not when the client has read it all. Check what
+    depends on it right away. The client stops reading after one line; small socket
+    buffers keep the sidecar from draining the stream meanwhile."""
     small_window = httpx.HTTPTransport(
         socket_options=[(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)])
     with httpx.Client(timeout=60, transport=small_window) as client, client.stream(
@@ -200,11 +201,10 @@ def test_concurrency_limit_is_429_while_a_stream_is_held(sidecar: Harness, keys:
     sidecar.apply(make_policy(tenant("acme", max_tokens=2000, max_concurrent_requests=1)))
     token = keys.hs("acme")
     with _held_stream(sidecar, token, {"max_tokens": 2000}) as first_line:
-        time.sleep(0.5)  # however long: the reservation is held until we disconnect
-        refused = _post(sidecar, {"prompt": PROMPT, "max_tokens": 1}, token)
         held = _status(sidecar).tenants["acme"].usage
-    assert refused.status_code == 429, (refused.text, first_line)
+        refused = _post(sidecar, {"prompt": PROMPT, "max_tokens": 1}, token)
     assert held.inflight == 1, (held, first_line)
+    assert refused.status_code == 429, (refused.text, first_line)
     assert refused.json()["error"]["code"] == "TENANT_CONCURRENCY_EXHAUSTED"
     assert int(refused.headers["retry-after"]) >= 1
     _wait_ledger_empty(sidecar)
