@@ -171,6 +171,14 @@ class _Connection(asyncio.Protocol):
             self.transport.abort()
 
 
+def find_header(raw_headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+    """First value of a lower-case header name in raw (lower-cased) headers."""
+    for key, value in raw_headers:
+        if key == name:
+            return value
+    return None
+
+
 class UpstreamResponse:
     """Status and headers are in; the body streams through `aiter_raw()`."""
 
@@ -181,10 +189,7 @@ class UpstreamResponse:
         self.raw_headers = conn.raw_headers
 
     def header(self, name: bytes) -> bytes | None:
-        for key, value in self.raw_headers:
-            if key == name:
-                return value
-        return None
+        return find_header(self.raw_headers, name)
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         conn = self._conn

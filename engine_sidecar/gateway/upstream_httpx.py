@@ -15,6 +15,7 @@ from engine_sidecar.gateway.upstream_http import (
     UpstreamConnectError,
     UpstreamProtocolError,
     UpstreamTimeout,
+    find_header,
 )
 
 
@@ -33,10 +34,7 @@ class HttpxResponse:
         self.raw_headers = [(k.lower(), v) for k, v in response.headers.raw]
 
     def header(self, name: bytes) -> bytes | None:
-        for key, value in self.raw_headers:
-            if key == name:
-                return value
-        return None
+        return find_header(self.raw_headers, name)
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         try:

@@ -26,8 +26,13 @@ import yaml
 
 from kvquota.loadgen import NoisyNeighbour, Target, TierSummary, run_noisy_neighbour, summarise
 from kvquota.processes import ManagedProcess
-from kvquota.stack import Processes, engine_process, sidecar_process, wait_for_file
-from kvquota.stack import terminate_as_interrupt as _terminate_as_interrupt
+from kvquota.stack import (
+    Processes,
+    engine_process,
+    sidecar_process,
+    terminate_as_interrupt,
+    wait_for_file,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "manifests" / "samples"
@@ -175,7 +180,7 @@ def run_demo(run: Path, workload: NoisyNeighbour, json_out: Path | None) -> int:
     say = _Progress()
     procs = Processes()
     try:
-        with _terminate_as_interrupt():
+        with terminate_as_interrupt():
             say("generating the tiny model (cached after the first run)")
             model = generate(REPO / ".cache" / "tiny-model")
             runs = {
