@@ -38,12 +38,15 @@ What the plugin adds to vLLM's scheduler:
   victim order and no other request is running, live leases are released (oldest
   premium last) so the engine always makes progress; counted, logged once per
   episode, exposed;
-- preemption mode: vLLM V1 has no swap. With KV offloading configured (a
-  `kv_offloading_size` or an offloading KV connector), preempted requests holding at
-  least the policy's `recomputeBelowBlocks` blocks are reported as `offload` (the
-  connector is expected to reload them; their blocks show as `swappedBlocks` while
-  they wait) and the others as `recompute`; without offloading every preemption is
-  `recompute`. The plugin does not change what the connector stores or reloads.
+- preemption mode: vLLM V1 has no swap; a preempted request either recomputes its
+  KV or, when the engine runs a KV offloading connector (`kv_offloading_size`, the
+  OffloadingConnector or LMCache), reloads what the connector stored. The plugin
+  honours the policy's `recomputeBelowBlocks`: a victim that held fewer blocks
+  recomputes (the connector's hit is declined, see `vllm_compat.ConnectorSteer`);
+  larger victims are left to the connector and show as `swappedBlocks` while they
+  wait. `preemptionsByMode` reports what happened: without offloading every
+  preemption counts as `recompute`; with it, a victim counts when it resumes, as
+  `offload` if its KV came back from the connector, else `recompute`.
 
 All vLLM private-API access goes through `engine_sidecar.vllm_compat`.
 """
@@ -141,8 +144,10 @@ class TenantAwareScheduler(compat.Scheduler):
         self._kvq_leases: LeaseTable[KVCacheBlock] = LeaseTable()
         self._kvq_counters = CounterBook()
         self._kvq_modes: Counter[str] = Counter()
-        # Preempted requests whose KV the offloading connector holds: req_id -> blocks.
-        self._kvq_offloaded: dict[str, int] = {}
+        # With KV offloading: preempted requests not yet resumed (req_id -> blocks they
+        # held), and those of them that must recompute rather than reload.
+        self._kvq_preempted: dict[str, int] = {}
+        self._kvq_recompute: set[str] = set()
         self._kvq_degraded = DegradedEpisodes()
         # req_id -> (request, priority to restore); only requests in `running`.
         self._kvq_marked: dict[str, tuple[Request, int]] = {}
@@ -151,7 +156,12 @@ class TenantAwareScheduler(compat.Scheduler):
         self._kvq_alloc_failed = False
         self._kvq_in_step = False
         self._kvq_steer_victims = compat.uses_priority_policy(self)
-        self._kvq_offloading = compat.offloading_configured(self.vllm_config)
+        connector = compat.kv_connector(self)
+        self._kvq_offloading = connector is not None and compat.offloading_configured(
+            self.vllm_config
+        )
+        if self._kvq_offloading:
+            compat.ConnectorSteer(connector, self._kvq_recompute, self._kvq_on_kv_load)
         self._kvq_watcher = PolicyWatcher(None)
         self._kvq_publisher: StatsPublisher | None = None
         self._kvq_next_publish = 0.0
@@ -275,6 +285,8 @@ class TenantAwareScheduler(compat.Scheduler):
         # Lease before vLLM drops the request's references: the blocks never reach
         # refcount 0, so nothing can evict them in between.
         req_id = compat.request_id(request)
+        if self._kvq_preempted:
+            self._kvq_forget_preempted(req_id)  # finished (e.g. aborted) before resuming
         identity = self._kvq_ids.pop(req_id, NO_IDENTITY)
         key = identity.session_key
         if key is not None:
@@ -469,11 +481,25 @@ class TenantAwareScheduler(compat.Scheduler):
         else:
             reason = Reason.UNCLASSIFIED
         self._kvq_counters[stats_tenant(policy, tenant)].preemptions[reason] += 1
+        if not self._kvq_offloading:
+            self._kvq_modes["recompute"] += 1
+            return
+        self._kvq_preempted[req_id] = num_blocks
         threshold = policy.recompute_below_blocks if policy is not None else 0
-        offload = self._kvq_offloading and num_blocks >= threshold
-        self._kvq_modes["offload" if offload else "recompute"] += 1
-        if offload:
-            self._kvq_offloaded[req_id] = num_blocks
+        if num_blocks < threshold:
+            self._kvq_recompute.add(req_id)
+
+    def _kvq_on_kv_load(self, request: Request, num_external_tokens: int) -> None:
+        """vLLM allocated blocks for a waiting request, `num_external_tokens` of them
+        to be loaded by the offloading connector."""
+        req_id = compat.request_id(request)
+        if req_id in self._kvq_preempted:
+            self._kvq_forget_preempted(req_id)
+            self._kvq_modes["offload" if num_external_tokens else "recompute"] += 1
+
+    def _kvq_forget_preempted(self, req_id: str) -> None:
+        self._kvq_preempted.pop(req_id, None)
+        self._kvq_recompute.discard(req_id)
 
     # -- leases ---------------------------------------------------------------------------
 
@@ -586,13 +612,10 @@ class TenantAwareScheduler(compat.Scheduler):
             stats.leased_sessions += 1
             stats.leased_blocks += own
             views.append(LeaseView(key, lease.last_activity, lease.expires_at, own))
-        for req_id, num_blocks in list(self._kvq_offloaded.items()):
-            preempted = compat.get_request(self, req_id)
-            if preempted is None or not compat.is_preempted(preempted):
-                del self._kvq_offloaded[req_id]  # resumed or finished
-                continue
-            tenant = self._kvq_ids.get(req_id, NO_IDENTITY).tenant
-            entry(stats_tenant(policy, tenant)).swapped_blocks += num_blocks
+        for req_id, num_blocks in self._kvq_preempted.items():
+            if req_id not in self._kvq_recompute:  # waiting to reload from the offload tier
+                tenant = self._kvq_ids.get(req_id, NO_IDENTITY).tenant
+                entry(stats_tenant(policy, tenant)).swapped_blocks += num_blocks
 
         for key, counters in self._kvq_counters.tenants.items():
             stats = entry(key)

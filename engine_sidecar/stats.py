@@ -33,8 +33,9 @@ class TenantEngineStats(_Wire):
     prefix_hit_tokens: int = 0
     prompt_tokens: int = 0
     swapped_blocks: int = Field(
-        0, description="blocks of preempted requests held offloaded (KV connector); 0 "
-        "without offloading. Exported as vllm_tenant_active_swapped_blocks."
+        0, description="blocks held by preempted requests waiting to reload from the KV "
+        "offload tier (victims of at least recomputeBelowBlocks blocks); 0 without "
+        "offloading. Exported as vllm_tenant_active_swapped_blocks."
     )
     lease_drops: dict[str, int] = Field(
         default_factory=dict,
@@ -54,11 +55,16 @@ class EngineStats(_Wire):
     policy_error: str | None = None
     total_blocks: int = 0
     free_blocks: int = 0
-    preemption_mode: str = "recompute"
+    preemption_mode: str = Field(
+        "recompute", description="offload when the engine runs a KV offloading connector"
+    )
     degraded: bool = False
     degraded_episodes: int = 0
     preemptions_by_mode: dict[str, int] = Field(
-        default_factory=dict, description="running-request preemptions: recompute / offload"
+        default_factory=dict,
+        description="preempted requests by how their KV came back: recompute / offload "
+        "(reloaded from the KV offload tier). Without offloading every preemption counts "
+        "as recompute; with it, a request counts when it resumes.",
     )
     vllm_version: str | None = None
     tenants: dict[str, TenantEngineStats] = Field(default_factory=dict)

@@ -26,6 +26,9 @@ check. The touchpoints:
   `arrival_time`, `num_computed_tokens`, `num_prompt_tokens`, `num_preemptions`,
   `sampling_params.extra_args`; `RequestStatus`;
 - `SchedulerOutput.scheduled_new_reqs[].req_id / num_computed_tokens` (prefix hits);
+- the scheduler-side KV connector `Scheduler.connector`: its public methods
+  `get_num_new_matched_tokens` and `update_state_after_alloc` (wrapped per instance
+  to steer offload vs recompute; `ConnectorSteer`);
 - config: `scheduler_config.async_scheduling`, `cache_config.kv_offloading_size`,
   `kv_transfer_config.kv_connector`.
 """
@@ -113,6 +116,7 @@ def check_supported_vllm(version: str | None = None) -> None:
 
 
 def _missing_api() -> list[str]:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -124,6 +128,8 @@ def _missing_api() -> list[str]:
         (BlockPool, "touch"),
         (BlockPool, "free_blocks"),
         (BlockPool, "get_num_free_blocks"),
+        (KVConnectorBase_V1, "get_num_new_matched_tokens"),
+        (KVConnectorBase_V1, "update_state_after_alloc"),
     ]
     return [f"{cls.__name__}.{name}" for cls, name in wanted if not hasattr(cls, name)]
 
@@ -196,10 +202,6 @@ def is_running(request: Request) -> bool:
 
 def is_waiting(request: Request) -> bool:
     return bool(request.status < RequestStatus.RUNNING or request.status == RequestStatus.PREEMPTED)
-
-
-def is_preempted(request: Request) -> bool:
-    return bool(request.status == RequestStatus.PREEMPTED)
 
 
 def kv_is_reusable(request: Request) -> bool:
@@ -443,3 +445,51 @@ class AllocationHook:
         else:
             del self._manager.allocate_slots  # back to KVCacheManager.allocate_slots
         self.armed = armed
+
+
+# -- KV offloading ------------------------------------------------------------------------
+
+
+KVLoadListener = Callable[["Request", int], None]
+
+
+class ConnectorSteer:
+    """Decides, per preempted request, whether its KV comes back from the offload tier.
+
+    vLLM asks the scheduler-side KV connector how many tokens of a waiting request it
+    can load (`get_num_new_matched_tokens`), then reports what it allocated
+    (`update_state_after_alloc`); both are wrapped on the one connector instance.
+    For a request id in `recompute`, a hit the connector found is answered with
+    "nothing to load", after the connector's own lookup so its bookkeeping stays
+    consistent (vLLM discards a hit the same way for `skip_reading_prefix_cache`).
+    A "not known yet" (None, e.g. the request's stores are still in flight) passes
+    through. `on_load(request, num_external_tokens)` hears every allocation's outcome.
+    """
+
+    def __init__(
+        self, connector: Any, recompute: Container[str], on_load: KVLoadListener
+    ) -> None:
+        matched = connector.get_num_new_matched_tokens
+        after_alloc = connector.update_state_after_alloc
+
+        def get_num_new_matched_tokens(
+            request: Request, *args: Any, **kwargs: Any
+        ) -> tuple[int | None, bool]:
+            num_tokens, load_async = matched(request, *args, **kwargs)
+            if num_tokens and request.request_id in recompute:
+                return 0, False
+            return num_tokens, load_async
+
+        def update_state_after_alloc(
+            request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+        ) -> None:
+            after_alloc(request, blocks, num_external_tokens)
+            on_load(request, num_external_tokens)
+
+        connector.get_num_new_matched_tokens = get_num_new_matched_tokens
+        connector.update_state_after_alloc = update_state_after_alloc
+
+
+def kv_connector(scheduler: Scheduler) -> Any | None:
+    """The scheduler-side KV connector, if the engine runs one."""
+    return scheduler.connector

@@ -94,6 +94,13 @@ class StateCollector(Collector):
                                 value=stats.total_blocks)
         yield GaugeMetricFamily("kvquota_engine_free_blocks", "Free engine KV cache blocks.",
                                 value=stats.free_blocks)
+        modes = CounterMetricFamily(
+            "kvquota_engine_preemptions",
+            "Preempted requests by how their KV came back: recompute, or offload "
+            "(reloaded from the KV offload tier).", labels=["mode"])
+        for mode, count in sorted(stats.preemptions_by_mode.items()):
+            modes.add_metric([mode[:32]], count)
+        yield modes
         yield from self._plugin_families(stats, tenants, label)
 
     def _plugin_families(

@@ -6,6 +6,7 @@ Each child gets its own process group so stopping it also stops what it spawned
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -104,6 +105,9 @@ class EngineOptions:
     kv_cache_bytes: int = 16 * 1024 * 1024
     max_model_len: int = 2048
     max_num_seqs: int = 64
+    # > 0: vLLM's OffloadingConnector with a host tier of this many bytes (kvquota.cpu_offload)
+    kv_offload_bytes: int = 0
+    log_stats: bool = False  # True: keep vLLM's stats, incl. the Prometheus /metrics counters
     extra_args: list[str] = field(default_factory=list)
 
 
@@ -120,12 +124,22 @@ def vllm_engine(opts: EngineOptions, log_path: Path) -> ManagedProcess:
         "--gpu-memory-utilization", "0.3",
         "--kv-cache-memory-bytes", str(opts.kv_cache_bytes),
         "--enable-prefix-caching",
-        "--disable-log-stats",
+        *([] if opts.log_stats else ["--disable-log-stats"]),
         "--scheduling-policy", "priority" if opts.plugin else "fcfs",
         *opts.extra_args,
     ]
     if opts.plugin:
         argv += ["--scheduler-cls", PLUGIN_CLASS]
+    if opts.kv_offload_bytes > 0:
+        argv += ["--kv-transfer-config", json.dumps({
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "spec_name": "CPUEngineOffloadingSpec",
+                "spec_module_path": "kvquota.cpu_offload",
+                "cpu_bytes_to_use": opts.kv_offload_bytes,
+            },
+        })]
     env = {
         POLICY_PATH_ENV: str(opts.policy_path),
         STATS_PATH_ENV: str(opts.stats_path),

@@ -255,9 +255,10 @@ def _sidecar_exposition() -> str:
         EnginePolicy(pool="default/demo-pool", model="m", tenants={"acme": acme}).with_version(),
         None,
     )
-    stats = EngineStats(timestamp=0.0, total_blocks=640, free_blocks=320, tenants={
+    stats = EngineStats(timestamp=0.0, total_blocks=640, free_blocks=320,
+                        preemptions_by_mode={"recompute": 1}, tenants={
         "acme": TenantEngineStats(running_blocks=4, leased_blocks=2, lease_breaks=1,
-                                  degraded_events=1, preemptions={"recompute": 1}),
+                                  degraded_events=1, preemptions={"borrower": 1}),
     })
     ledger = Ledger()
     ledger.reserve("acme", 3)

@@ -432,6 +432,114 @@ def test_malformed_policy_keeps_the_last_good_one(make_harness, policy_path, tok
     assert stats.tenants["acme"].leased_sessions == 1
 
 
+# -- preemption mode: offload vs recompute (vLLM's OffloadingConnector) -------------------
+
+OFFLOAD_BYTES = 64 << 20
+
+
+def _preempt_bronze_then_flush_its_cache(harness, tokens: Tokens) -> list[int]:
+    """A premium decode preempts a free 20-block prompt; a standard request then takes
+    the freed blocks, so the victim's own KV survives only in the offload tier. Returns
+    the victim's swappedBlocks after every step (plugin only)."""
+    harness.add_request("gold", tokens(240), 120, priority=0, tenant="gold")
+    harness.add_request("bronze", tokens(320), 40, priority=2, tenant="bronze")
+    swapped: list[int] = []
+    while harness.has_unfinished():
+        step = harness.step()
+        if step.preempted_req_ids and "filler" not in harness.requests:
+            harness.add_request("filler", tokens(288), 8, priority=1, tenant="silver")
+        if harness.plugin is not None:
+            swapped.append(harness.kvq_stats().tenants["bronze"].swapped_blocks)
+    assert _first_preemption_order(harness) == ["bronze"]
+    return swapped
+
+
+def _prefill_tokens_after_preemption(harness, req_id: str) -> int:
+    preempted, total = False, 0
+    for step in harness.steps:
+        if req_id in step.preempted_req_ids:
+            preempted = True
+        elif preempted and (n := step.num_scheduled_tokens.get(req_id, 0)) > 1:
+            total += n
+    return total
+
+
+def _offload_policy(policy_path: Path, recompute_below_blocks: int) -> None:
+    write_policy(policy_path, engine_policy(
+        tenant("gold", "premium", guaranteed=100),
+        tenant("silver", "standard", guaranteed=100),
+        tenant("bronze", "free", guaranteed=0),
+        recompute_below_blocks=recompute_below_blocks,
+    ))
+
+
+def test_a_large_victim_reloads_its_kv_from_the_offload_tier(make_harness, policy_path, tokens):
+    _offload_policy(policy_path, recompute_below_blocks=8)  # the victim holds 22 blocks
+    harness = make_harness(num_blocks=41, block_size=BLOCK, policy_path=policy_path,
+                           kv_offload_bytes=OFFLOAD_BYTES)
+    swapped = _preempt_bronze_then_flush_its_cache(harness, tokens)
+
+    bronze = harness.requests["bronze"]
+    assert bronze.finish_reason == "length"
+    assert bronze.num_loaded_blocks == 20  # its whole prompt came back
+    # Only the tokens it had generated are computed again (vLLM offloads prompts).
+    assert _prefill_tokens_after_preemption(harness, "bronze") < 2 * BLOCK + 8
+    stats = harness.kvq_stats()
+    assert stats.preemption_mode == "offload"
+    assert stats.preemptions_by_mode == {"offload": 1}
+    assert max(swapped) == 22 and swapped[-1] == 0  # shown while it waited
+
+
+@pytest.mark.parametrize(("kind", "reloaded"), [("kvquota", False), ("stock-priority", True)])
+def test_a_victim_below_recompute_below_blocks_recomputes(
+    make_harness, policy_path, tokens, kind, reloaded
+):
+    _offload_policy(policy_path, recompute_below_blocks=64)
+    harness = make_harness(num_blocks=41, block_size=BLOCK, scheduler=kind,
+                           policy_path=policy_path if kind == "kvquota" else None,
+                           kv_offload_bytes=OFFLOAD_BYTES)
+    swapped = _preempt_bronze_then_flush_its_cache(harness, tokens)
+
+    bronze = harness.requests["bronze"]
+    assert bronze.finish_reason == "length"
+    assert (bronze.num_loaded_blocks > 0) is reloaded  # stock vLLM reloads every victim
+    if kind == "kvquota":
+        assert _prefill_tokens_after_preemption(harness, "bronze") >= 320
+        assert harness.kvq_stats().preemptions_by_mode == {"recompute": 1}
+        assert not any(swapped)
+
+
+def test_a_victim_aborted_before_resuming_leaves_no_swapped_blocks(
+    make_harness, policy_path, tokens
+):
+    _offload_policy(policy_path, recompute_below_blocks=8)
+    harness = make_harness(num_blocks=41, block_size=BLOCK, policy_path=policy_path,
+                           kv_offload_bytes=OFFLOAD_BYTES)
+    harness.add_request("gold", tokens(240), 120, priority=0, tenant="gold")
+    harness.add_request("bronze", tokens(320), 40, priority=2, tenant="bronze")
+    while not harness.requests["bronze"].num_preemptions:
+        harness.step()
+    assert harness.kvq_stats().tenants["bronze"].swapped_blocks == 22
+    harness.abort(["bronze"])
+    harness.run_until_done()
+
+    stats = harness.kvq_stats()
+    assert stats.tenants["bronze"].swapped_blocks == 0
+    assert stats.preemptions_by_mode == {}  # it never came back
+
+
+def test_without_offloading_every_preemption_recomputes(make_harness, policy_path, tokens):
+    _offload_policy(policy_path, recompute_below_blocks=8)
+    harness = make_harness(num_blocks=41, block_size=BLOCK, policy_path=policy_path)
+    _preempt_bronze_then_flush_its_cache(harness, tokens)
+
+    assert harness.requests["bronze"].num_loaded_blocks == 0
+    stats = harness.kvq_stats()
+    assert stats.preemption_mode == "recompute"
+    assert stats.preemptions_by_mode == {"recompute": 1}
+    assert _prefill_tokens_after_preemption(harness, "bronze") >= 320
+
+
 # -- stats channel --------------------------------------------------------------------------
 
 

@@ -232,6 +232,7 @@ def test_status_and_metrics_merge_the_plugin_stats(
     harness.apply(make_policy(tenant("acme", tier="premium", priority=0), tenant("free")))
     stats = EngineStats(
         timestamp=time.time(), policy_version="x", total_blocks=1000, free_blocks=700,
+        preemption_mode="offload", preemptions_by_mode={"offload": 2, "recompute": 1},
         tenants={"acme": TenantEngineStats(running_blocks=20, leased_blocks=30,
                                            leased_sessions=2, lease_breaks=1,
                                            preemptions={"borrower": 3}),
@@ -258,6 +259,8 @@ def test_status_and_metrics_merge_the_plugin_stats(
     assert 'kvquota_tenant_blocks_used{tenant_id="other"} 5.0' in metrics
     assert "kvquota_engine_free_blocks 700.0" in metrics
     assert 'vllm_tenant_active_swapped_blocks{tenant_id="acme"} 0.0' in metrics
+    assert 'kvquota_engine_preemptions_total{mode="offload"} 2.0' in metrics
+    assert 'kvquota_engine_preemptions_total{mode="recompute"} 1.0' in metrics
 
 
 def test_unknown_capacity_skips_the_watermark_and_says_so(

@@ -11,6 +11,10 @@ tokens, attention context), so a cost model can turn steps into virtual seconds
 (`TwinConfig.step_cost`); by default a step takes `step_seconds`. Each request keeps
 its admission step/time, first-token step/time, prefix-cache hit and preemptions.
 
+With `kv_offload_bytes`, the scheduler runs vLLM's `OffloadingConnector` (its
+scheduler side, unchanged) over a host tier of that size, and the harness plays the
+worker: every store and load the step asks for completes within the step.
+
     harness = SchedulerHarness(TwinConfig(model_dir, num_blocks=640, scheduler="kvquota",
                                           policy_path=path))
     harness.add_request("a", prompt, max_tokens=32, tenant="acme", session="s1")
@@ -50,6 +54,8 @@ class TwinConfig:
     long_prefill_token_threshold: int = 0
     enable_prefix_caching: bool = True
     async_scheduling: bool = False
+    # vLLM's OffloadingConnector with a host tier of this many bytes (0: none).
+    kv_offload_bytes: int = 0
     # KVQuota only: policy and stats files (hot-loaded / published as in the engine).
     policy_path: Path | None = None
     stats_path: Path | None = None
@@ -77,6 +83,7 @@ class TwinRequest:
     finish_reason: str | None = None
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
     num_preemptions: int = 0
+    num_loaded_blocks: int = 0  # KV blocks reloaded from the offload tier
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -117,6 +124,7 @@ def build_vllm_config(config: TwinConfig) -> Any:
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
+        KVTransferConfig,
         ModelConfig,
         SchedulerConfig,
         VllmConfig,
@@ -143,11 +151,19 @@ def build_vllm_config(config: TwinConfig) -> Any:
     cache_config = CacheConfig(
         block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching
     )
+    transfer_config = None
+    if config.kv_offload_bytes:
+        transfer_config = KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"cpu_bytes_to_use": config.kv_offload_bytes},
+        )
     vllm_config = VllmConfig(
         model_config=model_config,
         scheduler_config=scheduler_config,
         cache_config=cache_config,
         device_config=DeviceConfig("cpu"),
+        kv_transfer_config=transfer_config,
     )
     # The CPU platform turns async scheduling off while the config is built.
     vllm_config.scheduler_config.async_scheduling = config.async_scheduling
@@ -336,6 +352,7 @@ class SchedulerHarness:
             req_ids=req_ids,
             req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
             sampled_token_ids=sampled,
+            kv_connector_output=self._transfer(output.kv_connector_metadata),
         )
         before_update = time.perf_counter()
         engine_outputs = scheduler.update_from_output(output, runner_output)
@@ -386,6 +403,27 @@ class SchedulerHarness:
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()
+
+    def _transfer(self, metadata: Any) -> Any:
+        """The offloading worker's report: every job of the step done, loads delivered."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+            OffloadingConnectorMetadata,
+            OffloadingWorkerMetadata,
+        )
+        from vllm.v1.kv_offload.base import GPULoadStoreSpec
+        from vllm.v1.outputs import KVConnectorOutput
+
+        if not isinstance(metadata, OffloadingConnectorMetadata):
+            return None
+        done = OffloadingWorkerMetadata()
+        for job_id in (*metadata.store_jobs, *metadata.load_jobs):
+            done.mark_completed(job_id)
+        loaded: set[str] = set()
+        for job in metadata.load_jobs.values():
+            assert isinstance(job.dst_spec, GPULoadStoreSpec)
+            self.requests[job.req_id].num_loaded_blocks += len(job.dst_spec.block_ids)
+            loaded.add(job.req_id)
+        return KVConnectorOutput(finished_recving=loaded, kv_connector_worker_meta=done)
 
     def _collect(self, engine_outputs: dict[int, Any], index: int) -> list[str]:
         finished = []
