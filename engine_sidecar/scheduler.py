@@ -110,7 +110,8 @@ class _StepView:
     def __init__(self, ranker: VictimRanker, entries: list[_RunningEntry]) -> None:
         self.ranker = ranker
         self.entries = entries
-        self.order: list[tuple[RankKey, int]] | None = None
+        self.keys: list[RankKey] = []  # each entry's running key, set with `order`
+        self.order: list[int] | None = None  # entry indices, next victim first
         self.next = 0
 
     def debit(self, tenant: str | None, num_blocks: int) -> None:
@@ -407,20 +408,19 @@ class TenantAwareScheduler(compat.Scheduler):
             return running[-1], self._kvq_running_key(view.ranker, running[-1])
         if view.order is None:
             running_key = view.ranker.running_key
-            # (key, -index): among equal keys the first in `running` goes first, as
-            # with vLLM's max().
-            view.order = sorted(
-                ((running_key(tenant, priority, computed, arrival), -index)
-                 for index, (_, tenant, priority, computed, arrival)
-                 in enumerate(view.entries)),
-                reverse=True,
-            )
+            keys = view.keys = [
+                running_key(tenant, priority, computed, arrival)
+                for _, tenant, priority, computed, arrival in view.entries
+            ]
+            # Largest key first. The sort is stable (also reversed), so among equal keys
+            # the first in `running` goes first, as with vLLM's max().
+            view.order = sorted(range(len(keys)), key=keys.__getitem__, reverse=True)
             view.next = 0
         while view.next < len(view.order):
-            key, neg_index = view.order[view.next]
-            request = view.entries[-neg_index][0]
+            index = view.order[view.next]
+            request = view.entries[index][0]
             if compat.is_running(request):
-                return request, key
+                return request, view.keys[index]
             view.next += 1
         return running[-1], self._kvq_running_key(view.ranker, running[-1])
 

@@ -326,7 +326,11 @@ class VictimRanker:
         num_computed_tokens: int,
         arrival_time: float,
     ) -> RankKey:
-        cls = self.tenant_class(tenant) if tenant is not None else None
+        # Called for every running request when memory runs out: the class cache is
+        # read inline, tenant_class() only fills it.
+        cls = self._classes.get(tenant) if tenant is not None else None
+        if cls is None and tenant is not None:
+            cls = self.tenant_class(tenant)
         if cls is None:
             # vLLM's own priority-policy victim order.
             return (Band.UNCLASSIFIED, priority, 0, 0, arrival_time)

@@ -14,7 +14,9 @@ check. The touchpoints:
 - scheduler attributes `running`, `requests`, `policy`, `vllm_config`,
   `kv_cache_manager`;
 - `KVCacheManager.allocate_slots` (wrapped per instance, for the steps in which an
-  allocation can fail, to hear about failures; `AllocationHook`), and the scheduler
+  allocation can fail, to hear about failures; `AllocationHook`: vLLM's scheduler
+  passes `request, num_new_tokens` by position and everything else by keyword, always
+  with `num_lookahead_tokens`, whose default is 0), and the scheduler
   fields its arming reads: `waiting`, `kv_holding_waiting`, `_inflight_prefills`,
   `max_num_scheduled_tokens`, `num_spec_tokens`, `num_lookahead_tokens`, `block_size`,
   `connector`, `is_encoder_decoder`, `kv_cache_config`; `KVCacheManager.coordinator
@@ -285,29 +287,33 @@ def scan_running(
     shared (prefix) blocks, so that distinct blocks = unshared + len(shared ids).
     `identities` maps req_id to an object with a `tenant` attribute."""
     managers = scheduler.kv_cache_manager.coordinator.single_type_managers
-    req_to_blocks = managers[0].req_to_blocks if len(managers) == 1 else None
+    get_blocks = managers[0].req_to_blocks.get if len(managers) == 1 else None
     entries: list[RunningEntry] = []
     usage: dict[str | None, int] = {}
     shared: dict[str | None, set[int]] = {}
+    # Bound methods in locals: this loop runs over every running request.
     append = entries.append
+    get_identity = identities.get
+    get_usage = usage.get
     for request in scheduler.running:
         req_id = request.request_id
         priority = request.priority
         if marked and req_id in marked:
             priority = marked[req_id][1]
-        identity = identities.get(req_id)
+        identity = get_identity(req_id)
         tenant = identity.tenant if identity is not None else None
-        if tenant is not None and tenant not in known_tenants:
+        if tenant not in known_tenants:  # also None
             tenant = None
-        if req_to_blocks is not None:
-            blocks = req_to_blocks.get(req_id) or []
+        if get_blocks is not None:
+            blocks = get_blocks(req_id) or []
         else:
             blocks = request_blocks(scheduler, req_id)
-        if blocks and (blocks[0].ref_cnt > 1 or blocks[0].is_null):
-            held = count_unshared_blocks(blocks, shared.setdefault(tenant, set()))
-        else:
-            held = len(blocks)
-        usage[tenant] = usage.get(tenant, 0) + held
+        held = len(blocks)
+        if held:
+            first = blocks[0]
+            if first.ref_cnt > 1 or first.is_null:
+                held = count_unshared_blocks(blocks, shared.setdefault(tenant, set()))
+        usage[tenant] = get_usage(tenant, 0) + held
         append((request, tenant, priority, request.num_computed_tokens, request.arrival_time))
     return entries, usage, shared
 
@@ -381,7 +387,7 @@ class AllocationHook:
 
     The handler may free blocks and `retry()` (allocation has no side effects until it
     succeeds); whatever it returns is what vLLM's scheduler sees. The wrapper costs
-    about half a microsecond per call, so it is only installed for steps in which an
+    about 0.1 microseconds per call, so it is only installed for steps in which an
     allocation can fail. vLLM allocates in exactly two places: admission of waiting
     requests, and growth of running requests. A running request that is not still
     prefilling (vLLM's `_inflight_prefills`) computes at most 1 + speculative tokens
@@ -398,16 +404,29 @@ class AllocationHook:
         manager = scheduler.kv_cache_manager
         allocate = manager.allocate_slots
 
-        def allocate_slots(request: Request, *args: Any, **kwargs: Any) -> KVCacheBlocks | None:
-            blocks = allocate(request, *args, **kwargs)
+        def allocate_slots(
+            request: Request, num_new_tokens: int, *, num_lookahead_tokens: int = 0, **kwargs: Any
+        ) -> KVCacheBlocks | None:
+            # vLLM makes this call, with no other argument, for every running request
+            # in every step: without `**` it costs a third of a microsecond less.
+            if kwargs:
+                blocks = allocate(
+                    request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens, **kwargs
+                )
+            else:
+                blocks = allocate(
+                    request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens
+                )
             if blocks is None:
-                return on_failure(request, lambda: allocate(request, *args, **kwargs))
+                return on_failure(request, lambda: allocate(
+                    request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens, **kwargs
+                ))
             return blocks
 
         self._scheduler = scheduler
         self._manager = manager
         self._pool = manager.block_pool
-        self._hooked = allocate_slots
+        self._hooked: Callable[..., KVCacheBlocks | None] = allocate_slots
         self.armed = False
         groups = scheduler.kv_cache_config.kv_cache_groups
         spec = groups[0].kv_cache_spec if len(groups) == 1 else None
