@@ -122,8 +122,9 @@ class _StepView:
 class TenantAwareScheduler(compat.Scheduler):
     """vLLM's Scheduler plus tenant leases, victim order and degraded mode."""
 
-    # The ranking rules (see engine_sidecar.tenant_policy). Benchmarks set a subclass
-    # on one instance to compare orders; not a product setting.
+    # The ranking rules (see engine_sidecar.tenant_policy). The benchmark's victim-order
+    # variants (kvquota.bench.variants) set a subclass on one instance; not a product
+    # setting.
     kvq_ranker_cls: type[VictimRanker] = VictimRanker
 
     def __new__(cls, *args: Any, **kwargs: Any) -> TenantAwareScheduler:
@@ -153,7 +154,6 @@ class TenantAwareScheduler(compat.Scheduler):
         # req_id -> (request, priority to restore); only requests in `running`.
         self._kvq_marked: dict[str, tuple[Request, int]] = {}
         self._kvq_view: _StepView | None = None  # built at a step's first allocation failure
-        self._kvq_ranker: VictimRanker | None = None
         self._kvq_alloc_failed = False
         self._kvq_in_step = False
         self._kvq_steer_victims = compat.uses_priority_policy(self)
@@ -378,15 +378,8 @@ class TenantAwareScheduler(compat.Scheduler):
             usage[lease.tenant] = usage.get(lease.tenant, 0) + held
         for tenant, block_ids in shared.items():
             usage[tenant] = usage.get(tenant, 0) + len(block_ids)
-        self._kvq_ranker = self.kvq_ranker_cls(policy, usage)
-        view = self._kvq_view = _StepView(self._kvq_get_ranker(), entries)
+        view = self._kvq_view = _StepView(self.kvq_ranker_cls(policy, usage), entries)
         return view
-
-    def _kvq_get_ranker(self) -> VictimRanker:
-        """The ranker of the step being built (kvquota.bench.variants wraps this;
-        prefer setting `kvq_ranker_cls`)."""
-        assert self._kvq_ranker is not None
-        return self._kvq_ranker
 
     def _kvq_running_key(self, ranker: VictimRanker, request: Request) -> RankKey:
         req_id, priority, num_computed_tokens, arrival_time = compat.rank_inputs(request)
@@ -464,7 +457,6 @@ class TenantAwareScheduler(compat.Scheduler):
         if self._kvq_marked:
             self._kvq_restore_marks()
         self._kvq_view = None
-        self._kvq_ranker = None
         if self._kvq_degraded.end_step(self._kvq_alloc_failed):
             self._kvq_next_publish = 0.0
         self._kvq_alloc_failed = False

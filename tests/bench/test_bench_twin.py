@@ -68,3 +68,35 @@ def test_victim_order_variants_run_as_extra_policies(tiny_scenario: Path) -> Non
     }
     for summary in document["policies"].values():
         assert summary["completed"] == summary["requests"]
+
+
+@pytest.mark.parametrize(("variant", "first_victim"), [
+    (None, "short"),  # documented: the request that loses the least work
+    ("newest-first", "long"),  # vLLM's order: the newest arrival
+])
+def test_a_victim_order_variant_changes_who_is_preempted(
+    tiny_model: Path, tmp_path: Path, variant: str | None, first_victim: str
+) -> None:
+    from engine_sidecar.policy import EnginePolicy, TenantPolicy, write_atomically
+    from kvquota.bench.variants import apply_victim_order
+    from kvquota.twin.harness import SchedulerHarness, TwinConfig
+
+    policy_path = tmp_path / "policy.json"
+    gold = TenantPolicy(tenant_id="gold", tier="premium", priority=0, guaranteed_blocks=100,
+                        max_blocks=100, max_tokens=4096, default_max_tokens=64)
+    write_atomically(policy_path, EnginePolicy(
+        pool="default/pool", model="tiny", block_size=16, tenants={"gold": gold},
+    ).with_version().to_json())
+    # 12 + 22 blocks at the end into 30: one of the two must give way.
+    harness = SchedulerHarness(TwinConfig(tiny_model, num_blocks=31, policy_path=policy_path))
+    if variant is not None:
+        apply_victim_order(harness, variant)
+    try:
+        harness.add_request("short", list(range(100, 180)), 100, tenant="gold")
+        harness.advance(1)
+        harness.add_request("long", list(range(200, 440)), 100, tenant="gold")
+        harness.run_until_done()
+    finally:
+        harness.shutdown()
+    preempted = [req_id for step in harness.steps for req_id in step.preempted_req_ids]
+    assert preempted[0] == first_victim

@@ -14,9 +14,9 @@ what each rule buys:
 - `newest-first`: within a band and tier, preempt the newest running request (vLLM's
   own priority-policy order) instead of the one with the least computed work.
 
-The plugin exposes no switch for its order, so a variant replaces the ranker of one
-plugin instance (`TenantAwareScheduler._kvq_get_ranker`, a private method). This is
-a benchmark instrument, not a product setting.
+The plugin exposes no switch for its order; a variant sets the ranker class of one
+plugin instance (`TenantAwareScheduler.kvq_ranker_cls`). This is a benchmark
+instrument, not a product setting.
 """
 
 from __future__ import annotations
@@ -116,41 +116,8 @@ def victim_order_specs(names: tuple[str, ...], bases: tuple[str, ...] = ("kvquot
 
 
 def apply_victim_order(harness: SchedulerHarness, name: str) -> None:
-    """Make this harness's plugin rank victims with the variant's ranker.
-
-    The plugin builds one ranker per step (inside a step view, or alone in older
-    versions); the wrapper swaps it for the variant's class over the same policy and
-    usage as soon as it is built, before any key is computed."""
+    """Make this harness's plugin rank victims with the variant's ranker."""
     plugin = harness.plugin
     if plugin is None:
         raise ValueError("victim orders apply to the KVQuota scheduler only")
-    ranker_cls = VICTIM_ORDERS[name].ranker
-    for hook in _RANKER_HOOKS:
-        original = getattr(plugin, hook, None)
-        if original is not None:
-            break
-    else:
-        raise RuntimeError(
-            "this version of the plugin has no ranker hook "
-            f"({' / '.join(_RANKER_HOOKS)}); victim-order variants cannot run"
-        )
-
-    def swap(ranker: VictimRanker) -> VictimRanker:
-        return ranker if type(ranker) is ranker_cls else ranker_cls(ranker.policy, ranker.usage)
-
-    def hooked() -> Any:
-        built = original()
-        if isinstance(built, VictimRanker):
-            ranker = swap(built)
-            if ranker is not built:
-                plugin._kvq_ranker = ranker
-            return ranker
-        if isinstance(getattr(built, "ranker", None), VictimRanker):
-            built.ranker = swap(built.ranker)
-        return built
-
-    setattr(plugin, hook, hooked)
-
-
-# Plugin methods that build the step's ranker (newest plugin first).
-_RANKER_HOOKS = ("_kvq_get_view", "_kvq_get_ranker")
+    plugin.kvq_ranker_cls = VICTIM_ORDERS[name].ranker
