@@ -7,9 +7,11 @@ Heavy things are made once per test session; the model is cached across sessions
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,19 +44,34 @@ class Engine:
     process: ManagedProcess
 
 
-@pytest.fixture(scope="session")
-def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    run_dir = tmp_path_factory.mktemp("engine")
+@contextmanager
+def _serve(model: Path, run_dir: Path, **options: Any) -> Iterator[Engine]:
     opts = EngineOptions(
-        model=tiny_model,
+        model=model,
         port=free_port(),
         policy_path=run_dir / "policy.json",
         stats_path=run_dir / "stats.json",
+        **options,
     )
     proc = vllm_engine(opts, run_dir / "vllm.log").start()
     try:
         url = f"http://127.0.0.1:{opts.port}"
         proc.wait_http(url + "/health", timeout=240)
-        yield Engine(url, tiny_model, opts.policy_path, opts.stats_path, opts.block_size, proc)
+        yield Engine(url, model, opts.policy_path, opts.stats_path, opts.block_size, proc)
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="session")
+def serve_engine(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[..., AbstractContextManager[Engine]]:
+    """Start another engine for as long as a `with` block: `serve_engine(**EngineOptions
+    overrides)`. Scope it to the module that needs it."""
+    return lambda **options: _serve(tiny_model, tmp_path_factory.mktemp("engine"), **options)
+
+
+@pytest.fixture(scope="session")
+def engine(serve_engine: Callable[..., AbstractContextManager[Engine]]) -> Iterator[Engine]:
+    with serve_engine() as running:
+        yield running

@@ -1,11 +1,14 @@
-"""Policies and prompts for the scheduler-plugin tests."""
+"""Policies, prompts and the plugin's published stats, for the scheduler-plugin tests."""
 
 from __future__ import annotations
 
 import random
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from engine_sidecar.policy import EnginePolicy, LeasePolicy, TenantPolicy, write_atomically
+from engine_sidecar.stats import EngineStats
 
 TIERS = {"premium": 0, "standard": 1, "free": 2}
 
@@ -55,3 +58,23 @@ class Tokens:
 
     def __call__(self, n: int) -> list[int]:
         return [self._rng.randrange(16, 2000) for _ in range(n)]
+
+
+def read_stats(path: Path) -> EngineStats | None:
+    try:
+        return EngineStats.model_validate_json(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+
+
+def wait_stats(
+    path: Path, ready: Callable[[EngineStats], bool], timeout: float = 30.0
+) -> EngineStats:
+    """The first published stats for which `ready(stats)` holds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = read_stats(path)
+        if stats is not None and ready(stats):
+            return stats
+        time.sleep(0.1)
+    raise AssertionError(f"stats at {path} never matched; last: {read_stats(path)}")

@@ -9,40 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 import uuid
-from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
-from plugin_policies import engine_policy, tenant, write_policy
+from plugin_policies import engine_policy, tenant, wait_stats, write_policy
 
 from engine_sidecar.policy import write_atomically
-from engine_sidecar.stats import EngineStats
 
 pytestmark = pytest.mark.engine
 
 PROMPT_TOKENS = 1_500
 BURST_PROMPT_TOKENS = 1_900
-
-
-def _read_stats(path: Path) -> EngineStats | None:
-    try:
-        return EngineStats.model_validate_json(path.read_bytes())
-    except (OSError, ValueError):
-        return None
-
-
-def _wait_stats(path: Path, ready: Any, timeout: float = 30.0) -> EngineStats:
-    """The first published stats for which `ready(stats)` holds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = _read_stats(path)
-        if stats is not None and ready(stats):
-            return stats
-        time.sleep(0.1)
-    raise AssertionError(f"stats at {path} never matched; last: {_read_stats(path)}")
 
 
 async def _complete(
@@ -85,7 +63,7 @@ async def test_two_turn_session_keeps_its_prefix_under_pressure(engine):
         return [rng.randrange(16, 2000) for _ in range(n)]
 
     try:
-        before = _wait_stats(engine.stats_path, lambda s: s.policy_version == policy.version)
+        before = wait_stats(engine.stats_path, lambda s: s.policy_version == policy.version)
         total_blocks = before.total_blocks
         acme_hits = before.tenants["acme"].prefix_hit_tokens
         plain_hits = before.tenants["plain"].prefix_hit_tokens
@@ -99,7 +77,7 @@ async def test_two_turn_session_keeps_its_prefix_under_pressure(engine):
                 _complete(client, model, control1, 16, tenant_id="plain", priority=0,
                           session="chat-1"),
             )
-            leased = _wait_stats(engine.stats_path,
+            leased = wait_stats(engine.stats_path,
                                  lambda s: s.tenants["acme"].leased_sessions == 1)
             assert leased.tenants["acme"].leased_blocks >= PROMPT_TOKENS // engine.block_size
 
@@ -118,7 +96,7 @@ async def test_two_turn_session_keeps_its_prefix_under_pressure(engine):
             await _complete(client, model, [*control_context, *prompt(40)], 8,
                             tenant_id="plain", priority=0, session="chat-1")
 
-        after = _wait_stats(
+        after = wait_stats(
             engine.stats_path,
             lambda s: s.tenants["plain"].prompt_tokens
             >= before.tenants["plain"].prompt_tokens + 2 * PROMPT_TOKENS,

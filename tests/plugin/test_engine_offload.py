@@ -17,18 +17,13 @@ from __future__ import annotations
 import asyncio
 import random
 import re
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from contextlib import AbstractContextManager
 from typing import Any
 
 import httpx
 import pytest
-from plugin_policies import engine_policy, tenant, write_policy
-
-from engine_sidecar.stats import EngineStats
-from kvquota.processes import EngineOptions, free_port, vllm_engine
+from plugin_policies import engine_policy, tenant, wait_stats, write_policy
 
 pytestmark = pytest.mark.engine
 
@@ -37,36 +32,16 @@ FLOOD_PROMPT_TOKENS = 1_900
 BLOCK_SIZE = 32
 
 
-@dataclass(frozen=True)
-class OffloadEngine:
-    url: str
-    policy_path: Path
-    stats_path: Path
-
-
 @pytest.fixture(scope="module")
-def offload_engine(
-    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[OffloadEngine]:
+def offload_engine(serve_engine: Callable[..., AbstractContextManager[Any]]) -> Iterator[Any]:
     """A second engine: a small KV cache (256 blocks) over a 32 MiB offload tier."""
-    run_dir = tmp_path_factory.mktemp("offload-engine")
-    opts = EngineOptions(
-        model=tiny_model,
-        port=free_port(),
-        policy_path=run_dir / "policy.json",
-        stats_path=run_dir / "stats.json",
+    with serve_engine(
         block_size=BLOCK_SIZE,
         kv_cache_bytes=4 * 1024 * 1024,
         kv_offload_bytes=32 * 1024 * 1024,
         log_stats=True,  # the Prometheus counters below
-    )
-    proc = vllm_engine(opts, run_dir / "vllm.log").start()
-    try:
-        url = f"http://127.0.0.1:{opts.port}"
-        proc.wait_http(url + "/health", timeout=240)
-        yield OffloadEngine(url, opts.policy_path, opts.stats_path)
-    finally:
-        proc.stop()
+    ) as engine:
+        yield engine
 
 
 def _metrics(client: httpx.Client) -> tuple[dict[str, float], int]:
@@ -101,7 +76,7 @@ def _complete(client: httpx.Client, prompt: list[int], max_tokens: int) -> dict[
     return {"tokens": choice["token_ids"], "logprobs": choice["logprobs"]["top_logprobs"]}
 
 
-def test_evicted_prefix_comes_back_from_the_offload_tier(offload_engine: OffloadEngine) -> None:
+def test_evicted_prefix_comes_back_from_the_offload_tier(offload_engine: Any) -> None:
     rng = random.Random(7)
 
     def prompt(n: int) -> list[int]:
@@ -136,19 +111,6 @@ def test_evicted_prefix_comes_back_from_the_offload_tier(offload_engine: Offload
     assert reloaded["logprobs"] == local["logprobs"]
 
 
-def _wait_stats(path: Path, ready: Callable[[EngineStats], bool]) -> EngineStats:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            stats = EngineStats.model_validate_json(path.read_bytes())
-        except (OSError, ValueError):
-            stats = None
-        if stats is not None and ready(stats):
-            return stats
-        time.sleep(0.1)
-    raise AssertionError(f"the plugin's stats at {path} never matched")
-
-
 async def _burst(url: str, prompts: list[list[int]]) -> list[int]:
     """Free-tier requests all at once; the completion tokens each got."""
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
@@ -172,12 +134,12 @@ BURST_OUTPUT_TOKENS = 300
 
 @pytest.mark.parametrize(("recompute_below_blocks", "mode"), [(8, "offload"), (4096, "recompute")])
 def test_preempted_victims_reload_or_recompute_by_policy(
-    offload_engine: OffloadEngine, recompute_below_blocks: int, mode: str
+    offload_engine: Any, recompute_below_blocks: int, mode: str
 ) -> None:
     policy = engine_policy(tenant("freeco", "free"), block_size=BLOCK_SIZE,
                            recompute_below_blocks=recompute_below_blocks)
     write_policy(offload_engine.policy_path, policy)
-    before = _wait_stats(offload_engine.stats_path, lambda s: s.policy_version == policy.version)
+    before = wait_stats(offload_engine.stats_path, lambda s: s.policy_version == policy.version)
     rng = random.Random(recompute_below_blocks)  # fresh prompts: nothing to reload but victims
     # ~2.5x the KV cache once every request has decoded: decode growth must preempt.
     per_request = (BURST_PROMPT_TOKENS + BURST_OUTPUT_TOKENS) // BLOCK_SIZE
@@ -188,7 +150,7 @@ def test_preempted_victims_reload_or_recompute_by_policy(
         loaded_before = _metrics(client)[0]["kv_offload_load_bytes"]
         outputs = asyncio.run(_burst(offload_engine.url, prompts))
         loaded = _metrics(client)[0]["kv_offload_load_bytes"] - loaded_before
-    after = _wait_stats(offload_engine.stats_path,
+    after = wait_stats(offload_engine.stats_path,
                         lambda s: sum(t.running + t.waiting for t in s.tenants.values()) == 0)
 
     modes = {m: after.preemptions_by_mode.get(m, 0) - before.preemptions_by_mode.get(m, 0)
