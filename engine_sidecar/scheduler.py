@@ -42,7 +42,7 @@ What the plugin adds to vLLM's scheduler:
   KV or, when the engine runs a KV offloading connector (`kv_offloading_size`, the
   OffloadingConnector or LMCache), reloads what the connector stored. The plugin
   honours the policy's `recomputeBelowBlocks`: a victim that held fewer blocks
-  recomputes (the connector's hit is declined, see `vllm_compat.ConnectorSteer`);
+  recomputes (the connector's hit is declined, see `vllm_compat.steer_kv_loads`);
   larger victims are left to the connector and show as `swappedBlocks` while they
   wait. `preemptionsByMode` reports what happened: without offloading every
   preemption counts as `recompute`; with it, a victim counts when it resumes, as
@@ -162,7 +162,7 @@ class TenantAwareScheduler(compat.Scheduler):
             self.vllm_config
         )
         if self._kvq_offloading:
-            compat.ConnectorSteer(connector, self._kvq_recompute, self._kvq_on_kv_load)
+            compat.steer_kv_loads(connector, self._kvq_recompute, self._kvq_on_kv_load)
         self._kvq_watcher = PolicyWatcher(None)
         self._kvq_publisher: StatsPublisher | None = None
         self._kvq_next_publish = 0.0

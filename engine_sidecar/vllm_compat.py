@@ -30,7 +30,7 @@ check. The touchpoints:
 - `SchedulerOutput.scheduled_new_reqs[].req_id / num_computed_tokens` (prefix hits);
 - the scheduler-side KV connector `Scheduler.connector`: its public methods
   `get_num_new_matched_tokens` and `update_state_after_alloc` (wrapped per instance
-  to steer offload vs recompute; `ConnectorSteer`);
+  to steer offload vs recompute; `steer_kv_loads`);
 - config: `scheduler_config.async_scheduling`, `cache_config.kv_offloading_size`,
   `kv_transfer_config.kv_connector`.
 """
@@ -472,8 +472,8 @@ class AllocationHook:
 KVLoadListener = Callable[["Request", int], None]
 
 
-class ConnectorSteer:
-    """Decides, per preempted request, whether its KV comes back from the offload tier.
+def steer_kv_loads(connector: Any, recompute: Container[str], on_load: KVLoadListener) -> None:
+    """Decide, per preempted request, whether its KV comes back from the offload tier.
 
     vLLM asks the scheduler-side KV connector how many tokens of a waiting request it
     can load (`get_num_new_matched_tokens`), then reports what it allocated
@@ -484,29 +484,25 @@ class ConnectorSteer:
     A "not known yet" (None, e.g. the request's stores are still in flight) passes
     through. `on_load(request, num_external_tokens)` hears every allocation's outcome.
     """
+    matched = connector.get_num_new_matched_tokens
+    after_alloc = connector.update_state_after_alloc
 
-    def __init__(
-        self, connector: Any, recompute: Container[str], on_load: KVLoadListener
+    def get_num_new_matched_tokens(
+        request: Request, *args: Any, **kwargs: Any
+    ) -> tuple[int | None, bool]:
+        num_tokens, load_async = matched(request, *args, **kwargs)
+        if num_tokens and request.request_id in recompute:
+            return 0, False
+        return num_tokens, load_async
+
+    def update_state_after_alloc(
+        request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        matched = connector.get_num_new_matched_tokens
-        after_alloc = connector.update_state_after_alloc
+        after_alloc(request, blocks, num_external_tokens)
+        on_load(request, num_external_tokens)
 
-        def get_num_new_matched_tokens(
-            request: Request, *args: Any, **kwargs: Any
-        ) -> tuple[int | None, bool]:
-            num_tokens, load_async = matched(request, *args, **kwargs)
-            if num_tokens and request.request_id in recompute:
-                return 0, False
-            return num_tokens, load_async
-
-        def update_state_after_alloc(
-            request: Request, blocks: KVCacheBlocks, num_external_tokens: int
-        ) -> None:
-            after_alloc(request, blocks, num_external_tokens)
-            on_load(request, num_external_tokens)
-
-        connector.get_num_new_matched_tokens = get_num_new_matched_tokens
-        connector.update_state_after_alloc = update_state_after_alloc
+    connector.get_num_new_matched_tokens = get_num_new_matched_tokens
+    connector.update_state_after_alloc = update_state_after_alloc
 
 
 def kv_connector(scheduler: Scheduler) -> Any | None:
