@@ -66,6 +66,13 @@ class TenantPolicy(_Model):
     default_max_tokens: int = Field(ge=1, description="max_tokens when the client sends none.")
     max_prompt_tokens: int | None = Field(None, ge=1)
     max_concurrent_requests: int | None = Field(None, ge=1)
+    max_queue_seconds: float = Field(
+        30.0, ge=0, le=3600, description="A request that cannot be admitted waits at most "
+        "this long in the sidecar's queue before it is refused (0: refused at once)."
+    )
+    max_queued_requests: int = Field(
+        256, ge=0, description="Requests of the tenant that may wait at once per engine."
+    )
     prefix_cache_isolation: Isolation = Isolation.TENANT
 
     @model_validator(mode="after")

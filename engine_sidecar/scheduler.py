@@ -81,10 +81,13 @@ from engine_sidecar.tenant_policy import (
     LeaseTable,
     RankKey,
     Reason,
+    RetentionOrder,
+    SessionPauses,
     VictimRanker,
     identity_from_extra_args,
     lease_block_cap,
     lease_seconds,
+    requester_band,
     stats_tenant,
 )
 
@@ -144,6 +147,15 @@ class TenantAwareScheduler(compat.Scheduler):
         # Sessions with a request in the engine: their lease is not idle.
         self._kvq_active: Counter[tuple[str, str]] = Counter()
         self._kvq_leases: LeaseTable[KVCacheBlock] = LeaseTable()
+        self._kvq_pauses = SessionPauses()
+        # A waiting request that found no room in the last step, the key it ranks with
+        # and the free blocks it needed: running work ranked above it is preempted
+        # before the next step (see _kvq_reclaim_for_waiting).
+        self._kvq_starved: tuple[Request, RankKey, int] | None = None
+        self._kvq_stuck: Request | None = None  # reclaim could not make room for it
+        self._kvq_retention = RetentionOrder()
+        self._kvq_protect_s = 0.0  # RetentionOrder's protect_s; 0: no tenant has leases
+        self._kvq_protect_until = 0.0  # when to recompute it (pauses move slowly)
         self._kvq_counters = CounterBook()
         self._kvq_modes: Counter[str] = Counter()
         # With KV offloading: preempted requests not yet resumed (req_id -> blocks they
@@ -235,9 +247,11 @@ class TenantAwareScheduler(compat.Scheduler):
                 self._kvq_ids[req_id] = identity
                 key = identity.session_key
                 if key is not None:
+                    now = self._kvq_clock()
                     self._kvq_active[key] += 1
+                    self._kvq_pauses.turn_started(key, now)
                     seconds = lease_seconds(self._kvq_watcher.policy, identity.tenant)
-                    self._kvq_leases.touch(key, self._kvq_clock(), seconds)
+                    self._kvq_leases.touch(key, now, seconds)
         super().add_request(request)
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
@@ -249,6 +263,10 @@ class TenantAwareScheduler(compat.Scheduler):
         self._kvq_alloc_hook.arm_for_step()
         self._kvq_in_step = True
         try:
+            if self._kvq_starved is not None:
+                self._kvq_reclaim_for_waiting()
+            if self._kvq_steer_victims and self._kvq_watcher.policy is not None:
+                self._kvq_prioritize_prefills()
             output = super().schedule(*args, **kwargs)
         finally:
             self._kvq_in_step = False
@@ -294,10 +312,16 @@ class TenantAwareScheduler(compat.Scheduler):
             self._kvq_active[key] -= 1
             if self._kvq_active[key] <= 0:
                 del self._kvq_active[key]
+                self._kvq_pauses.turn_ended(key, self._kvq_clock())
             seconds = lease_seconds(self._kvq_watcher.policy, identity.tenant)
             if seconds > 0 and compat.kv_is_reusable(request):
                 self._kvq_take_lease(key, req_id, seconds)
+        blocks = compat.request_blocks(self, req_id)
         super()._free_blocks(request)
+        now = self._kvq_clock()
+        if self._kvq_evict_first(identity.tenant, now):
+            compat.evict_first(self, reversed(blocks))
+        self._kvq_retention.freed(map(compat.block_id, blocks), now)
 
     def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
         req_id = compat.request_id(request)
@@ -311,7 +335,10 @@ class TenantAwareScheduler(compat.Scheduler):
     # -- allocation failure: leases, victim order, degraded mode ---------------------------
 
     def _kvq_on_alloc_failure(
-        self, request: Request, retry: Callable[[], KVCacheBlocks | None]
+        self,
+        request: Request,
+        retry: Callable[[], KVCacheBlocks | None],
+        shortfall: Callable[[], int],
     ) -> KVCacheBlocks | None:
         self._kvq_alloc_failed = True
         has_leases = bool(len(self._kvq_leases))
@@ -322,17 +349,20 @@ class TenantAwareScheduler(compat.Scheduler):
             if blocks is not None:
                 return blocks
         requester_running = compat.is_running(request)
-        if not requester_running and not len(self._kvq_leases):
-            return None  # a waiting request only ever takes blocks from leases
         view = self._kvq_get_view()
         req_id = compat.request_id(request)
-        own_session = self._kvq_ids.get(req_id, NO_IDENTITY).session_key
+        identity = self._kvq_ids.get(req_id, NO_IDENTITY)
+        own_session = identity.session_key
         victim: Request | None = None
+        waiting_bound: RankKey | None = None
         while True:
             if requester_running:
                 victim, bound = self._kvq_pick_victim(view)
             else:
-                bound = self._kvq_running_key(view.ranker, request)
+                if waiting_bound is None:
+                    need = shortfall() + compat.free_block_count(self)
+                    waiting_bound = self._kvq_waiting_key(view, request, need)
+                bound = waiting_bound
             lease = self._kvq_best_lease(view.ranker, bound, own_session, idle_only=True)
             if lease is None:
                 break
@@ -343,6 +373,21 @@ class TenantAwareScheduler(compat.Scheduler):
         if victim is not None and victim is not request:
             self._kvq_mark(victim)
             return None
+        if waiting_bound is not None:
+            if self._kvq_steer_victims and self._kvq_ranks_above(view, waiting_bound):
+                # vLLM never preempts running work for a waiting request; the plugin
+                # does, for running work ranked above it, before the next step.
+                self._kvq_starved = (request, waiting_bound, shortfall())
+                return None
+            # Nothing else ranks above this new request: its own tenant's idle leases
+            # make way for it (a tenant's cache never stands in its own way).
+            while (lease := self._kvq_best_lease(
+                view.ranker, None, own_session, idle_only=True, tenant=identity.tenant
+            )) is not None:
+                self._kvq_release(lease, Reason.LEASE_BREAK, view)
+                blocks = retry()
+                if blocks is not None:
+                    return blocks
         # Nothing ranks below the requester. If no other request runs either, waiting
         # would stall the engine until leases expire: degraded mode.
         num_others = len(compat.running_requests(self)) - (1 if requester_running else 0)
@@ -389,6 +434,78 @@ class TenantAwareScheduler(compat.Scheduler):
         tenant = self._kvq_ids.get(req_id, NO_IDENTITY).tenant
         return ranker.running_key(tenant, priority, num_computed_tokens, arrival_time)
 
+    def _kvq_waiting_key(self, view: _StepView, request: Request, need: int) -> RankKey:
+        """The key a waiting request ranks with: as a running request that has computed
+        nothing, in the band its tenant would be in once it holds the `need` blocks
+        (its own idle leases left out: they yield to it)."""
+        req_id, priority, _, arrival_time = compat.rank_inputs(request)
+        tenant = self._kvq_ids.get(req_id, NO_IDENTITY).tenant
+        ranker = view.ranker
+        tenant_policy = ranker.tenant_policy(tenant)
+        if tenant_policy is None:
+            return ranker.running_key(tenant, priority, 0, arrival_time)
+        idle = sum(
+            lease.num_blocks for lease in self._kvq_leases
+            if lease.tenant == tenant and lease.key not in self._kvq_active
+        )
+        used = max(0, ranker.usage.get(tenant_policy.tenant_id, 0) - idle)
+        band = requester_band(used, need, tenant_policy.guaranteed_blocks)
+        return (band, tenant_policy.priority, 0, 0, arrival_time)
+
+    def _kvq_ranks_above(self, view: _StepView, bound: RankKey) -> bool:
+        """Some running request ranks above `bound` in the victim order."""
+        if not compat.running_requests(self):
+            return False
+        _, key = self._kvq_pick_victim(view)
+        return key > bound
+
+    def _kvq_reclaim_for_waiting(self) -> None:
+        """Preempt running work ranked above the request that found no room last step.
+
+        vLLM admits waiting requests into free blocks only, so without this a premium
+        request waits for free-tier work to finish while admission (which counts that
+        work as reclaimable) has already let it in. Victims go in victim order, only
+        those whose key is above the waiting request's, until the free blocks cover its
+        shortfall plus what running requests will allocate first in the step."""
+        starved = self._kvq_starved
+        self._kvq_starved = None
+        assert starved is not None
+        request, bound, shortfall = starved
+        if shortfall <= 0 or not compat.is_queued(self, request):
+            return
+        target = compat.free_block_count(self) + shortfall
+        view = self._kvq_get_view()
+        while compat.free_block_count(self) < target + compat.step_growth_blocks(self):
+            victim, key = (
+                self._kvq_pick_victim(view) if compat.running_requests(self) else (None, bound)
+            )
+            if victim is None or key <= bound or not compat.is_running(victim):
+                self._kvq_stuck = request
+                return
+            compat.preempt_between_steps(self, victim)
+        self._kvq_stuck = None
+
+    def _kvq_prioritize_prefills(self) -> None:
+        """Give the step's token budget to higher tiers' prefills first.
+
+        vLLM schedules running requests in `running` order, prefill chunks included,
+        and waiting requests only with what is left, and a step lasts as long as its
+        largest prefill: a premium request would wait behind free-tier chunks, and its
+        last chunk would share its step with them. So while a higher-priority request
+        prefills, or waits to be admitted, lower-priority prefill chunks sit out the
+        step (decodes, one token each, always run). Not for a waiting request that could
+        not be given room (it would only waste the budget)."""
+        prefilling = compat.prefilling(self)
+        if not prefilling:
+            return
+        top = compat.next_waiting(self)
+        bound = min(request.priority for request in prefilling)
+        if top is not None and top is not self._kvq_stuck:
+            bound = min(bound, top.priority)
+        for request in prefilling:
+            if request.priority > bound:
+                compat.skip_next_step(self, request)
+
     def _kvq_pick_victim(self, view: _StepView) -> tuple[Request, RankKey]:
         """The running request to preempt next (with its key).
 
@@ -424,8 +541,10 @@ class TenantAwareScheduler(compat.Scheduler):
         own_session: tuple[str, str] | None,
         *,
         idle_only: bool = False,
+        tenant: str | None = None,
     ) -> Lease[KVCacheBlock] | None:
-        """The lease to release next: the largest key above `bound` (any if None).
+        """The lease to release next: the largest key above `bound` (any if None),
+        only among `tenant`'s leases if given.
 
         The requester's own session is never a candidate (its blocks are the prefix
         it is about to reuse); with `idle_only`, sessions with a request in the
@@ -434,6 +553,8 @@ class TenantAwareScheduler(compat.Scheduler):
         best_key: RankKey | None = None
         for lease in self._kvq_leases:
             if lease.key == own_session or (idle_only and lease.key in self._kvq_active):
+                continue
+            if tenant is not None and lease.tenant != tenant:
                 continue
             key = ranker.lease_key(lease)
             if bound is not None and key <= bound:
@@ -505,7 +626,8 @@ class TenantAwareScheduler(compat.Scheduler):
             return  # nothing cached (e.g. aborted before prefill): keep any older lease
         compat.pin_blocks(self, blocks)
         now = self._kvq_clock()
-        lease = Lease(key[0], key[1], blocks, now, now + seconds)
+        hold = self._kvq_pauses.hold_seconds(key)
+        lease = Lease(key[0], key[1], blocks, now, now + min(seconds, hold), hold)
         # The new references are taken before the replaced lease drops its own, so a
         # prefix shared by both never reaches refcount 0.
         for old, drop in self._kvq_leases.put(lease, policy):
@@ -519,6 +641,7 @@ class TenantAwareScheduler(compat.Scheduler):
     def _kvq_unpin(self, lease: Lease[KVCacheBlock], why: Reason | LeaseDrop | None) -> None:
         """Drop a lease's references (the caller has taken it out of the table)."""
         compat.unpin_blocks(self, lease.blocks)
+        self._kvq_retention.freed(map(compat.block_id, lease.blocks), self._kvq_clock())
         if why is None:
             return
         counters = self._kvq_counters[stats_tenant(self._kvq_watcher.policy, lease.tenant)]
@@ -533,14 +656,43 @@ class TenantAwareScheduler(compat.Scheduler):
 
     def _kvq_release_expired(self, now: float) -> bool:
         expired = self._kvq_leases.pop_expired(now)
+        policy = self._kvq_watcher.policy
         for lease in expired:
+            # The session did not come back while its lease lasted: what it held, for
+            # how long, is the cost of the lease.
+            counters = self._kvq_counters[stats_tenant(policy, lease.tenant)]
+            counters.expired_lease_block_seconds += lease.num_blocks * (
+                lease.expires_at - lease.last_activity
+            )
             self._kvq_unpin(lease, LeaseDrop.EXPIRED)
         return bool(expired)
 
     def _kvq_apply_policy(self) -> None:
         for lease, drop in self._kvq_leases.apply_policy(self._kvq_watcher.policy):
             self._kvq_unpin(lease, drop)
+        self._kvq_protect_until = 0.0
         self._kvq_next_publish = 0.0
+
+    def _kvq_evict_first(self, tenant: str | None, now: float) -> bool:
+        """Retention order (`tenant_policy.RetentionOrder`): should the blocks a finished
+        request of `tenant` leaves go to the front of vLLM's free queue?"""
+        policy = self._kvq_watcher.policy
+        tenant_policy = policy.tenant(tenant) if policy is not None else None
+        if tenant_policy is None or tenant_policy.lease.seconds > 0:
+            return False
+        assert policy is not None
+        if now >= self._kvq_protect_until:
+            pauses = self._kvq_pauses
+            self._kvq_protect_s = max(
+                (min(t.lease.seconds, pauses.typical_pause(t.tenant_id)
+                     or t.lease.seconds / pauses.PAUSE_FACTOR)
+                 for t in policy.tenants.values() if t.lease.seconds > 0),
+                default=0.0,
+            )
+            self._kvq_protect_until = now + 1.0
+        return self._kvq_protect_s > 0 and self._kvq_retention.contended(
+            compat.next_evicted_block_id(self), now, self._kvq_protect_s
+        )
 
     # -- accounting and stats ---------------------------------------------------------------
 
@@ -594,6 +746,7 @@ class TenantAwareScheduler(compat.Scheduler):
 
         running_shared: set[int] = set().union(*shared.values())
         counted: dict[str, set[int]] = {}
+        pinned: dict[str, set[int]] = {}  # per tenant: ids of lease blocks with refcount > 1
         views: list[LeaseView] = []
         for lease in self._kvq_leases:
             key = stats_tenant(policy, lease.tenant)
@@ -603,7 +756,14 @@ class TenantAwareScheduler(compat.Scheduler):
             stats = entry(key)
             stats.leased_sessions += 1
             stats.leased_blocks += own
-            views.append(LeaseView(key, lease.last_activity, lease.expires_at, own))
+            stats.leases[lease.session] = lease.num_blocks
+            stats.pinned_blocks += compat.count_unshared_blocks(
+                lease.blocks, pinned.setdefault(key, set())
+            )
+            views.append(LeaseView(key, lease.session, lease.last_activity, lease.expires_at,
+                                   own))
+        for key, block_ids in pinned.items():
+            entry(key).pinned_blocks += len(block_ids)
         for req_id, num_blocks in self._kvq_preempted.items():
             if req_id not in self._kvq_recompute:  # waiting to reload from the offload tier
                 tenant = self._kvq_ids.get(req_id, NO_IDENTITY).tenant
@@ -617,6 +777,7 @@ class TenantAwareScheduler(compat.Scheduler):
             stats.degraded_events = counters.degraded_events
             stats.prefix_hit_tokens = counters.prefix_hit_tokens
             stats.prompt_tokens = counters.prompt_tokens
+            stats.expired_lease_block_seconds = round(counters.expired_lease_block_seconds, 3)
 
         engine = EngineStats(
             timestamp=time.time(),

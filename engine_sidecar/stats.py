@@ -42,6 +42,19 @@ class TenantEngineStats(_Wire):
         description="leases ended without memory pressure, by reason (expired, cap, policy, "
         "reset); not evictions",
     )
+    pinned_blocks: int = Field(
+        0, description="distinct blocks the tenant's leases pin, including those a running "
+        "request shares (leasedBlocks counts only the ones no running request holds)"
+    )
+    leases: dict[str, int] = Field(
+        default_factory=dict,
+        description="session id -> blocks its lease pins: admission leaves these out of the "
+        "reservation of the session's next turn (it reuses them)",
+    )
+    expired_lease_block_seconds: float = Field(
+        0.0, description="block-seconds held by leases that expired unused: sessions that "
+        "did not come back while their lease lasted"
+    )
 
     @property
     def used_blocks(self) -> int:
@@ -85,6 +98,8 @@ class TenantUsage(_Wire):
     leased_blocks: int = 0
     leased_sessions: int = 0
     inflight: int = 0
+    queued: int = Field(0, description="requests waiting in the sidecar's admission queue")
+    queue_wait_seconds: float = Field(0.0, description="how long the oldest one has waited")
 
 
 class TenantStatus(_Wire):

@@ -37,6 +37,7 @@ HEARTBEAT_S = 0.5
 @dataclass(frozen=True, slots=True)
 class LeaseView:
     tenant: str  # tenant id (leases only exist for tenants the policy knows)
+    session: str
     last_activity: float  # on the scheduler's clock
     expires_at: float  # on the scheduler's clock, under the policy the step used
     exclusive_blocks: int  # pinned only by this lease (freed when it ends)
@@ -80,6 +81,8 @@ class StatsSnapshot:
             if tenant is not None:
                 tenant.leased_sessions = max(0, tenant.leased_sessions - 1)
                 tenant.leased_blocks = max(0, tenant.leased_blocks - lease.exclusive_blocks)
+                tenant.pinned_blocks = max(0, tenant.pinned_blocks - lease.exclusive_blocks)
+                tenant.leases.pop(lease.session, None)
             stats.free_blocks = min(stats.total_blocks, stats.free_blocks + lease.exclusive_blocks)
         return stats
 

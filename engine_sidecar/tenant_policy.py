@@ -45,7 +45,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
 from typing import Any, Generic, TypeVar
@@ -141,6 +141,7 @@ class Lease(Generic[B]):
     blocks: list[B]
     last_activity: float
     expires_at: float
+    pause_hold: float = math.inf  # SessionPauses.hold_seconds when the lease was taken
 
     @property
     def key(self) -> tuple[str, str]:
@@ -161,6 +162,95 @@ def lease_block_cap(policy: EnginePolicy | None, tenant: str) -> int:
     """The most blocks one lease of `tenant` may pin (0: no cap)."""
     tenant_policy = policy.tenant(tenant) if policy is not None else None
     return tenant_policy.lease.max_blocks if tenant_policy is not None else 0
+
+
+class SessionPauses:
+    """How long an idle session is worth its lease, from the pauses it has shown.
+
+    A lease lapses `PAUSE_FACTOR` times the session's typical pause after its last
+    activity, never later than the tenant's `lease.seconds` and never sooner than
+    `MIN_HOLD_S`. The typical pause is an exponentially weighted mean of the session's
+    observed gaps (end of a turn to the next request); a session with none yet uses its
+    tenant's, and a tenant with none yet gets the full `lease.seconds`.
+
+    Why 4: think times of people and agents are roughly exponential, and an exponential
+    pause exceeds 4 times its mean with probability e^-4 (under 2%), so a returning
+    session almost always finds its prefix, while a session that was abandoned gives its
+    blocks back after 4 pauses instead of the whole lease (a chat that pauses 20 s holds
+    80 s, not 300 s). Gaps are remembered for the `MAX_SESSIONS` most recent sessions.
+    """
+
+    PAUSE_FACTOR = 4.0
+    MIN_HOLD_S = 10.0
+    WEIGHT = 0.3  # of the newest gap in the mean
+    MAX_SESSIONS = 65_536
+
+    def __init__(self) -> None:
+        self._ended: dict[tuple[str, str], float] = {}  # session -> end of its last turn
+        self._session_mean: dict[tuple[str, str], float] = {}
+        self._tenant_mean: dict[str, float] = {}
+
+    def turn_ended(self, key: tuple[str, str], now: float) -> None:
+        ended = self._ended
+        ended.pop(key, None)
+        ended[key] = now  # newest last: the dict is the LRU order
+        if len(ended) > self.MAX_SESSIONS:
+            oldest = next(iter(ended))
+            del ended[oldest]
+            self._session_mean.pop(oldest, None)
+
+    def turn_started(self, key: tuple[str, str], now: float) -> None:
+        """A session sent a request: the gap since its last turn is a pause."""
+        ended = self._ended.pop(key, None)
+        if ended is None:
+            return
+        gap = max(0.0, now - ended)
+        self._session_mean[key] = self._mix(self._session_mean.get(key), gap)
+        self._tenant_mean[key[0]] = self._mix(self._tenant_mean.get(key[0]), gap)
+
+    def _mix(self, mean: float | None, gap: float) -> float:
+        return gap if mean is None else mean + self.WEIGHT * (gap - mean)
+
+    def typical_pause(self, tenant: str) -> float | None:
+        """The mean pause of `tenant`'s sessions, None before one was seen."""
+        return self._tenant_mean.get(tenant)
+
+    def hold_seconds(self, key: tuple[str, str]) -> float:
+        """How long the lease of `key` should last after the session's last activity,
+        before the tenant's `lease.seconds` caps it (inf: nothing observed yet)."""
+        typical = self._session_mean.get(key)
+        if typical is None:
+            typical = self._tenant_mean.get(key[0])
+        if typical is None:
+            return math.inf
+        return max(self.MIN_HOLD_S, self.PAUSE_FACTOR * typical)
+
+
+class RetentionOrder:
+    """Which cache vLLM should evict first: tenants without leases before the others.
+
+    vLLM's free queue is one LRU over every tenant's cached blocks. While the block it
+    evicts next was freed longer ago than the leased tenants' sessions typically pause,
+    the cache it flushes would rarely have been reused, LRU is right and is left alone.
+    Once that horizon is shorter (a free-tier burst churning through the cache, say),
+    the unleased cache of a premium session is usually gone before the session comes
+    back: then the blocks a finished request of a tenant without leases leaves go to
+    the front of the queue instead, so the next allocations take those first
+    (`contended`). `protect_s` is the longest typical pause among the leased tenants.
+    """
+
+    def __init__(self) -> None:
+        self._freed_at: dict[int, float] = {}  # block id -> when it was last freed
+
+    def freed(self, block_ids: Iterable[int], now: float) -> None:
+        freed_at = self._freed_at
+        for block_id in block_ids:
+            freed_at[block_id] = now
+
+    def contended(self, next_evicted: int | None, now: float, protect_s: float) -> bool:
+        if next_evicted is None:
+            return False
+        return now - self._freed_at.get(next_evicted, -math.inf) < protect_s
 
 
 class LeaseTable(Generic[B]):
@@ -243,7 +333,7 @@ class LeaseTable(Generic[B]):
                 del self._leases[lease.key]
                 dropped.append((lease, LeaseDrop.POLICY))
             else:
-                lease.expires_at = lease.last_activity + seconds
+                lease.expires_at = lease.last_activity + min(seconds, lease.pause_hold)
         for tenant in {lease.tenant for lease in self._leases.values()}:
             dropped.extend((lease, LeaseDrop.CAP) for lease in self._enforce_caps(tenant, policy))
         self._next_expiry = min((x.expires_at for x in self._leases.values()), default=math.inf)
@@ -285,6 +375,86 @@ class LeaseTable(Generic[B]):
 
 
 RankKey = tuple[float, ...]
+
+
+# -- what the victim order gives back: the admission rule --------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Holding:
+    """One tenant's KV on an engine, as the victim order sees it (plain counts).
+
+    `used` is what counts against the tenant's guarantee (blocks held plus growth its
+    admitted requests may still allocate); `held` is what it holds now, running and
+    pinned, i.e. what preemption and lease releases can actually free; `idle_leased`
+    is the part of `held` pinned by leases of sessions with no request in flight.
+    """
+
+    priority: int
+    guaranteed: int
+    used: int
+    held: int
+    idle_leased: int
+
+
+def requester_band(used: int, blocks: int, guaranteed: int) -> Band:
+    """The class of a new request: borrowing if it would take its tenant over its
+    guarantee (Kueue's nominal quota). `used` leaves out the tenant's idle leases,
+    which yield to its own new work."""
+    return Band.BORROWER if used + blocks > guaranteed else Band.GUARANTEED
+
+
+def reclaimable_blocks(
+    band: Band,
+    priority: int,
+    holdings: Iterable[Holding],
+    *,
+    unclassified: int = 0,
+    own: Holding | None = None,
+) -> int:
+    """Blocks the victim order gives back before a new request of class (band, priority).
+
+    This is the admission rule that agrees with preemption: a request may count on the
+    free blocks above the watermark plus what this returns. A new request has computed
+    nothing, so within its own (band, tier) it outranks every running request, and only
+    these rank above it: unclassified traffic; the part of every other tenant's usage
+    whose (band, tier) ranks above it, where a tenant is a borrower only for its blocks
+    above its guarantee (once back within it, its band changes); the idle leases of
+    tenants whose leases rank above it (leases go before running work of the same
+    class); and, whatever the classes, the requester's own tenant's idle leases (`own`),
+    because a tenant's cache never stands in the way of its own new work.
+    """
+    request_key = (band, priority, 0)
+    total = unclassified
+    for holding in holdings:
+        total += _reclaimable_from(holding, request_key)
+    if own is not None:
+        total += own.idle_leased
+    return total
+
+
+def _reclaimable_from(holding: Holding, request_key: tuple[int, int, int]) -> int:
+    held = holding.held
+    if held <= 0:
+        return 0
+    prio = holding.priority
+    excess = min(held, max(0, holding.used - holding.guaranteed))
+    idle = min(holding.idle_leased, held)
+    # While borrowing: the excess goes, running work too if the tier ranks above,
+    # else only idle leases.
+    if (Band.BORROWER, prio, 0) > request_key:
+        taken = excess
+    elif (Band.BORROWER, prio, 1) > request_key:
+        taken = min(excess, idle)
+    else:
+        taken = 0
+    # Back within its guarantee: what is left, if its class still ranks above.
+    left = held - taken
+    if (Band.GUARANTEED, prio, 0) > request_key:
+        return taken + left
+    if (Band.GUARANTEED, prio, 1) > request_key:
+        return taken + min(left, max(0, idle - taken))
+    return taken
 
 
 class VictimRanker:
@@ -369,6 +539,7 @@ class TenantCounters:
     degraded_events: int = 0
     prefix_hit_tokens: int = 0
     prompt_tokens: int = 0
+    expired_lease_block_seconds: float = 0.0
 
 
 class CounterBook:

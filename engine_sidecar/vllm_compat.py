@@ -23,6 +23,17 @@ check. The touchpoints:
   .get_blocks`, `KVCacheManager.block_pool`;
 - `BlockPool.touch` / `free_blocks` / `get_num_free_blocks` / `num_gpu_blocks`, and
   `KVCacheBlock.block_id` / `block_hash` / `is_null` / `pool` / `ref_cnt`;
+- what a failed allocation lacked (`allocation_shortfall`, mirroring
+  `KVCacheManager.allocate_slots`): `coordinator.get_num_blocks_to_allocate`,
+  `watermark_blocks`, `empty_kv_cache_blocks`, `max_model_len`;
+- preemption between steps (`preempt_between_steps`, as vLLM's own prefix-cache reset
+  does): `Scheduler._preempt_request`, `requires_kv_delivery`,
+  `prev_step_scheduled_req_ids`;
+- prefill order: `Scheduler.waiting.peek_request`, `max_num_running_reqs`,
+  `_inflight_prefills`, `current_step` and `Request.next_decode_eligible_step` (a
+  request left out of one step, as vLLM's diffusion scheduler does);
+- retention order: `BlockPool.free_block_queue` (`fake_free_list_head`,
+  `KVCacheBlock.next_free_block` / `prev_free_block`, `remove`, `prepend_n`);
 - `Request.request_id`, `status`, `priority` (rewritten on a *running* request for
   the instant vLLM picks a victim, restored before it re-enters the waiting heap),
   `arrival_time`, `num_computed_tokens`, `num_prompt_tokens`, `num_preemptions`,
@@ -39,7 +50,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Container, Iterable, Iterator, Mapping
+import time
+from collections.abc import Callable, Collection, Container, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import vllm
@@ -378,15 +390,147 @@ def total_block_count(scheduler: Scheduler) -> int:
 
 
 AllocationFailureHandler = Callable[
-    ["Request", Callable[[], "KVCacheBlocks | None"]], "KVCacheBlocks | None"
+    ["Request", Callable[[], "KVCacheBlocks | None"], Callable[[], int]],
+    "KVCacheBlocks | None",
 ]
 
 
+def allocation_shortfall(
+    manager: Any, request: Request, num_new_tokens: int, num_lookahead_tokens: int,
+    kwargs: Mapping[str, Any],
+) -> int:
+    """How many more free blocks the `allocate_slots` call that just failed needed.
+
+    Mirrors `KVCacheManager.allocate_slots` (vLLM 0.32): the blocks its coordinator
+    would allocate, plus vLLM's own admission watermark and the caller's reserve,
+    minus the free blocks. A layout this does not understand falls back to the blocks
+    the new tokens fill."""
+    pool = manager.block_pool
+    try:
+        computed = kwargs.get("new_computed_blocks")
+        blocks = computed.blocks if computed is not None else manager.empty_kv_cache_blocks.blocks
+        num_local = request.num_computed_tokens + kwargs.get("num_new_computed_tokens", 0)
+        num_external = kwargs.get("num_external_computed_tokens", 0)
+        total = min(num_local + num_external, manager.max_model_len)
+        num_main = total + num_new_tokens
+        needed = manager.coordinator.get_num_blocks_to_allocate(
+            request_id=request.request_id,
+            num_tokens=min(num_main + num_lookahead_tokens, manager.max_model_len),
+            new_computed_blocks=blocks,
+            num_encoder_tokens=kwargs.get("num_encoder_tokens", 0),
+            total_computed_tokens=num_local + num_external,
+            num_local_computed_tokens=num_local,
+            num_tokens_main_model=num_main,
+            prefill_end=max(request.num_prompt_tokens, request.num_tokens - 1),
+        )
+        if kwargs.get("has_scheduled_reqs", True) and request.status in (
+            RequestStatus.WAITING, RequestStatus.PREEMPTED
+        ):
+            needed += manager.watermark_blocks
+        needed += kwargs.get("reserved_blocks", 0)
+    except (AttributeError, TypeError):
+        block_size = manager.coordinator.single_type_managers[0].block_size
+        needed = -(-(num_new_tokens + num_lookahead_tokens) // block_size)
+    return max(0, int(needed) - int(pool.get_num_free_blocks()))
+
+
+def step_growth_blocks(scheduler: Scheduler) -> int:
+    """About how many blocks the running requests allocate in the next step: one for
+    every decoding request whose next token starts a block, plus the chunk of every
+    request still prefilling (bounded by the step's token budget)."""
+    block_size = scheduler.block_size
+    budget = scheduler.max_num_scheduled_tokens
+    blocks = 0
+    for request in scheduler.running:
+        remaining = request.num_tokens - request.num_computed_tokens
+        if remaining <= 1:
+            blocks += request.num_computed_tokens % block_size == 0
+        else:
+            chunk = min(remaining, budget)
+            budget -= chunk
+            blocks += -(-chunk // block_size)
+    return blocks
+
+
+def preempt_between_steps(scheduler: Scheduler, request: Request) -> None:
+    """Preempt a running request before `schedule()` (vLLM does the same for a prefix
+    cache reset): out of `running`, blocks freed, back to the waiting queue, reported
+    in the next step's `preempted_req_ids`. It may resume in that very step, so it must
+    not count as scheduled in the last one (the model runner then gets its tokens)."""
+    scheduler.running.remove(request)
+    scheduler._preempt_request(
+        request, time.monotonic(), drop_stale_output=scheduler.requires_kv_delivery
+    )
+    scheduler.prev_step_scheduled_req_ids.discard(request.request_id)
+
+
+def next_waiting(scheduler: Scheduler) -> Request | None:
+    """The request vLLM tries to admit first in the next step (the heap's top under the
+    priority policy), if any may still be admitted."""
+    if not scheduler.waiting or len(scheduler.running) >= scheduler.max_num_running_reqs:
+        return None
+    return scheduler.waiting.peek_request()
+
+
+def prefilling(scheduler: Scheduler) -> Collection[Request]:
+    """Running requests whose prompt is not fully computed (chunked prefill)."""
+    return scheduler._inflight_prefills
+
+
+def skip_next_step(scheduler: Scheduler, request: Request) -> None:
+    """Leave a running request out of the next `schedule()` only (it keeps its blocks
+    and its place). vLLM's own diffusion scheduler skips a step the same way:
+    `schedule()` advances `current_step` before it checks eligibility."""
+    request.next_decode_eligible_step = max(
+        request.next_decode_eligible_step, scheduler.current_step + 2
+    )
+
+
+def next_evicted_block_id(scheduler: Scheduler, within: int = 64) -> int | None:
+    """The cached block allocations will evict next, if one is among the first `within`
+    free blocks: vLLM's free queue is LRU, with blocks that hold no cached prefix (the
+    partial last block of every finished request) in front, taken first."""
+    head = scheduler.kv_cache_manager.block_pool.free_block_queue.fake_free_list_head
+    block = head.next_free_block
+    for _ in range(within):
+        if block is None or block.block_id < 0:  # the queue's fake tail: nothing cached
+            return None
+        if block.block_hash is not None and not block.is_null:
+            return int(block.block_id)
+        block = block.next_free_block
+    return None
+
+
+def evict_first(scheduler: Scheduler, blocks: Iterable[KVCacheBlock]) -> None:
+    """Move free cached blocks to the front of vLLM's LRU queue: the next allocations
+    evict them before any other cached block. `blocks` in eviction order."""
+    pool = scheduler.kv_cache_manager.block_pool
+    queue = pool.free_block_queue
+    moved = [
+        block for block in blocks
+        if block.ref_cnt == 0 and not block.is_null and block.prev_free_block is not None
+        and (block.pool is None or block.pool is pool)
+    ]
+    for block in moved:
+        queue.remove(block)
+    queue.prepend_n(moved)
+
+
+def is_queued(scheduler: Scheduler, request: Request) -> bool:
+    """The request still waits for its first (or next) admission."""
+    return (
+        request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        and scheduler.requests.get(request.request_id) is request
+    )
+
+
 class AllocationHook:
-    """Calls `on_failure(request, retry)` whenever `allocate_slots` finds no room.
+    """Calls `on_failure(request, retry, shortfall)` whenever `allocate_slots` finds no
+    room.
 
     The handler may free blocks and `retry()` (allocation has no side effects until it
-    succeeds); whatever it returns is what vLLM's scheduler sees. The wrapper costs
+    succeeds), or ask `shortfall()` how many free blocks were missing; whatever it
+    returns is what vLLM's scheduler sees. The wrapper costs
     about 0.1 microseconds per call, so it is only installed for steps in which an
     allocation can fail. vLLM allocates in exactly two places: admission of waiting
     requests, and growth of running requests. A running request that is not still
@@ -418,9 +562,16 @@ class AllocationHook:
                     request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens
                 )
             if blocks is None:
-                return on_failure(request, lambda: allocate(
-                    request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens, **kwargs
-                ))
+                return on_failure(
+                    request,
+                    lambda: allocate(
+                        request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens,
+                        **kwargs,
+                    ),
+                    lambda: allocation_shortfall(
+                        manager, request, num_new_tokens, num_lookahead_tokens, kwargs
+                    ),
+                )
             return blocks
 
         self._scheduler = scheduler

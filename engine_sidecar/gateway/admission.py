@@ -1,22 +1,43 @@
 """Admission decisions (DESIGN.md section 4), pure: no I/O, no clock, no globals.
 
-Order of checks, cheapest refusal first and the most specific reason wins:
-prompt length (400) -> request larger than the tenant's whole quota (400) ->
-concurrency (429) -> block quota (429) -> watermark for borrowers (503).
-A request that stays within the tenant's guaranteed blocks is never refused for the
-watermark.
+The rule agrees with preemption. A request may count as available the free blocks
+above the watermark plus every block the plugin's victim order would give back before
+the request's own class (`tenant_policy.reclaimable_blocks`): unclassified traffic,
+borrowers of a lower tier, leases ranked above it, and its own tenant's idle leases.
+The watermark refuses only what would have to come from the request's own class or a
+higher one; a request that stays within its tenant's guarantee is never refused for it.
+
+Blocks are counted as vLLM holds them, once each: a prompt's full blocks that the
+tenant's in-flight requests already hold (a shared system prompt) add nothing to its
+usage (`ledger`, `prefix`), and the blocks its own session's lease pins are not
+allocated again (a follow-up turn does not pay twice for its own prefix).
+
+Order of checks, cheapest first and the most specific reason wins: prompt length (400)
+-> request larger than the tenant's whole quota (400) -> concurrency (429) -> block
+quota (429) -> capacity for borrowers (503). 400s are final; the others say the
+request must wait (`Verdict.waits`): `admission_queue` queues it and refuses it with
+that error only when it has waited too long.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
 from engine_sidecar.gateway import errors
 from engine_sidecar.gateway.errors import ApiError
-from engine_sidecar.policy import TenantPolicy
-from engine_sidecar.stats import EngineStats
+from engine_sidecar.gateway.ledger import Ledger
+from engine_sidecar.policy import EnginePolicy, TenantPolicy
+from engine_sidecar.stats import EngineStats, TenantEngineStats
+from engine_sidecar.tenant_policy import (
+    UNCLASSIFIED,
+    Band,
+    Holding,
+    reclaimable_blocks,
+    requester_band,
+)
 
 
 class Decision(StrEnum):
@@ -37,57 +58,117 @@ class RequestShape:
     n: int = 1
     prompt_param: str = "prompt"
     max_tokens_param: str = "max_tokens"
+    session: str | None = None
+    prefix: tuple[int, ...] = ()  # fingerprints of the prompts' full blocks (`prefix`)
 
 
 @dataclass(frozen=True)
-class TenantLoad:
-    reserved_blocks: int  # outstanding reservations (the ledger)
-    leased_blocks: int  # pinned by the plugin's leases (count as usage)
+class _TenantView:
+    """One tenant in the pool view: the ledger's reservations beside the plugin's stats."""
+
+    reserved: int  # outstanding reservations (the ledger)
     inflight: int
+    held: int  # distinct blocks in the engine: running + lease-only
+    pinned: int  # distinct blocks its leases pin (shared with running ones or not)
+    lease_only: int  # pinned blocks no running request shares
+    pinned_in_use: int  # lease blocks of sessions with a request in flight
+    growth: int  # reserved blocks not allocated yet
+    leases: Mapping[str, int]  # session -> blocks its lease pins
+    sessions: frozenset[str]  # sessions with a request in flight
+    held_prefix: Container[int] = ()  # prefix fingerprints its in-flight requests hold
 
-    @property
-    def used_blocks(self) -> int:
-        return self.reserved_blocks + self.leased_blocks
+
+_NO_TENANT = _TenantView(0, 0, 0, 0, 0, 0, 0, {}, frozenset())
 
 
 @dataclass(frozen=True)
-class Capacity:
-    """Engine KV capacity as admission sees it; unknown -> no watermark check."""
+class PoolView:
+    """The engine's KV as admission sees it; `total_blocks` None: unknown capacity, so
+    no capacity check (`free_blocks` already leaves out growth still to be allocated)."""
 
     total_blocks: int | None
-    free_blocks: int | None
+    free_blocks: int
     source: str | None  # "engine", "policy" or None (unknown)
+    unclassified: int = 0  # blocks held by requests of no known tenant
+    tenants: Mapping[str, _TenantView] | None = None
+    policy: EnginePolicy | None = None
 
     @property
     def known(self) -> bool:
-        return self.total_blocks is not None and self.free_blocks is not None
+        return self.total_blocks is not None
+
+    def tenant(self, tenant_id: str) -> _TenantView:
+        return (self.tenants or {}).get(tenant_id, _NO_TENANT)
+
+    def holding(self, tenant_id: str, pinned_in_use: int | None = None) -> Holding:
+        policy = self.policy.tenants.get(tenant_id) if self.policy else None
+        t = self.tenant(tenant_id)
+        in_use = t.pinned_in_use if pinned_in_use is None else pinned_in_use
+        return Holding(
+            priority=policy.priority if policy else 0,
+            guaranteed=policy.guaranteed_blocks if policy else 0,
+            used=t.held + t.growth,
+            held=t.held,
+            idle_leased=min(t.lease_only, max(0, t.pinned - in_use)),
+        )
+
+    def reclaimable(self, tenant_id: str, band: Band, pinned_in_use: int) -> int:
+        """What the victim order gives back before a new request of `tenant_id`."""
+        tenant = self.policy.tenants.get(tenant_id) if self.policy else None
+        others = (self.holding(t) for t in (self.tenants or {}) if t != tenant_id)
+        return reclaimable_blocks(
+            band, tenant.priority if tenant else 0, others, unclassified=self.unclassified,
+            own=self.holding(tenant_id, pinned_in_use),
+        )
 
 
-UNKNOWN_CAPACITY = Capacity(None, None, None)
+UNKNOWN_CAPACITY = PoolView(None, 0, None)
+_NO_STATS = TenantEngineStats()
 
 
-def capacity_view(
-    capacity_override: int | None, stats: EngineStats | None, reserved_total: int
-) -> Capacity:
-    """Free blocks = capacity - what the engine uses - reservations not yet allocated.
+def pool_view(
+    policy: EnginePolicy, stats: EngineStats | None, ledger: Ledger
+) -> PoolView:
+    """Free blocks and per-tenant holdings from the plugin's stats and the ledger.
 
-    Reservations of running requests are partly allocated already (they show in the
-    engine's used blocks); only the excess over the plugin's running blocks counts
-    again. Without stats every reservation counts.
-    """
+    A running request's reservation is partly allocated already (it shows in the
+    engine's used blocks, and a queued follow-up's prefix is pinned by its lease): only
+    the excess of the tenant's reserved blocks over those is growth still to come.
+    Without stats every reservation counts and nothing is known to be reclaimable."""
+    override = policy.capacity_blocks
     engine_total = stats.total_blocks if stats and stats.total_blocks > 0 else None
-    total = capacity_override or engine_total
+    engine = stats if engine_total is not None else None
+    tenants: dict[str, _TenantView] = {}
+    growth_total = 0
+    for tenant_id in {*policy.tenants, *ledger.tenants()}:
+        seen = (engine.tenants.get(tenant_id) if engine else None) or _NO_STATS
+        reserved = ledger.reserved_blocks(tenant_id)
+        sessions = ledger.sessions(tenant_id)
+        pinned_in_use = sum(seen.leases.get(s, 0) for s in sessions)
+        growth = max(0, reserved - max(seen.running_blocks, pinned_in_use))
+        growth_total += growth
+        tenants[tenant_id] = _TenantView(
+            reserved=reserved,
+            inflight=ledger.inflight(tenant_id),
+            held=seen.running_blocks + seen.leased_blocks,
+            pinned=seen.pinned_blocks,
+            lease_only=seen.leased_blocks,
+            pinned_in_use=pinned_in_use,
+            growth=growth,
+            leases=seen.leases,
+            sessions=sessions,
+            held_prefix=ledger.held_prefix(tenant_id),
+        )
+    total = override or engine_total
     if total is None:
-        return UNKNOWN_CAPACITY
-    if stats is not None and engine_total is not None:
-        used = max(0, stats.total_blocks - stats.free_blocks)
-        running = sum(t.running_blocks for t in stats.tenants.values())
-    else:
-        used, running = 0, 0
-    outstanding = max(0, reserved_total - running)
-    free = max(0, total - used - outstanding)
-    source = "policy" if capacity_override else "engine"
-    return Capacity(total, free, source)
+        return PoolView(None, 0, None, tenants=tenants, policy=policy)
+    used = max(0, engine.total_blocks - engine.free_blocks) if engine else 0
+    unclassified = engine.tenants.get(UNCLASSIFIED) if engine else None
+    return PoolView(
+        total, max(0, total - used - growth_total), "policy" if override else "engine",
+        unclassified=unclassified.running_blocks if unclassified else 0,
+        tenants=tenants, policy=policy,
+    )
 
 
 def effective_max_tokens(
@@ -116,12 +197,20 @@ def blocks_for(shape: RequestShape, max_tokens: int, block_size: int) -> int:
 class Verdict:
     decision: Decision
     max_tokens: int
-    blocks: int
+    blocks: int  # what the tenant's reserved blocks grow by (shared prefix counted once)
     error: ApiError | None = None
+    borrowing: bool = False  # it would take its tenant beyond its guarantee
+    new_blocks: int = 0  # what the engine must allocate (its session's leased prefix out)
+    extra: int = 0  # the blocks beyond the prompt's full blocks (ledger.reserve)
 
     @property
     def admitted(self) -> bool:
         return self.decision is Decision.ADMITTED
+
+    @property
+    def waits(self) -> bool:
+        """Not admitted now, but it may be once capacity frees (429 / 503)."""
+        return self.error is not None and self.error.status in (429, 503)
 
 
 def decide(
@@ -130,17 +219,24 @@ def decide(
     *,
     block_size: int,
     watermark: float,
-    load: TenantLoad,
-    capacity: Capacity,
+    view: PoolView,
     max_model_len: int | None,
-    retry_after: int,
 ) -> Verdict:
     max_tokens = effective_max_tokens(tenant, shape, max_model_len)
-    blocks = blocks_for(shape, max_tokens, block_size)
+    whole = blocks_for(shape, max_tokens, block_size)
     longest = max(shape.prompt_tokens, default=0)
+    load = view.tenant(tenant.tenant_id)
+    extra = max(0, whole - len(shape.prefix))
+    held = load.held_prefix
+    blocks = extra + sum(1 for fingerprint in shape.prefix if fingerprint not in held)
+    session_pinned = load.leases.get(shape.session, 0) if shape.session else 0
+    new_blocks = max(min(extra, blocks), blocks - session_pinned)
+    pinned_in_use = load.pinned_in_use
+    if shape.session not in load.sessions:
+        pinned_in_use += session_pinned
 
-    def refuse(decision: Decision, error: ApiError) -> Verdict:
-        return Verdict(decision, max_tokens, blocks, error)
+    def refuse(decision: Decision, error: ApiError, borrowing: bool = False) -> Verdict:
+        return Verdict(decision, max_tokens, blocks, error, borrowing, new_blocks, extra)
 
     if tenant.max_prompt_tokens is not None and longest > tenant.max_prompt_tokens:
         return refuse(Decision.REJECTED_PROMPT, ApiError(
@@ -156,42 +252,48 @@ def decide(
             "tokens, including the completion. Shorten the prompt.",
             param=shape.prompt_param,
         ))
-    if blocks > tenant.max_blocks:
+    if whole > tenant.max_blocks:
         # Retrying can never help, so this is not a 429.
         return refuse(Decision.REJECTED_QUOTA, ApiError(
             400, errors.REQUEST_EXCEEDS_TENANT_QUOTA,
-            f"this request needs {blocks} KV blocks (prompt + max_tokens={max_tokens}), "
+            f"this request needs {whole} KV blocks (prompt + max_tokens={max_tokens}), "
             f"more than tenant {tenant.tenant_id!r} may hold on one engine "
             f"({tenant.max_blocks}). Lower max_tokens or shorten the prompt.",
             param=shape.max_tokens_param,
         ))
+    # The leases of sessions in flight are their requests' prefixes, reserved with them;
+    # idle leases yield to the tenant's own new work: neither counts again.
+    used = load.reserved
+    band = requester_band(used, blocks, tenant.guaranteed_blocks)
+    borrowing = band is Band.BORROWER
     limit = tenant.max_concurrent_requests
     if limit is not None and load.inflight >= limit:
         return refuse(Decision.REJECTED_CONCURRENCY, ApiError(
             429, errors.TENANT_CONCURRENCY_EXHAUSTED,
             f"tenant {tenant.tenant_id!r} already has {load.inflight} requests in flight "
             f"(limit {limit} per engine). Retry after one finishes.",
-            retry_after=retry_after,
-        ))
-    if load.used_blocks + blocks > tenant.max_blocks:
+        ), borrowing)
+    if used + blocks > tenant.max_blocks:
         return refuse(Decision.REJECTED_QUOTA, ApiError(
             429, errors.TENANT_BLOCK_QUOTA_EXHAUSTED,
-            f"tenant {tenant.tenant_id!r} holds {load.used_blocks} of its {tenant.max_blocks} "
+            f"tenant {tenant.tenant_id!r} holds {used} of its {tenant.max_blocks} "
             f"KV blocks; this request needs {blocks} more. Retry later or lower max_tokens.",
-            retry_after=retry_after,
-        ))
-    borrowing = load.used_blocks + blocks > tenant.guaranteed_blocks
-    if borrowing and capacity.known:
-        assert capacity.total_blocks is not None and capacity.free_blocks is not None
-        floor = math.ceil(watermark * capacity.total_blocks)
-        if capacity.free_blocks - blocks < floor:
-            return refuse(Decision.REJECTED_WATERMARK, ApiError(
-                503, errors.KV_CACHE_WATERMARK_EXCEEDED,
-                f"the engine's KV cache is nearly full ({capacity.free_blocks} of "
-                f"{capacity.total_blocks} blocks free, {floor} kept for guaranteed "
-                f"capacity) and this request would borrow beyond tenant "
-                f"{tenant.tenant_id!r}'s {tenant.guaranteed_blocks} guaranteed blocks. "
-                "Retry later.",
-                retry_after=retry_after,
-            ))
-    return Verdict(Decision.ADMITTED, max_tokens, blocks)
+        ), borrowing)
+    if borrowing and view.known:
+        assert view.total_blocks is not None
+        floor = math.ceil(watermark * view.total_blocks)
+        above = max(0, view.free_blocks - floor)
+        if new_blocks > above:
+            available = above + view.reclaimable(tenant.tenant_id, band, pinned_in_use)
+            if new_blocks > available:
+                return refuse(Decision.REJECTED_WATERMARK, ApiError(
+                    503, errors.KV_CACHE_WATERMARK_EXCEEDED,
+                    f"the engine's KV cache is nearly full ({view.free_blocks} of "
+                    f"{view.total_blocks} blocks free, {floor} kept for guaranteed "
+                    f"capacity, {available - above} reclaimable from lower classes) and "
+                    f"this request would borrow {new_blocks} blocks beyond tenant "
+                    f"{tenant.tenant_id!r}'s {tenant.guaranteed_blocks} guaranteed. "
+                    "Retry later.",
+                ), borrowing)
+    return Verdict(Decision.ADMITTED, max_tokens, blocks, borrowing=borrowing,
+                   new_blocks=new_blocks, extra=extra)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,14 +27,8 @@ from starlette.types import Receive, Scope, Send
 
 from engine_sidecar.gateway import errors
 from engine_sidecar.gateway.active_policy import ActivePolicy, PolicyHolder
-from engine_sidecar.gateway.admission import (
-    Capacity,
-    Decision,
-    RequestShape,
-    TenantLoad,
-    capacity_view,
-    decide,
-)
+from engine_sidecar.gateway.admission import Decision, PoolView, RequestShape
+from engine_sidecar.gateway.admission_queue import AdmissionQueue, Ticket
 from engine_sidecar.gateway.engine_monitor import EngineMonitor
 from engine_sidecar.gateway.engine_stats import EngineStatsReader
 from engine_sidecar.gateway.errors import ApiError
@@ -43,11 +38,13 @@ from engine_sidecar.gateway.forward import (
     exchange,
     filter_headers,
     send_error,
+    wait_for_disconnect,
 )
 from engine_sidecar.gateway.ledger import Ledger, Reservation
 from engine_sidecar.gateway.metrics import GatewayMetrics, StateSources
 from engine_sidecar.gateway.openai_request import Kind, parse, rewrite, session_id
 from engine_sidecar.gateway.policy_source import PolicySource
+from engine_sidecar.gateway.prefix import prompt_fingerprints
 from engine_sidecar.gateway.status import DecisionCounters, build_status
 from engine_sidecar.gateway.tokens import EngineTokenCounter, HfTokenCounter, TokenCounter
 from engine_sidecar.stats import STATUS_ROUTE
@@ -55,6 +52,8 @@ from engine_sidecar.stats import STATUS_ROUTE
 logger = logging.getLogger(__name__)
 
 JSON_HEADERS = [(b"content-type", b"application/json")]
+QUEUE_HEADER = b"x-kvquota-queue-ms"  # on admitted responses: time spent in the queue
+PUMP_INTERVAL_S = 0.05  # while requests queue: re-check capacity (new stats) and deadlines
 ASGIHandler = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
@@ -111,10 +110,15 @@ class Gateway:
             on_error=lambda _message: self.metrics.policy_errors.inc(),
         )
         self.policy_source = policy_source
-        self.ledger = Ledger()
+        self.ledger = Ledger(on_release=lambda _reservation: self._queue_changed.set())
         self.counters = DecisionCounters()
         self.stats = EngineStatsReader(config.stats_path)
         self.monitor = EngineMonitor(interval=config.engine_probe_interval)
+        self.queue = AdmissionQueue(
+            self.ledger, clock=time.monotonic, stats=self.stats.current,
+            max_model_len=lambda: self.monitor.max_model_len,
+        )
+        self._queue_changed = asyncio.Event()
         self.upstream = Upstream(
             config.upstream, request_timeout=config.request_timeout,
             connect_timeout=config.connect_timeout, on_error=self._upstream_failed,
@@ -126,6 +130,7 @@ class Gateway:
             active=lambda: self.holder.active,
             stats=self.stats.current,
             label=self._tenant_label,
+            queue=self.queue,
         ))
         # The proxied routes bypass Starlette's routing and middleware: they run once per
         # request and their `send` once per token chunk. Everything else is Starlette.
@@ -177,7 +182,8 @@ class Gateway:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:
-        tasks = [asyncio.create_task(self.monitor.run(self.upstream.client), name="engine")]
+        tasks = [asyncio.create_task(self.monitor.run(self.upstream.client), name="engine"),
+                 asyncio.create_task(self._pump_queue(), name="admission-queue")]
         if self.policy_source is not None:
             tasks.append(asyncio.create_task(self.policy_source.run(self.holder), name="policy"))
             logger.info("policy from %s", self.policy_source.description)
@@ -229,10 +235,32 @@ class Gateway:
         active = self.holder.active
         return self.metrics.labels(tenant_id, active.policy.tenants if active else {})
 
-    def capacity(self) -> Capacity:
+    def capacity(self) -> PoolView | None:
+        """The pool as admission sees it (None before a policy is loaded)."""
         active = self.holder.active
-        override = active.policy.capacity_blocks if active else None
-        return capacity_view(override, self.stats.current(), self.ledger.total_blocks)
+        if active is None:
+            return None
+        self._sync_policy(active)
+        return self.queue.view()
+
+    def _sync_policy(self, active: ActivePolicy) -> None:
+        if self.queue.policy is not active.policy:
+            self.queue.set_policy(active.policy)
+
+    async def _pump_queue(self) -> None:
+        """Admit queued requests as capacity frees: at once on every release, and every
+        PUMP_INTERVAL_S while any wait (the plugin's stats move, deadlines pass)."""
+        while True:
+            if self.queue.waiting():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._queue_changed.wait(), PUMP_INTERVAL_S)
+            else:
+                await self._queue_changed.wait()
+            self._queue_changed.clear()
+            active = self.holder.active
+            if active is not None:
+                self._sync_policy(active)
+                self.queue.pump()
 
     def readiness(self) -> list[str]:
         reasons = []
@@ -286,11 +314,13 @@ class Gateway:
             raw = await self._read_body(receive)
             if raw is None:
                 return
-            admitted = await self._admit(kind, raw, headers)
+            admitted = await self._admit(kind, raw, headers, receive)
         except ApiError as error:
             await send_error(send, error)
             return
-        reservation, body, tier = admitted
+        if admitted is None:
+            return  # the client left while its request was queued
+        reservation, body, tier, waited = admitted
         outcome = "cancelled"
         try:
             forward_headers = self._forward_headers(scope)
@@ -299,6 +329,7 @@ class Gateway:
                 receive, send, self.upstream,
                 lambda: self.upstream.open("POST", path, forward_headers, body),
                 on_done=reservation.release,
+                extra_headers=[(QUEUE_HEADER, str(round(waited * 1000)).encode())],
             )
             outcome = result.outcome
             ttft, duration, _ = self._tier_metrics(tier)
@@ -310,12 +341,12 @@ class Gateway:
             self.metrics.reservations.labels(tier, outcome).inc()
 
     async def _admit(
-        self, kind: Kind, raw: bytes, headers: dict[bytes, bytes]
-    ) -> tuple[Reservation, bytes, str]:
+        self, kind: Kind, raw: bytes, headers: dict[bytes, bytes], receive: Receive
+    ) -> tuple[Reservation, bytes, str, float] | None:
+        """Authenticate, count, then wait in the tenant's queue until admitted (or
+        refused); None if the client went away meanwhile."""
         active = self._active()
         tenant_id = self._authenticate(active, headers)
-        policy = active.policy
-        tenant = policy.tenants[tenant_id]
         try:
             request = parse(kind, raw)
         except ApiError as error:
@@ -326,39 +357,74 @@ class Gateway:
                 503, errors.SIDECAR_NOT_READY, "the sidecar is still loading the tokenizer",
                 retry_after=self.config.retry_after_seconds), "not_ready")
         try:
-            prompt_tokens = await counter.count(request)
+            prompts = await counter.tokenize(request)
         except ApiError as error:
             raise self._reject(error, "invalid_request") from None
-        # From here to reserve(): no await, so the decision and the reservation are atomic.
         active = self.holder.active or active  # a policy swap during counting wins
-        tenant = active.policy.tenants.get(tenant_id, tenant)
-        shape = RequestShape(prompt_tokens, request.requested_max_tokens, request.n,
-                             request.prompt_param, request.max_tokens_param)
-        stats = self.stats.current()
-        engine = stats.tenants.get(tenant_id) if stats else None
-        load = TenantLoad(self.ledger.reserved_blocks(tenant_id),
-                          engine.leased_blocks if engine else 0,
-                          self.ledger.inflight(tenant_id))
-        verdict = decide(
-            tenant, shape, block_size=active.policy.block_size,
-            watermark=active.policy.watermark, load=load, capacity=self.capacity(),
-            max_model_len=self.monitor.max_model_len,
-            retry_after=self.config.retry_after_seconds,
+        if tenant_id not in active.policy.tenants:
+            raise self._reject(ApiError(
+                403, errors.UNKNOWN_TENANT,
+                f"tenant {tenant_id!r} is no longer in the pool's policy"), "unknown_tenant")
+        self._sync_policy(active)
+        session = session_id(headers, request.body)
+        shape = RequestShape(
+            tuple(len(p) for p in prompts), request.requested_max_tokens, request.n,
+            request.prompt_param, request.max_tokens_param, session,
+            prompt_fingerprints(prompts, active.policy.block_size),
         )
+        ticket = self.queue.submit(tenant_id, shape)
+        if not ticket.settled and not await self._wait_in_queue(ticket, receive):
+            return None
+        tenant = active.policy.tenants[tenant_id]
         tier = tenant.tier.value
-        self.metrics.admissions.labels(self._tenant_label(tenant_id), tier,
-                                       verdict.decision).inc()
-        self.counters.count(tenant_id, verdict.decision)
-        if verdict.error is not None:
-            raise self._reject(verdict.error, verdict.decision.removeprefix("rejected_"))
-        body = rewrite(  # before reserving: nothing may fail between reserve and forward
-            request, max_tokens=verdict.max_tokens, priority=tenant.priority,
-            tenant_id=tenant_id, session=session_id(headers, request.body),
-            cache_salt=active.cache_salts.get(tenant_id),
-        )
-        reservation = self.ledger.reserve(tenant_id, verdict.blocks)
+        verdict = ticket.verdict
+        assert verdict is not None
+        decision = Decision.ADMITTED if ticket.admitted else verdict.decision
+        self.metrics.admissions.labels(self._tenant_label(tenant_id), tier, decision).inc()
+        self.metrics.queue_wait.labels(tier, "admitted" if ticket.admitted else "refused"
+                                       ).observe(ticket.waited)
+        self.counters.count(tenant_id, decision)
+        if ticket.error is not None:
+            raise self._reject(ticket.error, decision.removeprefix("rejected_"))
+        reservation = ticket.reservation
+        assert reservation is not None
+        try:
+            body = rewrite(
+                request, max_tokens=verdict.max_tokens, priority=tenant.priority,
+                tenant_id=tenant_id, session=session,
+                cache_salt=active.cache_salts.get(tenant_id),
+            )
+        except BaseException:
+            reservation.release("error")
+            raise
         self._tier_metrics(tier)[2].inc(verdict.blocks)
-        return reservation, body, tier
+        return reservation, body, tier, ticket.waited
+
+    async def _wait_in_queue(self, ticket: Ticket, receive: Receive) -> bool:
+        """Wait until the queue settles the ticket; False if the client left first (the
+        ticket leaves the queue, or gives back what it was just granted)."""
+        settled: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def wake(_ticket: Ticket) -> None:
+            if not settled.done():
+                settled.set_result(None)
+
+        ticket.on_settled = wake
+        self._queue_changed.set()  # the pump loop now polls while requests wait
+        gone = asyncio.ensure_future(wait_for_disconnect(receive))
+        left = True
+        try:
+            await asyncio.wait((settled, gone), return_when=asyncio.FIRST_COMPLETED)
+            left = gone.done()
+        finally:  # also when this handler is cancelled (server shutdown)
+            gone.cancel()
+            ticket.on_settled = None
+            if left:
+                if ticket.reservation is not None:
+                    ticket.reservation.release("cancelled")
+                else:
+                    self.queue.cancel(ticket)
+        return not left
 
     def _forward_headers(self, scope: Scope) -> list[tuple[bytes, bytes]]:
         drop = set(REQUEST_DROP) | self.config.extra_request_drop | {b"content-type"}
@@ -397,7 +463,7 @@ class Gateway:
         status = build_status(
             ready=not self.readiness(), active=self.holder.active,
             policy_error=self.holder.error, ledger=self.ledger, counters=self.counters,
-            stats=self.stats.current(), capacity=self.capacity(),
+            stats=self.stats.current(), capacity=self.capacity(), queue=self.queue,
         )
         return Response(status.model_dump_json(by_alias=True), media_type="application/json")
 

@@ -191,11 +191,13 @@ class _Pump:
     def __init__(
         self, send: Send, upstream: Upstream, result: ExchangeResult,
         on_done: Callable[[str], object],
+        extra_headers: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         self.send = send
         self.upstream = upstream
         self.result = result
         self.on_done = on_done
+        self.extra_headers = extra_headers or []
         self.finishing = False  # the last byte is being sent: a disconnect now is normal
 
     def _done(self, outcome: str) -> None:
@@ -227,7 +229,8 @@ class _Pump:
                 return
             await send({
                 "type": "http.response.start", "status": response.status_code,
-                "headers": filter_headers(response.raw_headers, RESPONSE_DROP),
+                "headers": [*filter_headers(response.raw_headers, RESPONSE_DROP),
+                            *self.extra_headers],
             })
             result.started = True
             try:
@@ -257,7 +260,7 @@ class _Pump:
                 await response.aclose()
 
 
-async def _wait_for_disconnect(receive: Receive) -> None:
+async def wait_for_disconnect(receive: Receive) -> None:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
@@ -270,18 +273,20 @@ async def exchange(
     upstream: Upstream,
     opener: Callable[[], Awaitable[UpstreamResponse]],
     on_done: Callable[[str], object] = lambda _outcome: None,
+    extra_headers: list[tuple[bytes, bytes]] | None = None,
 ) -> ExchangeResult:
     """Run one proxied exchange to its end; never raises for client or engine failures.
 
     `receive` must have delivered the whole request body already. `on_done(outcome)`
     runs as soon as the engine is finished with the request (before the client sees the
     last byte); on a client disconnect the caller settles after this returns.
+    `extra_headers` go out with the engine's response headers.
     """
     result = ExchangeResult()
-    pump = _Pump(send, upstream, result, on_done)
+    pump = _Pump(send, upstream, result, on_done, extra_headers)
     start = time.perf_counter()
     pump_task = asyncio.ensure_future(pump.run(opener, start))
-    watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+    watcher = asyncio.ensure_future(wait_for_disconnect(receive))
     try:
         await asyncio.wait((pump_task, watcher), return_when=asyncio.FIRST_COMPLETED)
     finally:

@@ -1,26 +1,44 @@
 """Outstanding KV-block reservations and in-flight requests, per tenant.
 
+A reservation holds the fingerprints of its prompt's full blocks (`prefix`) and a
+number of further blocks (`extra`: the partial last block, the completion, further
+sequences). A tenant's reserved blocks are its *distinct* prefix blocks plus its
+extras, the way vLLM's prefix cache holds them: two requests that share a system prompt
+reserve it once.
+
 Single event loop, no awaits inside: a check in `admission.decide` followed by
 `reserve()` is atomic. Each Reservation releases exactly once, whichever of
 completion, upstream error, timeout or client disconnect comes first, so the totals
-return to zero after any mix of outcomes.
+return to zero after any mix of outcomes. `version` changes with every reservation and
+release, so views derived from the ledger can be cached until it moves.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter
+from collections.abc import Callable, Container
 from types import TracebackType
 
 
 class Reservation:
-    __slots__ = ("_ledger", "blocks", "outcome", "released", "tenant_id")
+    __slots__ = ("_ledger", "extra", "outcome", "prefix", "released", "session", "tenant_id")
 
-    def __init__(self, ledger: Ledger, tenant_id: str, blocks: int) -> None:
+    def __init__(
+        self, ledger: Ledger, tenant_id: str, extra: int, session: str | None,
+        prefix: tuple[int, ...],
+    ) -> None:
         self._ledger = ledger
         self.tenant_id = tenant_id
-        self.blocks = blocks
+        self.extra = extra
+        self.prefix = prefix
+        self.session = session
         self.released = False
         self.outcome: str | None = None
+
+    @property
+    def blocks(self) -> int:
+        """The request's own footprint (shared prefix blocks included)."""
+        return len(self.prefix) + self.extra
 
     def release(self, outcome: str = "completed") -> bool:
         """Give the blocks back; True the first time, False on every later call."""
@@ -43,36 +61,84 @@ class Reservation:
         self.release("completed" if exc_type is None else "cancelled")
 
 
-class Ledger:
+class _Tenant:
+    __slots__ = ("extra", "inflight", "prefix", "sessions")
+
     def __init__(self) -> None:
-        self._blocks: dict[str, int] = defaultdict(int)
-        self._inflight: dict[str, int] = defaultdict(int)
+        self.prefix: Counter[int] = Counter()  # fingerprint -> reservations holding it
+        self.extra = 0
+        self.inflight = 0
+        self.sessions: Counter[str] = Counter()
+
+    @property
+    def blocks(self) -> int:
+        return len(self.prefix) + self.extra
+
+
+class Ledger:
+    def __init__(self, on_release: Callable[[Reservation], None] | None = None) -> None:
+        self._tenants: dict[str, _Tenant] = {}
         self.total_blocks = 0
         self.total_inflight = 0
+        self.version = 0
+        self.on_release = on_release
 
-    def reserve(self, tenant_id: str, blocks: int) -> Reservation:
-        self._blocks[tenant_id] += blocks
-        self._inflight[tenant_id] += 1
-        self.total_blocks += blocks
+    def reserve(
+        self, tenant_id: str, extra: int, session: str | None = None,
+        prefix: tuple[int, ...] = (),
+    ) -> Reservation:
+        tenant = self._tenants.get(tenant_id)
+        if tenant is None:
+            tenant = self._tenants[tenant_id] = _Tenant()
+        before = tenant.blocks
+        tenant.prefix.update(prefix)
+        tenant.extra += extra
+        tenant.inflight += 1
+        if session is not None:
+            tenant.sessions[session] += 1
+        self.total_blocks += tenant.blocks - before
         self.total_inflight += 1
-        return Reservation(self, tenant_id, blocks)
+        self.version += 1
+        return Reservation(self, tenant_id, extra, session, prefix)
 
     def _give_back(self, reservation: Reservation) -> None:
-        tenant = reservation.tenant_id
-        self._blocks[tenant] -= reservation.blocks
-        self._inflight[tenant] -= 1
-        self.total_blocks -= reservation.blocks
+        tenant = self._tenants[reservation.tenant_id]
+        before = tenant.blocks
+        tenant.prefix.subtract(reservation.prefix)
+        for fingerprint in reservation.prefix:
+            if tenant.prefix[fingerprint] <= 0:
+                del tenant.prefix[fingerprint]
+        tenant.extra -= reservation.extra
+        tenant.inflight -= 1
+        if reservation.session is not None:
+            tenant.sessions[reservation.session] -= 1
+            if tenant.sessions[reservation.session] <= 0:
+                del tenant.sessions[reservation.session]
+        self.total_blocks += tenant.blocks - before
         self.total_inflight -= 1
-        if self._inflight[tenant] == 0:
-            del self._inflight[tenant]
-            del self._blocks[tenant]
+        self.version += 1
+        if tenant.inflight == 0:
+            del self._tenants[reservation.tenant_id]
+        if self.on_release is not None:
+            self.on_release(reservation)
 
     def reserved_blocks(self, tenant_id: str) -> int:
-        return self._blocks.get(tenant_id, 0)
+        tenant = self._tenants.get(tenant_id)
+        return tenant.blocks if tenant else 0
 
     def inflight(self, tenant_id: str) -> int:
-        return self._inflight.get(tenant_id, 0)
+        tenant = self._tenants.get(tenant_id)
+        return tenant.inflight if tenant else 0
+
+    def sessions(self, tenant_id: str) -> frozenset[str]:
+        """The tenant's sessions with a request in flight."""
+        tenant = self._tenants.get(tenant_id)
+        return frozenset(tenant.sessions) if tenant else frozenset()
+
+    def held_prefix(self, tenant_id: str) -> Container[int]:
+        """Fingerprints of prefix blocks the tenant's in-flight requests hold."""
+        tenant = self._tenants.get(tenant_id)
+        return tenant.prefix if tenant else ()
 
     def tenants(self) -> list[str]:
-        return list(self._inflight)
-
+        return list(self._tenants)

@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine_sidecar.gateway.active_policy import ActivePolicy
+from engine_sidecar.gateway.admission_queue import AdmissionQueue
 from engine_sidecar.gateway.ledger import Ledger
 from engine_sidecar.stats import EngineStats
 
@@ -55,6 +56,7 @@ class StateSources:
     active: Callable[[], ActivePolicy | None]
     stats: Callable[[], EngineStats | None]
     label: Callable[[str], str]
+    queue: AdmissionQueue | None = None
 
 
 class StateCollector(Collector):
@@ -82,6 +84,9 @@ class StateCollector(Collector):
             inflight.add_metric([name], count)
         yield reserved
         yield inflight
+        queue = self._s.queue
+        if queue is not None:
+            yield from self._queue_families(queue, tenants, label)
 
         if active is not None:
             info = GaugeMetricFamily("kvquota_policy_info", "The active policy version (1).",
@@ -102,6 +107,27 @@ class StateCollector(Collector):
             modes.add_metric([mode[:32]], count)
         yield modes
         yield from self._plugin_families(stats, tenants, label)
+
+    @staticmethod
+    def _queue_families(
+        queue: AdmissionQueue, tenants: object, label: Callable[[str], str]
+    ) -> Iterator[Metric]:
+        depth = GaugeMetricFamily("kvquota_tenant_queued_requests",
+                                  "Requests waiting in the sidecar's admission queue.",
+                                  labels=["tenant_id"])
+        oldest = GaugeMetricFamily("kvquota_tenant_queue_oldest_wait_seconds",
+                                   "How long the tenant's oldest queued request has waited.",
+                                   labels=["tenant_id"])
+        rows: dict[str, list[float]] = {}
+        for tenant_id in {*(tenants if isinstance(tenants, dict) else ()), *queue.tenants()}:
+            row = rows.setdefault(label(tenant_id), [0, 0.0])
+            row[0] += queue.depth(tenant_id)
+            row[1] = max(row[1], queue.oldest_wait(tenant_id))
+        for name, (count, wait) in sorted(rows.items()):
+            depth.add_metric([name], count)
+            oldest.add_metric([name], wait)
+        yield depth
+        yield oldest
 
     def _plugin_families(
         self, stats: EngineStats, tenants: object, label: Callable[[str], str]
@@ -170,6 +196,10 @@ class GatewayMetrics:
             "(completed, upstream_error, timeout, cancelled).", ["tier", "outcome"], registry=r)
         self.reserved_blocks = Counter(
             "kvquota_reserved_blocks", "KV blocks reserved at admission.", ["tier"], registry=r)
+        self.queue_wait = Histogram(
+            "kvquota_queue_wait_seconds",
+            "Time requests waited in the admission queue, by how they left it "
+            "(admitted, refused).", ["tier", "result"], buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram(
             "kvquota_upstream_ttft_seconds",
             "Time from forwarding to the engine's first response byte.",

@@ -12,7 +12,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from engine_sidecar.gateway.active_policy import ActivePolicy
-from engine_sidecar.gateway.admission import Capacity, Decision
+from engine_sidecar.gateway.admission import Decision, PoolView
+from engine_sidecar.gateway.admission_queue import AdmissionQueue
 from engine_sidecar.gateway.ledger import Ledger
 from engine_sidecar.stats import (
     EngineStats,
@@ -54,7 +55,8 @@ def build_status(
     ledger: Ledger,
     counters: DecisionCounters,
     stats: EngineStats | None,
-    capacity: Capacity,
+    capacity: PoolView | None,
+    queue: AdmissionQueue,
 ) -> SidecarStatus:
     errors = [policy_error] if policy_error else []
     if stats is not None and stats.policy_error:
@@ -62,6 +64,7 @@ def build_status(
     tenants: dict[str, TenantStatus] = {}
     tenant_ids = set(active.policy.tenants) if active else set()
     tenant_ids.update(ledger.tenants())
+    tenant_ids.update(queue.tenants())
     for tenant_id in sorted(tenant_ids):
         engine = stats.tenants.get(tenant_id) if stats else None
         reserved = ledger.reserved_blocks(tenant_id)
@@ -72,6 +75,8 @@ def build_status(
             leased_blocks=engine.leased_blocks if engine else 0,
             leased_sessions=engine.leased_sessions if engine else 0,
             inflight=ledger.inflight(tenant_id),
+            queued=queue.depth(tenant_id),
+            queue_wait_seconds=round(queue.oldest_wait(tenant_id), 3),
         )
         status_counters = TenantCounters(
             admitted=counts.admitted,
@@ -86,9 +91,9 @@ def build_status(
         ready=ready,
         policy_version=active.version if active else None,
         policy_error="; ".join(errors) or None,
-        total_blocks=capacity.total_blocks or 0,
-        free_blocks=capacity.free_blocks or 0,
+        total_blocks=(capacity.total_blocks if capacity else None) or 0,
+        free_blocks=capacity.free_blocks if capacity and capacity.known else 0,
         degraded=bool(stats and stats.degraded),
         tenants=tenants,
-        capacity_source=capacity.source,
+        capacity_source=capacity.source if capacity else None,
     )

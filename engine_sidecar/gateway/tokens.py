@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -25,11 +26,15 @@ logger = logging.getLogger(__name__)
 INLINE_CHARS = 8_000
 
 
+TokenIds = Sequence[int]
+
+
 class TokenCounter(Protocol):
     description: str
 
-    async def count(self, request: ParsedRequest) -> tuple[int, ...]:
-        """Prompt tokens per prompt (one entry for chat)."""
+    async def tokenize(self, request: ParsedRequest) -> tuple[TokenIds, ...]:
+        """The prompt's token ids, per prompt (one entry for chat): their number is what
+        the engine processes, their blocks are what admission deduplicates."""
 
 
 def _bad_prompt(message: str, request: ParsedRequest) -> ApiError:
@@ -72,30 +77,30 @@ class HfTokenCounter:
 
         return cls(AutoTokenizer.from_pretrained(name_or_path), name_or_path)
 
-    def _encoded_length(self, text: str, special: bool) -> int:
+    def _encode(self, text: str, special: bool) -> TokenIds:
         if self._backend is not None:
-            return len(self._backend.encode(text, add_special_tokens=special))
-        return len(self._tokenizer.encode(text, add_special_tokens=special))
+            ids: TokenIds = self._backend.encode(text, add_special_tokens=special).ids
+            return ids
+        return list(self._tokenizer.encode(text, add_special_tokens=special))
 
-    def _count_sync(self, request: ParsedRequest) -> tuple[int, ...]:
+    def _tokenize_sync(self, request: ParsedRequest) -> tuple[TokenIds, ...]:
         if request.kind is Kind.CHAT:
             messages = [{**m, "content": _text_of(m.get("content"))} for m in request.messages]
             text = self._tokenizer.apply_chat_template(
                 messages, tokenize=False, **_chat_options(request.body))
             special = request.body.get("add_special_tokens") is True
-            return (self._encoded_length(text, special),)
+            return (self._encode(text, special),)
         special = request.body.get("add_special_tokens", True) is not False
         return tuple(
-            len(p) if isinstance(p, list) else self._encoded_length(p, special)
-            for p in request.prompts
+            p if isinstance(p, list) else self._encode(p, special) for p in request.prompts
         )
 
-    async def count(self, request: ParsedRequest) -> tuple[int, ...]:
+    async def tokenize(self, request: ParsedRequest) -> tuple[TokenIds, ...]:
         try:
             if _size(request) <= INLINE_CHARS:
-                return self._count_sync(request)
+                return self._tokenize_sync(request)
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._executor, self._count_sync, request)
+            return await loop.run_in_executor(self._executor, self._tokenize_sync, request)
         except ApiError:
             raise
         except Exception as exc:
@@ -127,7 +132,7 @@ class EngineTokenCounter:
         self._client = client
         self._model = model
 
-    async def _tokenize(self, payload: dict[str, Any], request: ParsedRequest) -> int:
+    async def _tokenize(self, payload: dict[str, Any], request: ParsedRequest) -> TokenIds:
         if self._model:
             payload["model"] = self._model
         try:
@@ -137,9 +142,9 @@ class EngineTokenCounter:
                            "the inference engine is not reachable; retry later",
                            retry_after=1) from None
         if response.status_code == 200:
-            count = response.json().get("count")
-            if isinstance(count, int):
-                return count
+            tokens = response.json().get("tokens")
+            if isinstance(tokens, list):
+                return tokens
         if 400 <= response.status_code < 500:
             try:
                 message = str(response.json()["error"]["message"])[:300]
@@ -149,7 +154,7 @@ class EngineTokenCounter:
         raise ApiError(502, errors.UPSTREAM_ERROR,
                        "the inference engine failed to tokenize the prompt")
 
-    async def count(self, request: ParsedRequest) -> tuple[int, ...]:
+    async def tokenize(self, request: ParsedRequest) -> tuple[TokenIds, ...]:
         if request.kind is Kind.CHAT:
             payload: dict[str, Any] = {"messages": request.messages,
                                        **_chat_options(request.body)}
@@ -157,11 +162,11 @@ class EngineTokenCounter:
                 payload["add_special_tokens"] = True
             return (await self._tokenize(payload, request),)
         special = request.body.get("add_special_tokens", True) is not False
-        counts = []
+        prompts: list[TokenIds] = []
         for prompt in request.prompts:
             if isinstance(prompt, list):
-                counts.append(len(prompt))
+                prompts.append(prompt)
             else:
-                counts.append(await self._tokenize(
+                prompts.append(await self._tokenize(
                     {"prompt": prompt, "add_special_tokens": special}, request))
-        return tuple(counts)
+        return tuple(prompts)

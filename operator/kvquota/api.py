@@ -7,7 +7,7 @@ defaults, bounds and patterns come from the fields, CEL rules from `_rules(...)`
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
@@ -141,6 +141,15 @@ class TierSpec(BaseModel):
         None, ge=1, le=1_048_576, description="Ceiling max_tokens is clamped to."
     )
     default_max_tokens: int | None = Field(None, ge=1, le=1_048_576)
+    max_queue_seconds: int | None = Field(
+        None, ge=0, le=3600,
+        description="How long a request the sidecar cannot admit yet waits in its "
+        "tenant's queue before it is refused with 429/503 (0: refused at once).",
+    )
+    max_queued_requests: int | None = Field(
+        None, ge=0, le=1_000_000,
+        description="Requests one tenant of the tier may have waiting, pool-wide.",
+    )
 
 
 class TiersSpec(_Model):
@@ -149,11 +158,23 @@ class TiersSpec(_Model):
     free: TierSpec = Field(default_factory=TierSpec)
 
 
-# (priority, leaseSeconds, maxTokens, defaultMaxTokens) when the pool does not override.
-TIER_DEFAULTS: dict[Tier, tuple[int, int, int, int]] = {
-    Tier.PREMIUM: (0, 300, 4096, 1024),
-    Tier.STANDARD: (1, 60, 2048, 512),
-    Tier.FREE: (2, 0, 512, 256),
+class TierDefaults(NamedTuple):
+    """A tier's settings when the pool does not override them."""
+
+    priority: int
+    lease_seconds: int
+    max_tokens: int
+    default_max_tokens: int
+    max_queue_seconds: int
+    max_queued_requests: int
+
+
+# Queue bounds: long, because a refusal makes the client start over; premium waits
+# longest (it would rather wait than fail), free least.
+TIER_DEFAULTS: dict[Tier, TierDefaults] = {
+    Tier.PREMIUM: TierDefaults(0, 300, 4096, 1024, 120, 1024),
+    Tier.STANDARD: TierDefaults(1, 60, 2048, 512, 60, 512),
+    Tier.FREE: TierDefaults(2, 0, 512, 256, 30, 256),
 }
 
 
@@ -261,6 +282,11 @@ class LimitsSpec(BaseModel):
     default_max_tokens: int | None = Field(None, ge=1, le=1_048_576)
     max_prompt_tokens: int | None = Field(None, ge=1, le=10_485_760)
     max_concurrent_requests: int | None = Field(None, ge=1, le=1_000_000)
+    max_queued_requests: int | None = Field(
+        None, ge=0, le=1_000_000,
+        description="Requests that may wait for admission at once, pool-wide (overrides "
+        "the tier's).",
+    )
 
 
 class PrefixCacheSpec(_Model):
@@ -301,6 +327,8 @@ class EffectiveSettings(_Model):
     default_max_tokens: int | None = None
     max_prompt_tokens: int | None = None
     max_concurrent_requests: int | None = None
+    max_queue_seconds: int | None = None
+    max_queued_requests: int | None = None
     prefix_cache_isolation: Isolation | None = None
 
 
@@ -310,6 +338,10 @@ class Usage(_Model):
     leased_blocks: int = 0
     leased_sessions: int = 0
     inflight: int = 0
+    queued: int = Field(0, description="Requests waiting in the sidecars' queues.")
+    queue_wait_seconds: float = Field(
+        0.0, description="How long the oldest queued request has waited."
+    )
 
 
 class Counters(_Model):

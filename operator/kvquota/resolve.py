@@ -9,37 +9,26 @@ a default above it (the engine would refuse the policy).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from engine_sidecar.policy import LeasePolicy, TenantPolicy, Tier
-from kvquota.api import TIER_DEFAULTS, EffectiveSettings, InferencePoolSpec, TenantQuotaSpec
+from kvquota.api import (
+    TIER_DEFAULTS,
+    EffectiveSettings,
+    InferencePoolSpec,
+    TenantQuotaSpec,
+    TierDefaults,
+)
 from kvquota.capacity import split_ceiling, split_quota
 
 
-@dataclass(frozen=True)
-class TierSettings:
-    priority: int
-    lease_seconds: int
-    max_tokens: int
-    default_max_tokens: int
-
-
-def tier_settings(pool: InferencePoolSpec, tier: Tier) -> TierSettings:
-    priority, lease_seconds, max_tokens, default_max_tokens = TIER_DEFAULTS[tier]
+def tier_settings(pool: InferencePoolSpec, tier: Tier) -> TierDefaults:
+    """The tier's built-in defaults with the pool's overrides applied."""
+    defaults = TIER_DEFAULTS[tier]
     override = getattr(pool.tiers, tier.value)
-    ceiling = override.max_tokens if override.max_tokens is not None else max_tokens
-    default = (
-        override.default_max_tokens if override.default_max_tokens is not None
-        else default_max_tokens
-    )
-    return TierSettings(
-        priority=override.priority if override.priority is not None else priority,
-        lease_seconds=(
-            override.lease_seconds if override.lease_seconds is not None else lease_seconds
-        ),
-        max_tokens=ceiling,
-        default_max_tokens=min(default, ceiling),
-    )
+    merged = defaults._replace(**{
+        name: value for name in TierDefaults._fields
+        if (value := getattr(override, name, None)) is not None
+    })
+    return merged._replace(default_max_tokens=min(merged.default_max_tokens, merged.max_tokens))
 
 
 def effective_settings(
@@ -74,6 +63,11 @@ def effective_settings(
         default_max_tokens=default_max_tokens,
         max_prompt_tokens=spec.limits.max_prompt_tokens,
         max_concurrent_requests=spec.limits.max_concurrent_requests,
+        max_queue_seconds=tier.max_queue_seconds,
+        max_queued_requests=(
+            spec.limits.max_queued_requests if spec.limits.max_queued_requests is not None
+            else tier.max_queued_requests
+        ),
         prefix_cache_isolation=spec.prefix_cache.isolation,
     )
 
@@ -99,5 +93,7 @@ def tenant_policy(effective: EffectiveSettings) -> TenantPolicy:
         default_max_tokens=effective.default_max_tokens,
         max_prompt_tokens=effective.max_prompt_tokens,
         max_concurrent_requests=split_ceiling(effective.max_concurrent_requests, replicas),
+        max_queue_seconds=effective.max_queue_seconds or 0,
+        max_queued_requests=split_ceiling(effective.max_queued_requests, replicas) or 0,
         prefix_cache_isolation=effective.prefix_cache_isolation or "Tenant",
     )

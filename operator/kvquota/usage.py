@@ -42,12 +42,17 @@ class PoolUsage:
     tenants: Mapping[str, TenantStatus] = field(default_factory=dict)
 
 
+# Usage figures that are a longest time, not a count: the pool's is the worst engine's.
+_LONGEST = frozenset({"queue_wait_seconds"})
+
+
 def _sum_tenant(parts: Iterable[TenantStatus]) -> TenantStatus:
-    usage: dict[str, int] = dict.fromkeys(TenantUsage.model_fields, 0)
+    usage: dict[str, float] = dict.fromkeys(TenantUsage.model_fields, 0)
     counters: dict[str, int] = dict.fromkeys(TenantCounters.model_fields, 0)
     for part in parts:
         for name in usage:
-            usage[name] += getattr(part.usage, name)
+            value = getattr(part.usage, name)
+            usage[name] = max(usage[name], value) if name in _LONGEST else usage[name] + value
         for name in counters:
             counters[name] += getattr(part.counters, name)
     return TenantStatus(usage=TenantUsage(**usage), counters=TenantCounters(**counters))

@@ -48,3 +48,10 @@ def tiny_scenario(tmp_path: Path) -> Path:
     path = tmp_path / "tiny.yaml"
     path.write_text(TINY)
     return path
+
+
+@pytest.fixture(scope="module")
+def tiny_scenario_module(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("scenario") / "tiny.yaml"
+    path.write_text(TINY)
+    return path

@@ -34,9 +34,11 @@ def test_kvquota_keeps_premium_close_to_its_quiet_latency(noisy: dict[str, Any])
     fcfs, kvquota = noisy["policies"]["fcfs"], noisy["policies"]["kvquota"]
     assert ratios["kvquota"] <= ratios["fcfs"] / 4
     assert kvquota["tiers"]["premium"]["prefixHitRate"] > fcfs["tiers"]["premium"]["prefixHitRate"]
-    # The free tier was held back by admission (its concurrency limit), not dropped.
+    # The free tier was held back by admission (it waited in the sidecar's queue for
+    # its concurrency limit and the watermark), not dropped.
     free = kvquota["tiers"]["free"]
-    assert free["rejected429"] > 0 and free["completed"] == free["requests"]
+    assert free["queuedP99"] > 0 and free["completed"] == free["requests"]
+    assert all(t["refusedWithinGuarantee"] == 0 for t in kvquota["tiers"].values())
     assert noisy["comparison"]["throughputVsFcfs"]["kvquota"] >= 0.9
 
 

@@ -26,6 +26,15 @@ def test_pool_usage_sums_over_engines() -> None:
     assert usage.tenants["a"].usage.blocks == 40
 
 
+def test_queues_add_up_and_the_longest_wait_is_the_pools() -> None:
+    def queued(depth: int, wait: float) -> SidecarStatus:
+        return SidecarStatus(ready=True, tenants={"a": TenantStatus(
+            usage=TenantUsage(queued=depth, queue_wait_seconds=wait))})
+
+    usage = aggregate([queued(3, 2.5), queued(4, 7.0)]).tenants["a"].usage
+    assert (usage.queued, usage.queue_wait_seconds) == (7, 7.0)
+
+
 def test_window_counts_new_disruptions_only() -> None:
     window = DisruptionWindow(60)
     window.observe(0, {"e1": _report(lease_breaks=5)})  # baseline: history before us

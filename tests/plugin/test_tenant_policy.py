@@ -243,8 +243,8 @@ def _snapshot() -> StatsSnapshot:
         tenants={"acme": TenantEngineStats(leased_blocks=30, leased_sessions=2)},
     )
     return StatsSnapshot(stats, (
-        LeaseView("acme", last_activity=0.0, expires_at=60.0, exclusive_blocks=10),
-        LeaseView("acme", last_activity=30.0, expires_at=90.0, exclusive_blocks=20),
+        LeaseView("acme", "s1", last_activity=0.0, expires_at=60.0, exclusive_blocks=10),
+        LeaseView("acme", "s2", last_activity=30.0, expires_at=90.0, exclusive_blocks=20),
     ))
 
 

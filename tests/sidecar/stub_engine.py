@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +47,9 @@ class StubEngine:
         elif path == "/tokenize":
             payload = json.loads(body)
             text = payload.get("prompt") or json.dumps(payload.get("messages"))
-            await _json(send, 200, {"count": len(text.split()), "max_model_len": MAX_MODEL_LEN})
+            tokens = [16 + zlib.crc32(word.encode()) % 30_000 for word in text.split()]
+            await _json(send, 200, {"count": len(tokens), "tokens": tokens,
+                                    "max_model_len": MAX_MODEL_LEN})
         elif path in ("/v1/completions", "/v1/chat/completions"):
             self.active += 1
             try:

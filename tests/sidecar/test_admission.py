@@ -1,38 +1,65 @@
-"""Admission decisions and the reservation ledger, as pure functions."""
+"""Admission decisions, the pool view they read and the reservation ledger (pure)."""
 
 from __future__ import annotations
+
+import itertools
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine_sidecar.gateway.admission import (
-    UNKNOWN_CAPACITY,
-    Capacity,
     Decision,
+    PoolView,
     RequestShape,
-    TenantLoad,
     Verdict,
     blocks_for,
-    capacity_view,
     decide,
+    pool_view,
 )
 from engine_sidecar.gateway.ledger import Ledger
-from engine_sidecar.policy import TenantPolicy
+from engine_sidecar.gateway.prefix import prompt_fingerprints
+from engine_sidecar.policy import EnginePolicy, TenantPolicy
 from engine_sidecar.stats import EngineStats, TenantEngineStats
+from engine_sidecar.tenant_policy import UNCLASSIFIED
 
-from .helpers import tenant
+from .helpers import make_policy, tenant
 
-IDLE = TenantLoad(reserved_blocks=0, leased_blocks=0, inflight=0)
+BLOCK = 32
+
+
+_fresh = itertools.count(1)
+
+
+def _prompt(tokens: int) -> list[int]:
+    """A prompt that shares no block with any other (a fresh first token)."""
+    return [16 + next(_fresh) % 30_000] + [17] * (tokens - 1)
+
+
+def _shape(tokens: list[int], max_tokens: int | None, n: int = 1,
+           session: str | None = None) -> RequestShape:
+    return RequestShape((len(tokens),), max_tokens, n, session=session,
+                        prefix=prompt_fingerprints([tokens], BLOCK))
 
 
 def _decide(
-    policy: TenantPolicy, prompt: int = 10, max_tokens: int | None = None, *,
-    load: TenantLoad = IDLE, capacity: Capacity = UNKNOWN_CAPACITY, n: int = 1,
-    max_model_len: int | None = 2048, watermark: float = 0.1,
+    policy: TenantPolicy, prompt: int | list[int] = 10, max_tokens: int | None = None, *,
+    view: PoolView | None = None, n: int = 1, max_model_len: int | None = 2048,
+    watermark: float = 0.1, session: str | None = None,
 ) -> Verdict:
-    return decide(policy, RequestShape((prompt,), max_tokens, n), block_size=32,
-                  watermark=watermark, load=load, capacity=capacity,
-                  max_model_len=max_model_len, retry_after=2)
+    view = view or pool_view(make_policy(policy), None, Ledger())
+    tokens = _prompt(prompt) if isinstance(prompt, int) else prompt
+    return decide(policy, _shape(tokens, max_tokens, n, session),
+                  block_size=BLOCK, watermark=watermark, view=view,
+                  max_model_len=max_model_len)
+
+
+def _stats(total: int, free: int, **tenants: TenantEngineStats) -> EngineStats:
+    return EngineStats(timestamp=0, total_blocks=total, free_blocks=free, tenants=tenants)
+
+
+def _view(policy: EnginePolicy, stats: EngineStats | None, ledger: Ledger | None = None
+          ) -> PoolView:
+    return pool_view(policy, stats, ledger or Ledger())
 
 
 def test_max_tokens_is_clamped_or_defaulted_and_sizes_the_reservation() -> None:
@@ -54,81 +81,174 @@ def test_prompt_limits_are_400() -> None:
     verdict = _decide(tenant("acme", max_prompt_tokens=50), 51)
     assert verdict.decision is Decision.REJECTED_PROMPT and verdict.error is not None
     assert (verdict.error.status, verdict.error.code) == (400, "PROMPT_TOO_LONG")
+    assert not verdict.waits
     too_long = _decide(tenant("acme"), 2048)
     assert too_long.error is not None and too_long.error.code == "PROMPT_TOO_LONG"
 
 
-def test_quota_and_concurrency_are_429_with_retry_after() -> None:
-    policy = tenant("acme", max_blocks=10, max_concurrent_requests=2)
-    quota = _decide(policy, 10, 20, load=TenantLoad(5, 4, 1))  # 1 block: 5 + 4 + 1 fits
-    assert quota.admitted
-    over = _decide(policy, 10, 60, load=TenantLoad(5, 4, 1))  # 3 blocks: 12 > 10
-    assert over.error is not None and over.decision is Decision.REJECTED_QUOTA
-    assert (over.error.status, over.error.code, over.error.retry_after) == \
-        (429, "TENANT_BLOCK_QUOTA_EXHAUSTED", 2)
-    busy = _decide(policy, 10, 20, load=TenantLoad(0, 0, 2))
+def test_quota_and_concurrency_wait_as_429() -> None:
+    acme = tenant("acme", max_blocks=10, max_concurrent_requests=2)
+    policy = make_policy(acme)
+    ledger = Ledger()
+    ledger.reserve("acme", 9)
+    fits = _decide(acme, 10, 20, view=_view(policy, None, ledger))  # 1 block: 9 + 1 fits
+    assert fits.admitted
+    over = _decide(acme, 10, 60, view=_view(policy, None, ledger))  # 3 blocks: 12 > 10
+    assert over.error is not None and over.decision is Decision.REJECTED_QUOTA and over.waits
+    assert (over.error.status, over.error.code) == (429, "TENANT_BLOCK_QUOTA_EXHAUSTED")
+    ledger.reserve("acme", 0)
+    busy = _decide(acme, 10, 20, view=_view(policy, None, ledger))
     assert busy.error is not None and busy.decision is Decision.REJECTED_CONCURRENCY
     assert (busy.error.status, busy.error.code) == (429, "TENANT_CONCURRENCY_EXHAUSTED")
 
 
 def test_a_request_larger_than_the_whole_quota_is_400_not_429() -> None:
     verdict = _decide(tenant("acme", max_blocks=2), 10, 100)
-    assert verdict.error is not None
+    assert verdict.error is not None and not verdict.waits
     assert (verdict.error.status, verdict.error.code) == (400, "REQUEST_EXCEEDS_TENANT_QUOTA")
 
 
 def test_watermark_refuses_borrowers_only() -> None:
-    nearly_full = Capacity(total_blocks=100, free_blocks=12, source="engine")
     borrower = tenant("free", guaranteed_blocks=0, max_blocks=50)
     guaranteed = tenant("premium", guaranteed_blocks=20, max_blocks=50)
-    refused = _decide(borrower, 10, 86, capacity=nearly_full)  # 3 blocks: 12 - 3 < 10
+    policy = make_policy(borrower, guaranteed)
+    nearly_full = _view(policy, _stats(100, 12))  # the floor keeps 10 free
+    refused = _decide(borrower, 10, 86, view=nearly_full)  # 3 blocks: 12 - 3 < 10
     assert refused.error is not None and refused.decision is Decision.REJECTED_WATERMARK
     assert (refused.error.status, refused.error.code) == (503, "KV_CACHE_WATERMARK_EXCEEDED")
-    assert refused.error.retry_after == 2
-    assert _decide(borrower, 10, 54, capacity=nearly_full).admitted  # 2 blocks: 10 >= 10
-    assert _decide(guaranteed, 10, 600, capacity=Capacity(100, 0, "engine")).admitted
-    assert _decide(borrower, 10, 86, capacity=UNKNOWN_CAPACITY).admitted
+    assert refused.borrowing and refused.waits
+    assert _decide(borrower, 10, 54, view=nearly_full).admitted  # 2 blocks: 10 >= 10
+    assert _decide(guaranteed, 10, 600, view=_view(policy, _stats(100, 0))).admitted
+    assert _decide(borrower, 10, 86, view=_view(policy, None)).admitted  # capacity unknown
+
+
+def test_a_premium_borrower_counts_what_lower_borrowers_would_give_back() -> None:
+    """The rule that agrees with preemption: the free tenant's blocks above its guarantee
+    are reclaimable for premium, not for the free tenant itself."""
+    premium = tenant("acme", tier="premium", priority=0, guaranteed_blocks=20, max_blocks=90,
+                     max_tokens=4096)
+    free = tenant("hobby", tier="free", priority=2, guaranteed_blocks=5, max_blocks=60,
+                  max_tokens=4096)
+    policy = make_policy(premium, free)
+    ledger = Ledger()
+    ledger.reserve("acme", 20)  # at its guarantee: the next block borrows
+    ledger.reserve("hobby", 50)
+    stats = _stats(100, 12, acme=TenantEngineStats(running_blocks=20),
+                   hobby=TenantEngineStats(running_blocks=50))
+    view = _view(policy, stats, ledger)
+    # 2 blocks above the floor + the 45 the free tenant borrows beyond its 5 = 47.
+    assert _decide(premium, 10, 47 * BLOCK - 10, view=view).admitted  # 47 blocks
+    assert _decide(premium, 10, 48 * BLOCK - 10, view=view).decision is (
+        Decision.REJECTED_WATERMARK
+    )
+    # The free tenant itself may only take the 2 above the floor.
+    assert _decide(free, 10, 2 * BLOCK - 10, view=view).admitted
+    assert _decide(free, 10, 3 * BLOCK - 10, view=view).decision is Decision.REJECTED_WATERMARK
+
+
+def test_a_borrower_of_the_same_tier_is_not_reclaimable_but_its_idle_leases_are() -> None:
+    a = tenant("a", guaranteed_blocks=10, max_blocks=90)
+    b = tenant("b", guaranteed_blocks=10, max_blocks=90)
+    policy = make_policy(a, b)
+    ledger = Ledger()
+    ledger.reserve("a", 10)
+    running = _view(policy, _stats(100, 10, a=TenantEngineStats(running_blocks=10),
+                                   b=TenantEngineStats(running_blocks=80)), ledger)
+    assert _decide(a, 10, 300, view=running).decision is Decision.REJECTED_WATERMARK
+    leased = _view(policy, _stats(100, 10, a=TenantEngineStats(running_blocks=10),
+                                  b=TenantEngineStats(running_blocks=10, leased_blocks=70,
+                                                      pinned_blocks=70, leases={"s": 70})),
+                   ledger)
+    assert _decide(a, 10, 300, view=leased).admitted
+
+
+def test_a_follow_up_turn_does_not_pay_twice_for_its_leased_prefix() -> None:
+    acme = tenant("acme", guaranteed_blocks=0, max_blocks=20, max_tokens=64)
+    policy = make_policy(acme)
+    stats = _stats(1000, 900, acme=TenantEngineStats(leased_blocks=12, pinned_blocks=12,
+                                                      leases={"chat-1": 12}))
+    view = _view(policy, stats)
+    # 14 blocks in all, 12 of them the session's own pinned prefix: the engine allocates
+    # 2, and the tenant's usage counts the 14 once (12 + 14 would pass its 20).
+    follow_up = _decide(acme, 14 * BLOCK - 32, 32, view=view, session="chat-1")
+    assert follow_up.admitted and (follow_up.new_blocks, follow_up.blocks) == (2, 14)
+    # Another session of the tenant pays in full, and the idle lease does not count
+    # against the quota (it yields to the tenant's own new work).
+    other = _decide(acme, 14 * BLOCK - 32, 32, view=view, session="chat-2")
+    assert other.admitted and other.new_blocks == other.blocks == 14
+
+
+def test_a_prefix_the_tenants_requests_share_is_reserved_once() -> None:
+    acme = tenant("acme", guaranteed_blocks=0, max_blocks=30, max_tokens=64)
+    policy = make_policy(acme)
+    system = _prompt(10 * BLOCK)  # a 10-block system prompt
+    ledger = Ledger()
+    first = _decide(acme, system + [18] * (4 * BLOCK), 32, view=_view(policy, None, ledger))
+    assert (first.blocks, first.extra) == (15, 1)
+    ledger.reserve("acme", first.extra, None, prompt_fingerprints([system + [18] * 128], BLOCK))
+    # The second request shares the 10 system blocks: it adds its own 4 + 1.
+    second = _decide(acme, system + [19] * (4 * BLOCK), 32, view=_view(policy, None, ledger))
+    assert second.admitted and second.blocks == 5
+    assert ledger.reserved_blocks("acme") == 15
+    # A third of the same size would pass the quota of 30 only because of the sharing.
+    assert _decide(acme, system + [20] * (4 * BLOCK), 32,
+                   view=_view(policy, None, ledger)).admitted
+
+
+def test_the_pool_view_counts_growth_still_to_be_allocated_once() -> None:
+    policy = make_policy(tenant("a"))
+    ledger = Ledger()
+    ledger.reserve("a", 150)
+    stats = _stats(1000, 900, a=TenantEngineStats(running_blocks=60),
+                   **{UNCLASSIFIED: TenantEngineStats(running_blocks=40)})
+    # 100 used in the engine; 60 of them by requests that reserved 150: 90 to come.
+    view = _view(policy, stats, ledger)
+    assert (view.total_blocks, view.free_blocks, view.source) == (1000, 810, "engine")
+    assert view.unclassified == 40
+    capped = _view(make_policy(tenant("a"), capacity_blocks=500), stats, ledger)
+    assert (capped.total_blocks, capped.free_blocks, capped.source) == (500, 310, "policy")
+    assert _view(make_policy(tenant("a"), capacity_blocks=500), None, ledger).free_blocks == 350
+    assert not _view(policy, None, ledger).known
 
 
 @settings(database=None)
 @given(
     guaranteed=st.integers(0, 200), used=st.integers(0, 200), prompt=st.integers(1, 1500),
     max_tokens=st.integers(1, 500), free=st.integers(0, 1000), watermark=st.floats(0, 0.49),
+    others=st.integers(0, 800),
 )
 def test_never_503_within_the_guaranteed_share(
-    guaranteed: int, used: int, prompt: int, max_tokens: int, free: int, watermark: float
+    guaranteed: int, used: int, prompt: int, max_tokens: int, free: int, watermark: float,
+    others: int,
 ) -> None:
-    policy = tenant("acme", guaranteed_blocks=guaranteed, max_blocks=10_000, max_tokens=500)
-    verdict = _decide(policy, prompt, max_tokens, load=TenantLoad(used, 0, 0),
-                      capacity=Capacity(1000, free, "engine"), watermark=watermark)
+    acme = tenant("acme", guaranteed_blocks=guaranteed, max_blocks=10_000, max_tokens=500)
+    rival = tenant("rival", guaranteed_blocks=0, max_blocks=10_000)
+    policy = make_policy(acme, rival)
+    ledger = Ledger()
+    ledger.reserve("acme", used)
+    stats = _stats(1000, free, acme=TenantEngineStats(running_blocks=used),
+                   rival=TenantEngineStats(running_blocks=others))
+    verdict = _decide(acme, prompt, max_tokens, view=_view(policy, stats, ledger),
+                      watermark=watermark)
     if used + verdict.blocks <= guaranteed:
-        assert verdict.decision is not Decision.REJECTED_WATERMARK
-
-
-def test_capacity_view_counts_unallocated_reservations_once() -> None:
-    stats = EngineStats(timestamp=0, total_blocks=1000, free_blocks=900,
-                        tenants={"a": TenantEngineStats(running_blocks=60)})
-    # 100 used in the engine, 60 of them by running requests that hold 150 reserved.
-    view = capacity_view(None, stats, reserved_total=150)
-    assert (view.total_blocks, view.free_blocks, view.source) == (1000, 810, "engine")
-    assert capacity_view(500, stats, 150).free_blocks == 310  # override caps capacity
-    assert capacity_view(500, None, 150) == Capacity(500, 350, "policy")
-    assert capacity_view(None, None, 150) == UNKNOWN_CAPACITY
+        assert verdict.admitted and not verdict.borrowing
 
 
 @settings(max_examples=200, database=None)
 @given(st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.integers(0, 50),
                           st.sampled_from(["completed", "upstream_error", "timeout",
-                                           "cancelled"]), st.integers(1, 3)),
+                                           "cancelled"]), st.integers(1, 3),
+                          st.sampled_from([None, "s1", "s2"])),
                 max_size=60))
 def test_ledger_returns_to_zero_after_any_mix(
-    events: list[tuple[str, int, str, int]]
+    events: list[tuple[str, int, str, int, str | None]]
 ) -> None:
     ledger = Ledger()
-    held = [(ledger.reserve(t, blocks), outcome, repeats) for t, blocks, outcome, repeats
-            in events]
-    assert ledger.total_blocks == sum(blocks for _, blocks, _, _ in events)
+    held = [(ledger.reserve(t, blocks, session), outcome, repeats)
+            for t, blocks, outcome, repeats, session in events]
+    assert ledger.total_blocks == sum(blocks for _, blocks, _, _, _ in events)
     for reservation, outcome, repeats in reversed(held):
         released = [reservation.release(outcome) for _ in range(repeats)]
         assert released[0] and not any(released[1:])  # exactly once
     assert (ledger.total_blocks, ledger.total_inflight, ledger.tenants()) == (0, 0, [])
+    assert all(not ledger.sessions(t) for t in "abc")

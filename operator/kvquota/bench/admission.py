@@ -1,83 +1,89 @@
-"""The sidecar's admission on virtual time: the same decision, the same ledger.
+"""The sidecar's admission queue on virtual time: the same code, other inputs.
 
-`engine_sidecar.gateway.admission.decide` and `ledger.Ledger` are pure, so the twin
-calls them exactly as the sidecar's `_admit` does; only the inputs differ. The sidecar
-reads the plugin's stats from a file published twice a second, the twin from the
-plugin directly, at the step the request arrives in.
+`engine_sidecar.gateway.admission_queue.AdmissionQueue` (with `admission.decide` and
+the `ledger` under it) is the whole admission path of the sidecar and has no I/O, so
+the twin runs it as is. Only the inputs differ: the clock is the twin's, and the
+plugin's stats are read as often as the plugin publishes them (every
+`STEP_INTERVAL_S`), as the sidecar reads its stats file.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from engine_sidecar.gateway.admission import (
-    Decision,
-    RequestShape,
-    TenantLoad,
-    Verdict,
-    capacity_view,
-    decide,
-)
-from engine_sidecar.gateway.ledger import Ledger, Reservation
+from engine_sidecar.gateway.admission import RequestShape
+from engine_sidecar.gateway.admission_queue import AdmissionQueue, Ticket
+from engine_sidecar.gateway.ledger import Ledger
+from engine_sidecar.gateway.prefix import block_fingerprints
 from engine_sidecar.policy import EnginePolicy
 from engine_sidecar.stats import EngineStats
-
-# Checked before anything that reads the engine's state (see `admission.decide`).
-_STATELESS_REFUSALS = frozenset({Decision.REJECTED_PROMPT, Decision.REJECTED_CONCURRENCY})
 
 
 class TwinGateway:
     def __init__(
-        self, policy: EnginePolicy, *, retry_after: int, max_model_len: int | None
-    ) -> None:
-        self.policy = policy
-        self.ledger = Ledger()
-        self.retry_after = retry_after
-        self.max_model_len = max_model_len
-
-    def admit(
         self,
-        tenant_id: str,
-        prompt_tokens: int,
-        requested_max_tokens: int | None,
+        policy: EnginePolicy,
+        *,
+        clock: Callable[[], float],
         stats: Callable[[], EngineStats | None],
-        last_stats: EngineStats | None = None,
-    ) -> tuple[Verdict, Reservation | None]:
-        """Decide like the sidecar; an admitted request holds its reservation.
-
-        `stats()` returns the plugin's current stats (it may be costly). When
-        `last_stats` is given it is tried first: refusals that do not depend on the
-        engine's state (prompt length, concurrency) stand without fetching new ones."""
-        if last_stats is not None:
-            verdict = self._decide(tenant_id, prompt_tokens, requested_max_tokens, last_stats)
-            if verdict.decision in _STATELESS_REFUSALS:
-                return verdict, None
-        verdict = self._decide(tenant_id, prompt_tokens, requested_max_tokens, stats())
-        if not verdict.admitted:
-            return verdict, None
-        return verdict, self.ledger.reserve(tenant_id, verdict.blocks)
-
-    def _decide(
-        self,
-        tenant_id: str,
-        prompt_tokens: int,
-        requested_max_tokens: int | None,
-        stats: EngineStats | None,
-    ) -> Verdict:
-        tenant = self.policy.tenants[tenant_id]
-        shape = RequestShape((prompt_tokens,), requested_max_tokens)
-        engine = stats.tenants.get(tenant_id) if stats else None
-        load = TenantLoad(
-            self.ledger.reserved_blocks(tenant_id),
-            engine.leased_blocks if engine else 0,
-            self.ledger.inflight(tenant_id),
+        stats_interval: float,
+        max_model_len: int | None,
+        seed: int,
+    ) -> None:
+        self.ledger = Ledger(on_release=self._changed)
+        self.queue = AdmissionQueue(
+            self.ledger, clock=clock, stats=stats, max_model_len=lambda: max_model_len,
+            rng=random.Random(seed),
         )
-        return decide(
-            tenant, shape,
-            block_size=self.policy.block_size,
-            watermark=self.policy.watermark,
-            load=load,
-            capacity=capacity_view(self.policy.capacity_blocks, stats, self.ledger.total_blocks),
-            max_model_len=self.max_model_len,
-            retry_after=self.retry_after,
+        self.queue.set_policy(policy)
+        self.clock = clock
+        self.stats_interval = stats_interval
+        self._dirty = False
+        self._next_check = 0.0
+        self._settled: list[Ticket] = []
+
+    def _changed(self, _reservation: object) -> None:
+        self._dirty = True
+
+    def _on_settled(self, ticket: Ticket) -> None:
+        self._settled.append(ticket)
+
+    def submit(
+        self, tenant_id: str, prompt: Sequence[int], requested_max_tokens: int | None,
+        session: str | None, payload: Any,
+    ) -> Ticket:
+        """Queue a turn; it may be settled at once (then it is not in `poll()`)."""
+        assert self.queue.policy is not None
+        shape = RequestShape(
+            (len(prompt),), requested_max_tokens, session=session,
+            prefix=block_fingerprints(prompt, self.queue.policy.block_size),
         )
+        ticket = self.queue.submit(tenant_id, shape, payload)
+        if not ticket.settled:
+            ticket.on_settled = self._on_settled
+        return ticket
+
+    def poll(self) -> list[Ticket]:
+        """The queued turns settled since the last call. The queue is pumped as the
+        sidecar's pump loop would: after a release at once, otherwise when new stats
+        are out or a deadline has passed (a submit pumps too)."""
+        if self.queue.waiting():
+            now = self.clock()
+            deadline = self.queue.next_deadline()
+            due = deadline is not None and deadline <= now
+            if self._dirty or due or now >= self._next_check:
+                self._dirty = False
+                self._next_check = now + self.stats_interval
+                self.queue.pump()
+        settled, self._settled = self._settled, []
+        return settled
+
+    def next_wakeup(self) -> float | None:
+        """When `poll` may next settle something while the engine has nothing to do."""
+        if not self.queue.waiting():
+            return None
+        deadline = self.queue.next_deadline()
+        check = max(self._next_check, self.clock())
+        return check if deadline is None else min(check, deadline)

@@ -26,11 +26,14 @@ def register(subparsers: Any) -> None:
         "bench", help="compare stock vLLM and KVQuota on a scenario (twin or CPU engine)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("action", nargs="?", choices=("run", "list", "calibrate"),
-                        default="run", help="run (default), list, or calibrate")
+    parser.add_argument("action", nargs="?", choices=("run", "list", "calibrate", "suite"),
+                        default="run", help="run (default), list, calibrate, or suite (every "
+                        "shipped scenario at its default and a100-40gb scales, against the "
+                        "targets, PASS/FAIL)")
     parser.add_argument("--backend", choices=("twin", "engine"), default="twin")
-    parser.add_argument("--scenario", default="noisy-neighbour",
-                        help="a shipped scenario name or a YAML file")
+    parser.add_argument("--scenario", default=None,
+                        help="a shipped scenario name or a YAML file (default: "
+                        "noisy-neighbour; suite: every shipped one, or a comma list)")
     parser.add_argument("--scale", help="apply the scenario's `scales.<NAME>` overrides "
                         "(the engine backend uses `engine` when present)")
     parser.add_argument("--seed", type=int, help="override the scenario's seed")
@@ -44,6 +47,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--profile", help="twin step-cost profile name or YAML file "
                         "(default: the scenario's)")
     parser.add_argument("--json", type=Path, help="write the results as JSON")
+    parser.add_argument("--markdown", type=Path, help="suite: also write a markdown report")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="suite: also run each case with this many seeds (the "
+                        "scenario's, then the next ones)")
     parser.add_argument("--plot", type=Path, help="write a PNG: TTFT CDF, KV per tier")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
@@ -67,6 +74,12 @@ def _run(args: argparse.Namespace) -> int:
             from kvquota.bench.calibrate import calibrate_command
 
             return calibrate_command(args.out, args.run_dir)
+        if args.action == "suite":
+            from kvquota.bench.suite import suite_command
+
+            names = [n.strip() for n in args.scenario.split(",")] if args.scenario else None
+            return suite_command(names, max(1, args.jobs), not args.no_progress,
+                                 args.json, args.markdown, max(1, args.seeds))
         return _bench(args)
     except (ScenarioError, CostProfileError, ValueError) as exc:
         print(f"kvquota bench: {exc}", file=sys.stderr)
@@ -96,7 +109,7 @@ def _bench(args: argparse.Namespace) -> int:
     )
     engine_args = {"run_dir": args.run_dir} if args.run_dir else {}
     options = BenchOptions(
-        scenario=args.scenario,
+        scenario=args.scenario or "noisy-neighbour",
         backend=args.backend,
         scale=args.scale,
         seed=args.seed,

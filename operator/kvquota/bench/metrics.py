@@ -34,6 +34,8 @@ class Outcome:
     preemptions: int = 0
     attempts: int = 0
     rejections: list[int] = field(default_factory=list)  # HTTP status per refused attempt
+    refused_within_guarantee: int = 0  # 429/503 refusals of an attempt that fit the guarantee
+    queued_seconds: float = 0.0  # time the admitted attempt waited in the sidecar's queue
     status: Status = "unfinished"
 
     @property
@@ -151,6 +153,8 @@ def tier_summary(
         "leaseBreaks": lease_breaks,
         "rejected429": sum(1 for s in rejected if s == 429),
         "rejected503": sum(1 for s in rejected if s == 503),
+        "refusedWithinGuarantee": sum(o.refused_within_guarantee for o in mine),
+        "queuedP99": _r(percentile([o.queued_seconds for o in done], 99)),
         "ttftCdf": cdf(ttfts),
     }
 

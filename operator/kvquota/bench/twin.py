@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engine_sidecar.gateway.admission import Decision
 from engine_sidecar.policy import EnginePolicy, write_atomically
 from engine_sidecar.stats_publisher import STEP_INTERVAL_S
 from kvquota.bench.admission import TwinGateway
@@ -32,12 +33,15 @@ from kvquota.bench.metrics import Outcome, RunResult, Timeline
 from kvquota.bench.scenario import Scenario, Session, generate_sessions
 
 if TYPE_CHECKING:
+    from engine_sidecar.gateway.admission_queue import Ticket
     from engine_sidecar.gateway.ledger import Reservation
     from engine_sidecar.stats import EngineStats
     from kvquota.twin.harness import SchedulerHarness, SchedulerKind, TwinRequest
 
 # Progress callback: (policy key, requests settled, requests planned, virtual seconds).
 Progress = Callable[[str, int, int, float], None]
+# Refusals for KV blocks (quota, watermark); concurrency is a limit of its own.
+KV_REFUSALS = frozenset({Decision.REJECTED_QUOTA, Decision.REJECTED_WATERMARK})
 TIMELINE_SAMPLES = 200
 
 
@@ -82,6 +86,17 @@ _Event = tuple[float, int, Session, int, Outcome | None]
 
 
 @dataclass
+class _Attempt:
+    """A turn on its way to the engine (the payload of its admission ticket)."""
+
+    session: Session
+    turn: int
+    outcome: Outcome
+    prompt: list[int]
+    requested_max_tokens: int | None
+
+
+@dataclass
 class _Live:
     outcome: Outcome
     session: Session
@@ -110,14 +125,8 @@ class TwinRun:
         self.progress = progress
         self.work_dir = work_dir
         self.policy: EnginePolicy = scenario.engine_policy()
-        self.gateway = (
-            TwinGateway(
-                self.policy,
-                retry_after=scenario.clients.retry_after_seconds,
-                max_model_len=scenario.engine.max_model_len,
-            )
-            if spec.admission else None
-        )
+        self.gateway: TwinGateway | None = None
+        self._harness_now: Callable[[], float] = lambda: 0.0
         self.outcomes: list[Outcome] = []
         self.timeline = Timeline(capacity=scenario.engine.capacity_blocks)
         self._events: list[_Event] = []
@@ -157,6 +166,15 @@ class TwinRun:
             from kvquota.bench.variants import apply_victim_order
 
             apply_victim_order(harness, self.spec.variant)
+        if self.spec.admission:
+            self.gateway = TwinGateway(
+                self.policy,
+                clock=lambda: harness.now,
+                stats=lambda: self._engine_stats(harness),
+                stats_interval=STEP_INTERVAL_S,
+                max_model_len=engine.max_model_len,
+                seed=self.scenario.seed,
+            )
         return harness
 
     # -- events -------------------------------------------------------------------
@@ -185,41 +203,63 @@ class TwinRun:
         outcome.attempts += 1
         prompt = self._prompts.pop((session.session_id, turn), None) or self._prompt(session, turn)
         outcome.prompt_tokens = len(prompt)
-        tenant = self.policy.tenants[session.tenant]
-        want = session.turns[turn].output_tokens
         room = self.scenario.engine.max_model_len - len(prompt)
         requested = min(session.max_tokens, room) if session.max_tokens else None
-        reservation = None
-        if self.gateway is not None:
-            verdict, reservation = self.gateway.admit(
-                session.tenant, len(prompt), requested,
-                lambda: self._engine_stats(harness), self._stats,
-            )
-            if verdict.error is not None:
-                outcome.rejections.append(verdict.error.status)
-                retryable = verdict.error.status in (429, 503)
-                if retryable and outcome.attempts < self.scenario.clients.max_attempts:
-                    delay = verdict.error.retry_after or self.scenario.clients.retry_after_seconds
-                    self._prompts[(session.session_id, turn)] = prompt
-                    self._push(harness.now + delay, session, turn, outcome)
-                else:
-                    outcome.status = "rejected"
-                    self._settle()
-                return
-            max_tokens = min(want, verdict.max_tokens)
+        attempt = _Attempt(session, turn, outcome, prompt, requested)
+        if self.gateway is None:
+            self._start(harness, attempt, min(session.turns[turn].output_tokens,
+                                              requested or room), None)
+            return
+        ticket = self.gateway.submit(session.tenant, prompt, requested,
+                                     session.session_id, attempt)
+        if ticket.settled:
+            self._settle_ticket(harness, ticket)
+
+    def _settle_ticket(self, harness: SchedulerHarness, ticket: Ticket) -> None:
+        """The sidecar's queue admitted or refused a turn: start it, or let the client
+        retry after Retry-After (up to the scenario's `clients.maxAttempts`)."""
+        attempt: _Attempt = ticket.payload
+        session, turn, outcome = attempt.session, attempt.turn, attempt.outcome
+        if ticket.reservation is not None:
+            assert ticket.verdict is not None
+            outcome.queued_seconds += ticket.waited
+            want = session.turns[turn].output_tokens
+            self._start(harness, attempt, min(want, ticket.verdict.max_tokens),
+                        ticket.reservation)
+            return
+        error = ticket.error
+        if error is None:  # cancelled: the twin's clients never leave
+            return
+        outcome.rejections.append(error.status)
+        verdict = ticket.verdict
+        if verdict is not None and not verdict.borrowing and verdict.decision in KV_REFUSALS:
+            outcome.refused_within_guarantee += 1
+        retryable = error.status in (429, 503)
+        if retryable and outcome.attempts < self.scenario.clients.max_attempts:
+            delay = error.retry_after or self.scenario.clients.retry_after_seconds
+            self._prompts[(session.session_id, turn)] = attempt.prompt
+            self._push(harness.now + delay, session, turn, outcome)
         else:
-            max_tokens = min(want, requested or room)
+            outcome.status = "rejected"
+            self._settle()
+
+    def _start(
+        self, harness: SchedulerHarness, attempt: _Attempt, max_tokens: int,
+        reservation: Reservation | None,
+    ) -> None:
+        session, turn, outcome = attempt.session, attempt.turn, attempt.outcome
+        tenant = self.policy.tenants[session.tenant]
         req_id = f"{session.session_id}.t{turn + 1}.a{outcome.attempts}"
         use_tenant = self.spec.scheduler == "kvquota"
         harness.add_request(
-            req_id, prompt, max(1, max_tokens),
+            req_id, attempt.prompt, max(1, max_tokens),
             priority=tenant.priority if self.spec.tier_priority else 0,
             tenant=session.tenant if use_tenant else None,
             session=session.session_id if use_tenant else None,
-            arrival_time=at,
+            arrival_time=outcome.arrival,
         )
         self._tier_of_req[req_id] = session.tier.value
-        self._live[req_id] = _Live(outcome, session, turn, prompt, reservation)
+        self._live[req_id] = _Live(outcome, session, turn, attempt.prompt, reservation)
 
     def _prompt(self, session: Session, turn: int) -> list[int]:
         if turn == 0:
@@ -295,12 +335,19 @@ class TwinRun:
         notes: list[str] = []
         steps = 0
         last_report = -1.0
-        while self._events or harness.has_unfinished():
+        gateway = self.gateway
+        while self._events or harness.has_unfinished() or (gateway and gateway.queue.waiting()):
             while self._events and self._events[0][0] <= harness.now:
                 self._arrive(harness, heapq.heappop(self._events))
+            if gateway is not None:
+                for ticket in gateway.poll():
+                    self._settle_ticket(harness, ticket)
             if not harness.has_unfinished():
-                if self._events:
-                    harness.advance(self._events[0][0] - harness.now)
+                wakeups = [self._events[0][0]] if self._events else []
+                if gateway is not None and (wakeup := gateway.next_wakeup()) is not None:
+                    wakeups.append(wakeup)
+                if wakeups:
+                    harness.advance(max(0.0, min(wakeups) - harness.now))
                 continue
             if harness.now >= deadline:
                 notes.append(
@@ -319,11 +366,14 @@ class TwinRun:
             if not record.num_scheduled_tokens and not harness.scheduler.running:
                 # Nothing fits and nothing runs that could free memory: only a new event
                 # can change that.
-                if not self._events:
+                wakeups = [self._events[0][0]] if self._events else []
+                if gateway is not None and (wakeup := gateway.next_wakeup()) is not None:
+                    wakeups.append(wakeup)
+                if not wakeups:
                     notes.append(f"stalled at {harness.now:.0f} s: {len(self._live)} requests "
                                  "could not be scheduled")
                     break
-                harness.advance(max(0.0, self._events[0][0] - harness.now))
+                harness.advance(max(0.0, min(wakeups) - harness.now))
             if self.progress is not None and harness.now - last_report >= 1.0:
                 last_report = harness.now
                 self.progress(self.spec.key, self._settled, self._planned, harness.now)
@@ -368,6 +418,9 @@ def _plugin_extra(stats: EngineStats) -> dict[str, Any]:
         "preemptionsByReason": {str(k): v for k, v in sorted(reasons.items())},
         "leaseDrops": {str(k): v for k, v in sorted(drops.items())},
         "degradedEpisodes": stats.degraded_episodes,
+        "expiredLeaseBlockSeconds": round(
+            sum(t.expired_lease_block_seconds for t in stats.tenants.values()), 1
+        ),
     }
 
 

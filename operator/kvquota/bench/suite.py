@@ -1,0 +1,265 @@
+"""`kvquota bench suite`: every shipped scenario at its default and `a100-40gb` scales,
+against the targets KVQuota is judged by, in one table with PASS/FAIL.
+
+Targets, per scenario and scale (twin backend; stock = vLLM's own schedulers):
+
+- `p99/base`: the protected tier's (premium's) TTFT p99 at most 1.5x its no-noise
+  baseline (the scenario without its `baseline.dropTiers`); no baseline: not judged;
+- `p99/prio`: and no worse than stock vLLM priority's;
+- `in-guar`: zero 429/503 refusals of a request that fitted within its tenant's
+  guaranteed blocks;
+- `goodput`: every other tier's goodput at least 0.9x stock priority's; in a scenario
+  with no other tier, the protected tier's goodput at least stock priority's;
+- `tput`: total throughput at least 1.0x stock FCFS.
+
+Every twin run is deterministic, so the table is the same on any machine; all runs go
+to one process pool (`--jobs`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, TextIO
+
+from kvquota.bench.cost import load_profile
+from kvquota.bench.metrics import RunResult
+from kvquota.bench.report import build_document
+from kvquota.bench.runner import ProgressBar, _baseline_scenario
+from kvquota.bench.scenario import Scenario, generate_sessions, load_scenario, scenario_scales
+
+SUITE_SCALES: tuple[str | None, ...] = (None, "a100-40gb")
+P99_VS_BASELINE = 1.5
+GOODPUT_VS_PRIORITY = 0.9
+THROUGHPUT_VS_FCFS = 1.0
+POLICIES = ("fcfs", "priority", "kvquota")
+
+
+@dataclass
+class Check:
+    name: str
+    passed: bool | None  # None: not applicable
+    value: str
+    detail: str = ""
+
+
+@dataclass
+class CaseResult:
+    scenario: str
+    scale: str
+    document: dict[str, Any]
+    checks: list[Check] = field(default_factory=list)
+    seed: int | None = None  # None: the scenario's own
+
+    @property
+    def label(self) -> str:
+        return self.scale if self.seed is None else f"{self.scale} s{self.seed}"
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed is not False for c in self.checks)
+
+
+def _tiers(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    tiers: dict[str, dict[str, Any]] = summary["tiers"]
+    return tiers
+
+
+def evaluate(document: dict[str, Any]) -> list[Check]:
+    """The targets of the module docstring, judged on one bench document."""
+    policies = document["policies"]
+    ours, prio, fcfs = policies["kvquota"], policies["priority"], policies["fcfs"]
+    tier = document["comparison"].get("tier") or "premium"
+    checks: list[Check] = []
+    ours_p99 = _tiers(ours).get(tier, {}).get("ttftP99")
+    prio_p99 = _tiers(prio).get(tier, {}).get("ttftP99")
+    ratio = document["comparison"].get("ttftP99VsBaseline", {}).get("kvquota")
+    if ratio is None:
+        checks.append(Check("p99/base", None, "n/a", "no baseline (nothing to drop)"))
+    else:
+        checks.append(Check("p99/base", ratio <= P99_VS_BASELINE, f"{ratio:.2f}x",
+                            f"{tier} TTFT p99 {ours_p99:.3g}s, baseline "
+                            f"{document['comparison']['baselineTtftP99']:.3g}s"))
+    if ours_p99 is not None and prio_p99:
+        checks.append(Check("p99/prio", ours_p99 <= prio_p99, f"{ours_p99 / prio_p99:.2f}x",
+                            f"stock priority {prio_p99:.3g}s"))
+    refused = sum(t.get("refusedWithinGuarantee", 0) for t in _tiers(ours).values())
+    checks.append(Check("in-guar", refused == 0, str(refused)))
+    others = [t for t in _tiers(ours) if t != tier]
+    ratios: list[tuple[str, float]] = []
+    for other in others or [tier]:
+        mine, theirs = _tiers(ours)[other]["goodput"], _tiers(prio).get(other, {}).get("goodput")
+        if mine is not None and theirs:
+            ratios.append((other, mine / theirs))
+    bound = GOODPUT_VS_PRIORITY if others else 1.0
+    if ratios:
+        worst = min(ratios, key=lambda r: r[1])
+        checks.append(Check("goodput", worst[1] >= bound, f"{worst[1]:.2f}x",
+                            ", ".join(f"{t} {r:.2f}x" for t, r in ratios)))
+    tput = ours["throughput"] / fcfs["throughput"] if fcfs["throughput"] else None
+    if tput is not None:
+        checks.append(Check("tput", tput >= THROUGHPUT_VS_FCFS, f"{tput:.2f}x"))
+    return checks
+
+
+def diagnosis(document: dict[str, Any]) -> str:
+    """What to look at first when a target is missed: hit rates, refusals, evictions."""
+    tier = document["comparison"].get("tier") or "premium"
+    ours = _tiers(document["policies"]["kvquota"])
+    base = _tiers(document["baseline"]) if document.get("baseline") else {}
+    parts = []
+    mine = ours.get(tier, {})
+    hit, base_hit = mine.get("prefixHitRate"), base.get(tier, {}).get("prefixHitRate")
+    if hit is not None:
+        parts.append(f"{tier} prefix hit {hit:.0%}"
+                     + (f" (baseline {base_hit:.0%})" if base_hit is not None else ""))
+    if mine.get("tpotMean") is not None:
+        parts.append(f"{tier} TPOT {mine['tpotMean'] * 1000:.0f}ms")
+    for name, t in ours.items():
+        if t["rejected429"] or t["rejected503"]:
+            parts.append(f"{name} refused 429x{t['rejected429']} 503x{t['rejected503']}")
+        if t.get("gaveUp"):
+            parts.append(f"{name} gave up {t['gaveUp']}")
+    extra = document["policies"]["kvquota"].get("extra") or {}
+    if extra.get("preemptionsByReason"):
+        parts.append("evictions " + ", ".join(
+            f"{r} {c}" for r, c in extra["preemptionsByReason"].items()))
+    return "; ".join(parts)
+
+
+def suite_cases(names: list[str] | None = None) -> list[tuple[str, str | None]]:
+    from kvquota.bench.scenario import shipped_scenarios
+
+    cases = []
+    for name in names or list(shipped_scenarios()):
+        scales = scenario_scales(name)
+        cases += [(name, scale) for scale in SUITE_SCALES if scale is None or scale in scales]
+    return cases
+
+
+def run_suite(
+    names: list[str] | None = None, *, jobs: int = 2, progress: bool = True,
+    seeds: int = 1, out: TextIO = sys.stdout,
+) -> list[CaseResult]:
+    """Run every case; with `seeds` > 1 each case also runs with the next seeds (new
+    sessions from the same distributions: the same targets on unseen workloads)."""
+    from kvquota.bench.twin import BASELINE, TwinTask, run_twin_tasks
+    from kvquota.bench.twin import POLICIES as SPECS
+
+    cases: list[tuple[str, str | None, Scenario, Scenario | None, int | None]] = []
+    for name, scale in suite_cases(names):
+        scenario = load_scenario(name, scale=scale)
+        for offset in range(seeds):
+            seed = scenario.seed + offset if seeds > 1 else None
+            case = load_scenario(name, scale=scale, seed=seed) if seed is not None else scenario
+            cases.append((name, scale, case, _baseline_scenario(case), seed))
+    profiles = {scenario.profile for _, _, scenario, _, _ in cases}
+    if len(profiles) != 1:
+        raise ValueError(f"the suite runs one cost profile at a time, got {sorted(profiles)}")
+    profile = load_profile(profiles.pop())
+    # One pool for every run; each run's key names its case, for the progress bar.
+    tasks: list[TwinTask] = []
+    for name, scale, scenario, base, seed in cases:
+        prefix = f"{name}@{scale or 'default'}@{seed}"
+        planned = [(scenario, SPECS[p]) for p in POLICIES]
+        if base is not None:
+            planned.append((base, BASELINE))
+        tasks += [(s, replace(spec, key=f"{prefix}:{spec.key}")) for s, spec in planned]
+    out.write(f"kvquota bench suite: {len(cases)} cases, {len(tasks)} twin runs, "
+              f"{jobs} jobs\n")
+    out.flush()
+    results = run_twin_tasks(tasks, profile, jobs=jobs,
+                             progress=ProgressBar(len(tasks), enabled=progress), quiet=True)
+    by_key: dict[str, RunResult] = {}
+    for result in results:
+        full_key = result.key
+        result.key = full_key.rsplit(":", 1)[1]
+        by_key[full_key] = result
+    outcome: list[CaseResult] = []
+    for name, scale, scenario, base, seed in cases:
+        prefix = f"{name}@{scale or 'default'}@{seed}"
+        runs = [by_key[f"{prefix}:{p}"] for p in POLICIES]
+        baseline = by_key.get(f"{prefix}:baseline") if base is not None else None
+        sessions = generate_sessions(scenario)
+        document = build_document(
+            scenario, source=name, scale=scale, backend="twin", profile=profile, runs=runs,
+            baseline=baseline, num_sessions=len(sessions),
+            num_requests=sum(len(s.turns) for s in sessions),
+        )
+        outcome.append(CaseResult(name, scale or "default", document, evaluate(document),
+                                  seed))
+    return outcome
+
+
+TARGET_NAMES = ("p99/base", "p99/prio", "in-guar", "goodput", "tput")
+
+
+def format_suite(results: list[CaseResult]) -> str:
+    widths = [24, 14] + [12] * len(TARGET_NAMES) + [6]
+    header = ["scenario", "scale", *TARGET_NAMES, "all"]
+    lines = ["".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip()]
+    lines.append("-" * len(lines[0]))
+    for case in results:
+        by_name = {c.name: c for c in case.checks}
+        cells = [case.scenario, case.label]
+        for name in TARGET_NAMES:
+            check = by_name.get(name)
+            if check is None or check.passed is None:
+                cells.append("n/a")
+            else:
+                cells.append(f"{check.value} {'PASS' if check.passed else 'FAIL'}")
+        cells.append("PASS" if case.passed else "FAIL")
+        lines.append("".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip())
+    passed = sum(c.passed for c in results)
+    lines.append(f"{passed}/{len(results)} cases meet every target")
+    for case in results:
+        failed = [c for c in case.checks if c.passed is False]
+        if failed:
+            lines.append(f"  {case.scenario}@{case.label}: "
+                         + "; ".join(f"{c.name} {c.value} ({c.detail})" if c.detail
+                                     else f"{c.name} {c.value}" for c in failed)
+                         + f" -- {diagnosis(case.document)}")
+    return "\n".join(lines)
+
+
+def format_markdown(results: list[CaseResult]) -> str:
+    lines = ["# KVQuota bench suite (twin)", "",
+             "| scenario | scale | " + " | ".join(TARGET_NAMES) + " | all |",
+             "|---|---|" + "---|" * (len(TARGET_NAMES) + 1)]
+    for case in results:
+        by_name = {c.name: c for c in case.checks}
+        cells = []
+        for name in TARGET_NAMES:
+            check = by_name.get(name)
+            cells.append("n/a" if check is None or check.passed is None
+                         else f"{check.value} {'PASS' if check.passed else '**FAIL**'}")
+        lines.append(f"| {case.scenario} | {case.label} | " + " | ".join(cells)
+                     + f" | {'PASS' if case.passed else '**FAIL**'} |")
+    lines += ["", "## Per case", ""]
+    for case in results:
+        lines.append(f"- **{case.scenario} @ {case.label}**: " + "; ".join(
+            f"{c.name} {c.value}" + (f" ({c.detail})" if c.detail else "") for c in case.checks
+        ) + f". {diagnosis(case.document)}.")
+    return "\n".join(lines) + "\n"
+
+
+def suite_command(names: list[str] | None, jobs: int, progress: bool,
+                  json_path: Path | None, markdown_path: Path | None, seeds: int = 1) -> int:
+    results = run_suite(names, jobs=jobs, progress=progress, seeds=seeds)
+    print()
+    print(format_suite(results))
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps([
+            {"scenario": c.scenario, "scale": c.scale, "seed": c.seed, "passed": c.passed,
+             "checks": [c2.__dict__ for c2 in c.checks], "document": c.document}
+            for c in results
+        ], indent=2) + "\n")
+        print(f"wrote {json_path}")
+    if markdown_path is not None:
+        markdown_path.parent.mkdir(parents=True, exist_ok=True)
+        markdown_path.write_text(format_markdown(results))
+        print(f"wrote {markdown_path}")
+    return 0 if all(c.passed for c in results) else 1
