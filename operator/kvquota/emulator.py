@@ -196,6 +196,15 @@ class OperatorRunner:
     _thread: threading.Thread | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _main: tuple[asyncio.AbstractEventLoop, asyncio.Task[None]] | None = None
+    _memo: Any = None
+
+    @property
+    def reconciles(self) -> int:
+        """Pool reconciles the running operator has started (0 before its startup
+        handler). A reconcile of a pool finishes before the next one of it starts, so
+        waiting for this to grow is a barrier, unlike sleeping."""
+        runtime = getattr(self._memo, "runtime", None)
+        return int(runtime.reconciler.reconciles) if runtime is not None else 0
 
     def _run(self, ready: threading.Event) -> None:
         import kopf
@@ -206,8 +215,9 @@ class OperatorRunner:
             task = asyncio.current_task()
             assert task is not None
             self._main = (asyncio.get_running_loop(), task)
+            self._memo = kopf.Memo(config=self.config)
             await kopf.operator(
-                clusterwide=True, standalone=True, memo=kopf.Memo(config=self.config),
+                clusterwide=True, standalone=True, memo=self._memo,
                 stop_flag=self._stop, ready_flag=ready,
             )
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
@@ -99,10 +99,12 @@ def status_url(pod: Mapping[str, Any]) -> str:
 class EnginePoller:
     """Lists a pool's pods and polls their sidecars concurrently, each poll bounded."""
 
-    def __init__(self, kube: KubeApi, http: httpx.AsyncClient, timeout: float) -> None:
+    def __init__(self, kube: KubeApi, http: httpx.AsyncClient, timeout: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._kube = kube
         self._http = http
         self._timeout = timeout
+        self._clock = clock  # stamps observations for the disruption window
 
     async def _fetch(self, pod: Mapping[str, Any]) -> SidecarStatus | str:
         url = status_url(pod)
@@ -137,5 +139,5 @@ class EnginePoller:
             ready=tuple(p["metadata"]["name"] for p in ready),
             reports=reports,
             errors=errors,
-            observed_at=time.monotonic(),
+            observed_at=self._clock(),
         )

@@ -3,23 +3,33 @@
 `kvquota operator --local DIR` reads the multi-document YAML a user would
 `kubectl apply` (every *.yaml / *.yml below DIR, hidden directories skipped, in path
 order), refuses invalid objects with the messages the CRD validation gives, and
-writes what the operator would: each pool's EnginePolicy as
-`DIR/.policies/<namespace>.<pool>.json` and each object's metadata and status as
-`DIR/.status/<namespace>.<kind>.<name>.yaml`. Files are rewritten only when their
-content changes (a sidecar hot-loading a policy sees no spurious reloads).
+writes what the operator would into an output directory OUT: each pool's
+EnginePolicy as `OUT/policies/<namespace>.<pool>.json` and each object's metadata and
+status as `OUT/status/<namespace>.<kind>.<name>.yaml`. DIR is only ever read: it is
+often a GitOps checkout or the shipped samples, and a render must not dirty it. OUT
+is `--out`, by default a cache directory of its own per input directory
+(`default_output`), named on start. Files are rewritten only when their content
+changes (a sidecar hot-loading a policy sees no spurious reloads).
 
 `--once` renders and exits non-zero if any object is invalid or any quota is not
 accepted: an offline check of a GitOps repository before Argo CD syncs it. Without
-it, files are re-rendered whenever they change. No engines are observed here, so
-the split uses `--replicas` and capacity comes from `spec.kvCache.capacityBlocks`.
+it, files are re-rendered whenever the input changes. The watcher compares file
+content, not mtimes (an edit within the mtime resolution that keeps the size would go
+unseen), and renders exactly the snapshot it compared, so an edit that lands while a
+render runs is seen by the next scan. A change is rendered once two scans in a row
+agree, so a file caught mid-write is not rendered half written. No engines are
+observed here, so the split uses `--replicas` and capacity comes from
+`spec.kvCache.capacityBlocks`.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
+import os
 import sys
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -33,14 +43,46 @@ from kvquota.conditions import find
 from kvquota.plan import PoolPlan, plan_pool
 from kvquota.status import pool_status, tenant_status
 
-POLICIES, STATUSES = ".policies", ".status"
+POLICIES, STATUSES = "policies", "status"  # subdirectories of the output directory
 KINDS = ("InferencePool", "TenantQuota")
 Key = tuple[str, str, str]  # (kind, namespace, name)
 
 
+def default_output(root: Path) -> Path:
+    """`$XDG_CACHE_HOME/kvquota/local/<name>-<hash of the resolved input path>`: one
+    directory per input, stable across runs, outside the input."""
+    cache = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(cache) if os.path.isabs(cache) else Path.home() / ".cache"
+    digest = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:12]
+    return base / "kvquota" / "local" / f"{root.resolve().name or 'root'}-{digest}"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The input files as one scan read them: what a render reads, and what the
+    watcher compares (equal snapshots mean equal content)."""
+
+    root: Path
+    files: tuple[tuple[Path, bytes], ...]  # path relative to root, content
+    unreadable: tuple[tuple[Path, str], ...] = ()  # path relative to root, why
+
+
+def scan(root: Path, *, skip: Path | None = None) -> Snapshot:
+    """Read every YAML file below `root` (hidden paths and `skip` excluded)."""
+    files, unreadable = [], []
+    for path in _yaml_files(root, skip):
+        try:
+            files.append((path.relative_to(root), path.read_bytes()))
+        except FileNotFoundError:
+            continue  # deleted since it was listed: as if never seen
+        except OSError as error:
+            unreadable.append((path.relative_to(root), str(error)))
+    return Snapshot(root, tuple(files), tuple(unreadable))
+
+
 @dataclass(frozen=True)
 class Document:
-    path: Path
+    path: Path  # relative to the input directory
     index: int  # position of the document in its file
     body: dict[str, Any]
 
@@ -50,8 +92,8 @@ class Document:
         return (str(self.body.get("kind")), str(meta.get("namespace") or "default"),
                 str(meta.get("name")))
 
-    def where(self, root: Path) -> str:
-        return f"{self.path.relative_to(root)}#{self.index}"
+    def where(self) -> str:
+        return f"{self.path}#{self.index}"
 
 
 @dataclass
@@ -68,23 +110,28 @@ class Report:
         return not self.errors and not self.refused_quotas
 
 
-def _yaml_files(root: Path) -> Iterator[Path]:
-    for path in sorted(root.rglob("*")):
-        relative = path.relative_to(root)
-        if any(part.startswith(".") for part in relative.parts):
-            continue
-        if path.suffix in (".yaml", ".yml") and path.is_file():
-            yield path
+def _yaml_files(root: Path, skip: Path | None) -> list[Path]:
+    """In path order. os.walk, unlike rglob, never descends into hidden directories
+    (.git) and ignores a directory that vanishes during the walk."""
+    found = []
+    for parent, dirs, files in os.walk(root, followlinks=True):
+        dirs[:] = [d for d in dirs if not d.startswith(".")
+                   and (skip is None or Path(parent, d) != skip)]
+        found += [Path(parent, f) for f in files
+                  if not f.startswith(".") and f.endswith((".yaml", ".yml"))]
+    return sorted(found)
 
 
-def load(root: Path, report: Report) -> list[Document]:
-    """Every kvquota.dev object under `root` in file order (other kinds are skipped)."""
+def load(inputs: Snapshot, report: Report) -> list[Document]:
+    """Every kvquota.dev object of the snapshot in file order (other kinds are skipped)."""
+    for path, why in inputs.unreadable:
+        report.errors.append(f"{path}: cannot read YAML: {why}")
     documents = []
-    for path in _yaml_files(root):
+    for path, content in inputs.files:
         try:
-            bodies = list(yaml.safe_load_all(path.read_text()))
-        except (OSError, yaml.YAMLError) as error:
-            report.errors.append(f"{path.relative_to(root)}: cannot read YAML: {error}")
+            bodies = list(yaml.safe_load_all(content))
+        except yaml.YAMLError as error:
+            report.errors.append(f"{path}: cannot read YAML: {error}")
             continue
         for index, body in enumerate(bodies):
             if isinstance(body, dict) and body.get("kind") in KINDS and str(
@@ -95,8 +142,7 @@ def load(root: Path, report: Report) -> list[Document]:
 
 
 def _validated(
-    documents: list[Document], previous: Mapping[Key, dict[str, Any]], root: Path,
-    report: Report,
+    documents: list[Document], previous: Mapping[Key, dict[str, Any]], report: Report,
 ) -> dict[Key, dict[str, Any]]:
     """Objects the API server would hold: invalid ones are refused (an invalid update
     of an object seen before keeps the old object, as in a cluster)."""
@@ -107,13 +153,13 @@ def _validated(
         body = copy.deepcopy(doc.body)
         body.setdefault("metadata", {}).setdefault("namespace", "default")
         if doc.key in accepted:
-            report.errors.append(f"{doc.where(root)}: {doc.key[0]} {doc.key[1]}/{doc.key[2]} "
+            report.errors.append(f"{doc.where()}: {doc.key[0]} {doc.key[1]}/{doc.key[2]} "
                                  "is defined twice")
             continue
         old = previous.get(doc.key)
         errors = validate_object(body, copy.deepcopy(old) if old else None)
         if errors:
-            report.errors.append(f"{doc.where(root)}: {describe(body, errors)}")
+            report.errors.append(f"{doc.where()}: {describe(body, errors)}")
             if old is not None:
                 accepted[doc.key] = old
             continue
@@ -157,13 +203,13 @@ def _summary(kind: str, key: tuple[str, str], status: Mapping[str, Any], extra: 
     return f"{kind} {key[0]}/{key[1]}: {', '.join(parts)}{extra}"
 
 
-def render(root: Path, *, replicas: int = 1,
+def render(inputs: Snapshot, output: Path, *, replicas: int = 1,
            previous: dict[Key, dict[str, Any]] | None = None,
            now: datetime | None = None) -> Report:
-    """One pass over `root`: validate, plan every pool, write policies and statuses.
-    `previous` (the objects of the last pass) is updated in place."""
+    """One pass over a snapshot: validate, plan every pool, write policies and statuses
+    below `output`. `previous` (the objects of the last pass) is updated in place."""
     report = Report()
-    objects = _validated(load(root, report), previous or {}, root, report)
+    objects = _validated(load(inputs, report), previous or {}, report)
     if previous is not None:
         previous.clear()
         previous.update(objects)
@@ -180,33 +226,33 @@ def render(root: Path, *, replicas: int = 1,
     for pool_key in sorted(set(pools) | set(tenants)):
         plan = plan_pool(pools.get(pool_key), tenants.get(pool_key, []),
                          namespace=pool_key[0], name=pool_key[1], ready_replicas=replicas)
-        keep |= _write_pool(root, plan, pools.get(pool_key), tenants.get(pool_key, []),
+        keep |= _write_pool(output, plan, pools.get(pool_key), tenants.get(pool_key, []),
                             now, report)
-    for directory in (root / POLICIES, root / STATUSES):
+    for directory in (output / POLICIES, output / STATUSES):
         for stale in sorted(directory.glob("*")) if directory.is_dir() else ():
             if stale not in keep and stale.suffix in (".json", ".yaml"):
                 stale.unlink()
     return report
 
 
-def _write_pool(root: Path, plan: PoolPlan, pool: Mapping[str, Any] | None,
+def _write_pool(output: Path, plan: PoolPlan, pool: Mapping[str, Any] | None,
                 tenants: list[dict[str, Any]], now: datetime, report: Report) -> set[Path]:
     written: set[Path] = set()
     ns, name = plan.namespace, plan.name
     if pool is not None:
-        policy_path = root / POLICIES / f"{ns}.{name}.json"
+        policy_path = output / POLICIES / f"{ns}.{name}.json"
         if plan.policy is not None:
             _write_if_changed(policy_path, plan.policy.to_json() + "\n", report)
             written.add(policy_path)
         else:
             report.errors.append(f"InferencePool {ns}/{name}: {plan.error}")
-        status_path = root / STATUSES / f"{ns}.inferencepool.{name}.yaml"
+        status_path = output / STATUSES / f"{ns}.inferencepool.{name}.yaml"
         meta = pool.get("metadata") or {}
         status = pool_status(plan, engines=None, old=_read_status(status_path),
                              generation=meta.get("generation"), now=now)
         _write_if_changed(status_path, _status_document(pool, status), report)
         written.add(status_path)
-        where = f" -> {policy_path.relative_to(root)}" if plan.policy else ""
+        where = f" -> {policy_path.relative_to(output)}" if plan.policy else ""
         report.lines.append(_summary("InferencePool", (ns, name), status,
                                      f", {status.get('tenants', 0)} tenants{where}"))
     for body in tenants:
@@ -214,7 +260,7 @@ def _write_pool(root: Path, plan: PoolPlan, pool: Mapping[str, Any] | None,
         tenant = (plan.tenants or {}).get((ns, str(meta.get("name"))))
         if tenant is None:
             continue
-        status_path = root / STATUSES / f"{ns}.tenantquota.{meta.get('name')}.yaml"
+        status_path = output / STATUSES / f"{ns}.tenantquota.{meta.get('name')}.yaml"
         status = tenant_status(tenant, plan, engines=None, old=_read_status(status_path),
                                generation=meta.get("generation"), now=now)
         _write_if_changed(status_path, _status_document(body, status), report)
@@ -230,47 +276,53 @@ def _write_pool(root: Path, plan: PoolPlan, pool: Mapping[str, Any] | None,
     return written
 
 
-def _print(report: Report, out: TextIO, err: TextIO) -> None:
+def _print(report: Report, stdout: TextIO, stderr: TextIO) -> None:
     for line in report.lines:
-        print(line, file=out)
+        print(line, file=stdout)
     for error in report.errors:
-        print(f"error: {error}", file=err)
+        print(f"error: {error}", file=stderr)
 
 
-def _fingerprint(root: Path) -> tuple[tuple[str, int, int], ...]:
-    prints = []
-    for path in _yaml_files(root):
-        try:
-            stat = path.stat()
-        except OSError:
-            continue
-        prints.append((str(path), stat.st_mtime_ns, stat.st_size))
-    return tuple(prints)
-
-
-def run_local(directory: str | Path, *, once: bool, replicas: int = 1,
-              interval: float = 0.5, out: TextIO | None = None,
-              err: TextIO | None = None, stop: threading.Event | None = None) -> int:
-    """Render (and with `once=False` keep re-rendering until `stop` is set or the
-    process is interrupted). Returns the exit code."""
-    out, err = out or sys.stdout, err or sys.stderr
+def run_local(directory: str | Path, *, once: bool, output: str | Path | None = None,
+              replicas: int = 1, interval: float = 0.5, stdout: TextIO | None = None,
+              stderr: TextIO | None = None,
+              wait: Callable[[float], bool] | None = None) -> int:
+    """Render `directory` into `output` (default: `default_output`), and with
+    `once=False` keep re-rendering until interrupted or until `wait(interval)`, called
+    between scans, returns True (as `threading.Event.wait` does once set). Returns the
+    exit code."""
+    stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
     root = Path(directory).resolve()
     if not root.is_dir():
-        print(f"error: {root} is not a directory", file=err)
+        print(f"error: {root} is not a directory", file=stderr)
         return 2
+    target = Path(output).resolve() if output is not None else default_output(root)
+    if target == root:
+        print(f"error: --out {target} is the input directory; local mode never writes "
+              "into its input (choose another directory)", file=stderr)
+        return 2
+    print(f"local mode: reading {root}, writing {target / POLICIES}/ and "
+          f"{target / STATUSES}/", file=stdout)
+    skip = target if target.is_relative_to(root) else None
     previous: dict[Key, dict[str, Any]] = {}
-    report = render(root, replicas=replicas, previous=previous)
-    _print(report, out, err)
+    rendered = scan(root, skip=skip)
+    report = render(rendered, target, replicas=replicas, previous=previous)
+    _print(report, stdout, stderr)
+    stdout.flush()
     if once:
         return 0 if report.ok else 1
-    seen = _fingerprint(root)
-    stop = stop or threading.Event()
-    while not stop.wait(interval):
-        current = _fingerprint(root)
-        if current != seen:
-            seen = current
-            report = render(root, replicas=replicas, previous=previous)
-            print(f"-- re-rendered ({len(report.written)} files written)", file=out)
-            _print(report, out, err)
-            out.flush()
+    wait = wait or threading.Event().wait
+    pending: Snapshot | None = None  # changed input, rendered once a scan agrees
+    while not wait(interval):
+        current = scan(root, skip=skip)
+        if current == rendered:
+            pending = None
+        elif current != pending:
+            pending = current
+        else:
+            rendered, pending = current, None
+            report = render(rendered, target, replicas=replicas, previous=previous)
+            print(f"-- re-rendered ({len(report.written)} files written)", file=stdout)
+            _print(report, stdout, stderr)
+            stdout.flush()
     return 0 if report.ok else 1

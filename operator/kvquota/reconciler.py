@@ -179,7 +179,7 @@ class PoolReconciler:
     async def _observe(self, key: PoolKey, pool: Mapping[str, Any]) -> EngineObservation:
         selector = await self._selector(key[0], pool.get("spec") or {})
         if isinstance(selector, Want):
-            observation, problem = EngineObservation(observed_at=time.monotonic()), selector
+            observation, problem = EngineObservation(observed_at=self._config.clock()), selector
         else:
             observation, problem = await self._poller.observe(key[0], selector), None
         window = self._windows.setdefault(key, DisruptionWindow(self._config.degraded_window))
@@ -303,7 +303,7 @@ class PoolReconciler:
     ) -> None:
         history = self._histories.get(key)
         window = self._windows.get(key)
-        now, clock = datetime.now(UTC), time.monotonic()
+        now, clock = datetime.now(UTC), self._config.clock()
         limit = asyncio.Semaphore(self._config.status_concurrency)
 
         async def write(body: Mapping[str, Any]) -> None:

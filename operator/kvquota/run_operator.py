@@ -18,7 +18,8 @@ alongside. Everything the operator knows lives in CRs and ConfigMaps, so a stand
 that takes over (or a restarted replica) converges from scratch. `--standalone`
 disables peering.
 
-Local mode (`--local DIR`, see `kvquota.local`) needs no cluster.
+Local mode (`--local DIR [--out OUT]`, see `kvquota.local`) needs no cluster; it
+reads DIR and writes only below OUT.
 """
 
 from __future__ import annotations
@@ -66,8 +67,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description=__doc__.split("\n\n")[0] if __doc__ else None,
     )
     local = parser.add_argument_group("local mode (no cluster)")
-    local.add_argument("--local", metavar="DIR", help="read the YAML objects in DIR, write "
-                       "policies to DIR/.policies/ and status to DIR/.status/")
+    local.add_argument("--local", metavar="DIR", help="read the YAML objects in DIR (never "
+                       "written to); write policies to OUT/policies/ and status to OUT/status/")
+    local.add_argument("--out", metavar="OUT", help="where local mode writes (default: "
+                       "$XDG_CACHE_HOME/kvquota/local/<DIR name>-<hash of DIR>, printed on start)")
     local.add_argument("--once", action="store_true", help="render once and exit; non-zero "
                        "if any object is invalid or a quota is not accepted")
     local.add_argument("--replicas", type=int, default=1, metavar="N",
@@ -107,10 +110,10 @@ def main(args: argparse.Namespace) -> int:
         from kvquota.local import run_local
 
         logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING)
-        return run_local(args.local, once=args.once, replicas=args.replicas,
-                         interval=args.watch_interval)
-    if args.once:
-        raise SystemExit("kvquota operator: --once needs --local DIR")
+        return run_local(args.local, once=args.once, output=args.out,
+                         replicas=args.replicas, interval=args.watch_interval)
+    if args.once or args.out:
+        raise SystemExit("kvquota operator: --once and --out need --local DIR")
 
     from kvquota.runtime import OperatorConfig
 

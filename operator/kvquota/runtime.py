@@ -6,6 +6,8 @@ benchmark); `Runtime` is built once in the startup handler and closed at cleanup
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +27,8 @@ class OperatorConfig:
     engine_timeout: float = 2.0  # one sidecar status request
     degraded_window: float = 300.0  # Degraded looks at disruptions this far back
     status_concurrency: int = 16  # parallel status patches during a fan-out
+    # Clock (seconds) of the disruption window; tests substitute one they advance.
+    clock: Callable[[], float] = time.monotonic
     timeouts: Timeouts = field(default_factory=Timeouts)
 
 
@@ -49,7 +53,7 @@ def build_runtime(config: OperatorConfig) -> Runtime:
     kube = KubeApi(api_client(config.api_server), config.timeouts)
     # Pod IPs are cluster-internal: no proxies from the environment, no cookies.
     http = httpx.AsyncClient(trust_env=False, follow_redirects=False)
-    poller = EnginePoller(kube, http, config.engine_timeout)
+    poller = EnginePoller(kube, http, config.engine_timeout, config.clock)
     return Runtime(config, kube, http, PoolReconciler(kube, poller, config))
 
 

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
-from operator_harness import WAIT, Cluster, FakeEngines
+from operator_harness import WAIT, Cluster, FakeEngines, ManualClock
 
 from kvquota.emulator import OperatorRunner, serve
 from kvquota.runtime import OperatorConfig
@@ -25,9 +25,14 @@ async def cluster() -> AsyncIterator[Cluster]:
 
 
 @pytest.fixture
-def operator_config(cluster: Cluster) -> OperatorConfig:
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+@pytest.fixture
+def operator_config(cluster: Cluster, clock: ManualClock) -> OperatorConfig:
     return OperatorConfig(api_server=cluster.url, poll_interval=0.2, engine_timeout=0.5,
-                          degraded_window=2.0)
+                          degraded_window=300.0, clock=clock)
 
 
 @pytest.fixture

@@ -110,6 +110,20 @@ class Cluster:
 
 
 @dataclass
+class ManualClock:
+    """The operator's disruption-window clock, moved only by the test: windows open and
+    expire when the test says, not when a loaded machine gets round to it."""
+
+    now: float = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@dataclass
 class FakeEngine:
     """A sidecar status endpoint. With `follow` it reports the policy version found in
     the pool's ConfigMap (as a sidecar that hot-loads it would); else `version`."""

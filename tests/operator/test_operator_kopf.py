@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from operator_harness import Cluster, FakeEngines
+from operator_harness import Cluster, FakeEngines, ManualClock
 from operator_objects import condition, pool, quota
 
 from kvquota.emulator import OperatorRunner
@@ -20,6 +20,11 @@ def _is(obj: dict[str, Any], type_: str, status: str, reason: str | None = None)
     except AssertionError:
         return False
     return found["status"] == status and (reason is None or found["reason"] == reason)
+
+
+def _handled(obj: dict[str, Any]) -> bool:
+    """kopf has stored the spec it handled (its last write after a handler)."""
+    return "kvquota.dev/last-handled-configuration" in (obj["metadata"].get("annotations") or {})
 
 
 async def test_create_renders_configmap_owned_by_the_pool(
@@ -63,12 +68,8 @@ async def test_operator_bookkeeping_uses_our_prefix_and_blocks_no_quota_deletion
     await cluster.create(pool())
     await cluster.create(quota("acme"))
 
-    def handled(obj: dict[str, Any]) -> bool:
-        return "kvquota.dev/last-handled-configuration" in (
-            obj["metadata"].get("annotations") or {})
-
-    acme = await cluster.wait_status("TenantQuota", "acme", handled, "handled")
-    demo = await cluster.wait_status("InferencePool", "demo-pool", handled, "handled")
+    acme = await cluster.wait_status("TenantQuota", "acme", _handled, "handled")
+    demo = await cluster.wait_status("InferencePool", "demo-pool", _handled, "handled")
     for obj in (acme, demo):
         foreign = [k for k in obj["metadata"].get("annotations", {})
                    if not k.startswith("kvquota.dev/")]
@@ -142,10 +143,11 @@ async def test_quota_without_pool_waits_quietly_then_applies(
         "PoolNotFound")
     assert _is(early, "Accepted", "False", "PoolNotFound")
     assert "later-pool" in condition(early["status"], "Ready")["message"]
-    await asyncio.sleep(0.5)  # kopf records the handled spec right after the handler
-    settled = await cluster.get("TenantQuota", "early")
-    assert settled is not None
-    await asyncio.sleep(1.0)  # no hot retry loop: nothing rewrites the object meanwhile
+    # kopf records the handled spec after the handler: wait for that, then it is settled.
+    settled = await cluster.wait_status("TenantQuota", "early", _handled, "handled")
+    # No hot retry loop: nothing rewrites the object meanwhile. A window can only miss a
+    # slow loop on a slow machine, never fail a correct operator.
+    await asyncio.sleep(1.0)
     again = await cluster.get("TenantQuota", "early")
     assert again is not None
     assert again["metadata"]["resourceVersion"] == settled["metadata"]["resourceVersion"]
@@ -189,7 +191,7 @@ async def test_oversubscription_refuses_the_newest_and_recovers(
 
 
 async def test_engines_split_sync_and_report_usage(
-    cluster: Cluster, operator: OperatorRunner, engines: FakeEngines
+    cluster: Cluster, operator: OperatorRunner, engines: FakeEngines, clock: ManualClock
 ) -> None:
     await engines.add("engine-a")
     lagging = await engines.add("engine-b", follow=False)
@@ -220,6 +222,8 @@ async def test_engines_split_sync_and_report_usage(
         "usage summed over engines")
     assert acme["status"]["counters"]["admitted"] == 10
     assert acme["status"]["usage"]["leasedBlocks"] == 20
+    assert _is(acme, "Degraded", "Unknown")  # the window is not yet observed in full
+    clock.advance(operator.config.degraded_window)
     await cluster.wait_status("TenantQuota", "acme", lambda o: _is(o, "Degraded", "False"),
                               "no disruptions over a full window")
 
@@ -228,6 +232,15 @@ async def test_engines_split_sync_and_report_usage(
     await cluster.wait_status(
         "TenantQuota", "acme", lambda o: _is(o, "Degraded", "True", "PremiumPreemptions"),
         "Degraded after premium preemptions")
+
+
+def _one_reconcile_done(operator: OperatorRunner) -> Any:
+    """A probe for `wait_for`: the (re)started operator has finished a reconcile of the
+    one pool (the second has started, and runs of a pool never overlap)."""
+    async def probe() -> bool:
+        return operator.reconciles >= 2
+
+    return probe
 
 
 async def test_restart_converges_on_changes_made_while_down(
@@ -245,7 +258,7 @@ async def test_restart_converges_on_changes_made_while_down(
     assert cm is not None
     untouched = cm["metadata"]["resourceVersion"]
     await operator.start()  # nothing changed: nothing is rewritten
-    await asyncio.sleep(1.0)
+    await cluster.wait_for(_one_reconcile_done(operator), "a reconcile after the restart")
     cm = await cluster.get("ConfigMap", CM)
     assert cm is not None and cm["metadata"]["resourceVersion"] == untouched
 
