@@ -30,10 +30,20 @@ What the plugin adds to vLLM's scheduler:
   next turn of the session is a prefix-cache hit. Expired leases go back to vLLM's
   LRU. Pinned blocks count as the tenant's usage;
 - victim order: the total order documented in `engine_sidecar.tenant_policy`,
-  applied whenever vLLM fails to allocate. vLLM's priority policy preempts
-  `max(running, key=(priority, arrival_time))`; the plugin gives its chosen victim the
-  top priority value for that instant and restores it before the request re-enters
-  the waiting heap (no request's priority changes while it is in the heap);
+  applied whenever vLLM fails to allocate, for waiting requests too: the sidecar admits
+  a request counting the free blocks above the watermark plus every block this order
+  gives back before the request's own class, and the plugin makes that true by
+  preempting the running work ranked above a waiting request that found no room.
+  vLLM's priority policy preempts `max(running, key=(priority, arrival_time))`; the
+  plugin gives its chosen victim the top priority value for that instant and restores
+  it before the request re-enters the waiting heap (no request's priority changes
+  while it is in the heap);
+- leases last a few of the session's own pauses (`tenant_policy.SessionPauses`), at
+  most `lease.seconds`;
+- prefill order: while a higher-priority request prefills or waits to be admitted,
+  lower-priority prefill chunks sit out the step;
+- retention order: once vLLM evicts cached blocks younger than the leased tenants'
+  typical pause, the cache of tenants without leases is evicted first;
 - degraded mode: when nothing ranks above the request that needs blocks in the
   victim order and no other request is running, live leases are released (oldest
   premium last) so the engine always makes progress; counted, logged once per

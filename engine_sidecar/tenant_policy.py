@@ -22,11 +22,17 @@ candidate with the largest key goes first:
 
 When a running request R needs blocks, the plugin releases live leases whose key is
 above the key of the running request it would preempt next, then lets vLLM preempt
-that request (possibly R itself). A waiting request W can only take blocks from
-leases whose key is above W's own key; it never preempts running work (vLLM admits
-waiting requests into free blocks only). The requester's own session lease is never
-released for it (those blocks are the prefix it reuses), and neither is the lease of
-a session with a request in the engine, except in degraded mode.
+that request (possibly R itself). A waiting request W ranks as a running request that
+has computed nothing, in the band its tenant would be in once it holds its blocks: it
+takes blocks from leases whose key is above W's, then from running requests whose key
+is above W's (preempted before the next step: vLLM itself admits waiting requests into
+free blocks only), and only then from its own tenant's idle leases. The requester's own
+session lease is never released for it (those blocks are the prefix it reuses), and
+neither is the lease of a session with a request in the engine, except in degraded mode.
+
+The admission rule is this order read the other way (`reclaimable_blocks`): what a new
+request may count on is the free blocks above the watermark plus everything the victim
+order gives back before it.
 
 Degraded mode: when nothing ranks above the requester and no other request is
 running, waiting would stall the engine until leases expire. The plugin then

@@ -1,0 +1,97 @@
+"""Queueing in the sidecar, end to end over HTTP against a stub engine: a request that
+cannot be admitted waits, is admitted when a slot frees (and says how long it waited),
+leaves the queue when its client goes, and is refused only past its tier's bound."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import httpx
+
+from .conftest import StubFactory
+from .helpers import Keys, make_policy, tenant, wait_for
+from .stub_engine import StubEngine
+
+
+def _post(url: str, token: str, **kwargs: Any) -> httpx.Response:
+    return httpx.post(url + "/v1/completions",
+                      json={"prompt": "x", "max_tokens": 1, "stream": True},
+                      headers={"Authorization": f"Bearer {token}"}, **kwargs)
+
+
+def _in_background(call: Any) -> tuple[threading.Thread, list[Any]]:
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(call())
+        except httpx.HTTPError as exc:
+            out.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_a_queued_request_is_admitted_when_the_slot_frees(
+    stub_sidecar: StubFactory, keys: Keys
+) -> None:
+    harness, stub = stub_sidecar(StubEngine(chunks=20, chunk_delay=0.1))
+    harness.apply(make_policy(tenant("acme", max_concurrent_requests=1)))
+    token = keys.hs("acme")
+    first, first_out = _in_background(lambda: _post(harness.url, token, timeout=30))
+    wait_for(lambda: stub.active == 1, 10, "the first request never reached the engine")
+    second, second_out = _in_background(lambda: _post(harness.url, token, timeout=30))
+    wait_for(lambda: harness.gateway.queue.depth("acme") == 1, 10, "second never queued")
+    status = httpx.get(harness.url + "/kvquota/status").json()
+    assert status["tenants"]["acme"]["usage"]["queued"] == 1
+    metrics = httpx.get(harness.url + "/metrics").text
+    assert 'kvquota_tenant_queued_requests{tenant_id="acme"} 1.0' in metrics
+    assert stub.active == 1  # the engine never saw two at once
+    first.join(30), second.join(30)
+    (first_reply,), (second_reply,) = first_out, second_out
+    assert first_reply.status_code == second_reply.status_code == 200
+    assert int(first_reply.headers["x-kvquota-queue-ms"]) == 0
+    # It waited for the whole first stream (20 chunks, 0.1 s apart, less what had gone).
+    assert int(second_reply.headers["x-kvquota-queue-ms"]) >= 500
+    assert len(stub.received) == 2 and harness.wait_ledger_empty()
+    assert harness.gateway.queue.depth("acme") == 0
+
+
+def test_a_client_that_gives_up_while_queued_leaves_no_trace(
+    stub_sidecar: StubFactory, keys: Keys
+) -> None:
+    harness, stub = stub_sidecar(StubEngine(chunks=30, chunk_delay=0.1))
+    harness.apply(make_policy(tenant("acme", max_concurrent_requests=1)))
+    token = keys.hs("acme")
+    first, _ = _in_background(lambda: _post(harness.url, token, timeout=30))
+    wait_for(lambda: stub.active == 1, 10, "the first request never reached the engine")
+    gone, gone_out = _in_background(lambda: _post(harness.url, token, timeout=0.5))
+    gone.join(10)
+    assert isinstance(gone_out[0], httpx.TimeoutException)
+    wait_for(lambda: harness.gateway.queue.depth("acme") == 0, 10, "still queued")
+    first.join(30)
+    assert harness.wait_ledger_empty()
+    assert len(stub.received) == 1  # the abandoned request never reached the engine
+
+
+def test_past_the_tiers_bound_a_queued_request_is_refused_with_retry_after(
+    stub_sidecar: StubFactory, keys: Keys
+) -> None:
+    harness, stub = stub_sidecar(StubEngine(chunks=40, chunk_delay=0.1))
+    harness.apply(make_policy(tenant("acme", max_concurrent_requests=1,
+                                     max_queue_seconds=0.5)))
+    token = keys.hs("acme")
+    first, _ = _in_background(lambda: _post(harness.url, token, timeout=30))
+    wait_for(lambda: stub.active == 1, 10, "the first request never reached the engine")
+    started = time.monotonic()
+    refused = _post(harness.url, token, timeout=30)
+    waited = time.monotonic() - started
+    assert refused.status_code == 429
+    assert refused.json()["error"]["code"] == "TENANT_CONCURRENCY_EXHAUSTED"
+    assert int(refused.headers["retry-after"]) >= 1
+    assert waited >= 0.5  # it did wait its bound first
+    first.join(30)
+    assert harness.wait_ledger_empty() and len(stub.received) == 1
