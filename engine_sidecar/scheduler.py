@@ -650,11 +650,16 @@ class TenantAwareScheduler(compat.Scheduler):
 
     def _kvq_unpin(self, lease: Lease[KVCacheBlock], why: Reason | LeaseDrop | None) -> None:
         """Drop a lease's references (the caller has taken it out of the table)."""
+        now = self._kvq_clock()
         compat.unpin_blocks(self, lease.blocks)
-        self._kvq_retention.freed(map(compat.block_id, lease.blocks), self._kvq_clock())
+        self._kvq_retention.freed(map(compat.block_id, lease.blocks), now)
         if why is None:
-            return
+            return  # renewed: its session came back
         counters = self._kvq_counters[stats_tenant(self._kvq_watcher.policy, lease.tenant)]
+        # It ended before its session came back: what it held meanwhile bought nothing.
+        counters.idle_lease_block_seconds += lease.num_blocks * max(
+            0.0, min(now, lease.expires_at) - lease.last_activity
+        )
         if isinstance(why, LeaseDrop):
             counters.lease_drops[why] += 1
             return
@@ -666,14 +671,7 @@ class TenantAwareScheduler(compat.Scheduler):
 
     def _kvq_release_expired(self, now: float) -> bool:
         expired = self._kvq_leases.pop_expired(now)
-        policy = self._kvq_watcher.policy
         for lease in expired:
-            # The session did not come back while its lease lasted: what it held, for
-            # how long, is the cost of the lease.
-            counters = self._kvq_counters[stats_tenant(policy, lease.tenant)]
-            counters.expired_lease_block_seconds += lease.num_blocks * (
-                lease.expires_at - lease.last_activity
-            )
             self._kvq_unpin(lease, LeaseDrop.EXPIRED)
         return bool(expired)
 
@@ -757,6 +755,8 @@ class TenantAwareScheduler(compat.Scheduler):
         running_shared: set[int] = set().union(*shared.values())
         counted: dict[str, set[int]] = {}
         pinned: dict[str, set[int]] = {}  # per tenant: ids of lease blocks with refcount > 1
+        idle_so_far: dict[str, float] = {}  # block-seconds of live leases of idle sessions
+        now = self._kvq_clock()
         views: list[LeaseView] = []
         for lease in self._kvq_leases:
             key = stats_tenant(policy, lease.tenant)
@@ -766,6 +766,10 @@ class TenantAwareScheduler(compat.Scheduler):
             stats = entry(key)
             stats.leased_sessions += 1
             stats.leased_blocks += own
+            if lease.key not in self._kvq_active:
+                idle_so_far[key] = idle_so_far.get(key, 0.0) + lease.num_blocks * max(
+                    0.0, now - lease.last_activity
+                )
             stats.leases[lease.session] = lease.num_blocks
             stats.pinned_blocks += compat.count_unshared_blocks(
                 lease.blocks, pinned.setdefault(key, set())
@@ -787,7 +791,11 @@ class TenantAwareScheduler(compat.Scheduler):
             stats.degraded_events = counters.degraded_events
             stats.prefix_hit_tokens = counters.prefix_hit_tokens
             stats.prompt_tokens = counters.prompt_tokens
-            stats.expired_lease_block_seconds = round(counters.expired_lease_block_seconds, 3)
+            stats.idle_lease_block_seconds = counters.idle_lease_block_seconds
+        for key, seconds in idle_so_far.items():
+            entry(key).idle_lease_block_seconds += seconds
+        for stats in tenants.values():
+            stats.idle_lease_block_seconds = round(stats.idle_lease_block_seconds, 3)
 
         engine = EngineStats(
             timestamp=time.time(),

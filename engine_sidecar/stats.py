@@ -51,9 +51,10 @@ class TenantEngineStats(_Wire):
         description="session id -> blocks its lease pins: admission leaves these out of the "
         "reservation of the session's next turn (it reuses them)",
     )
-    expired_lease_block_seconds: float = Field(
-        0.0, description="block-seconds held by leases that expired unused: sessions that "
-        "did not come back while their lease lasted"
+    idle_lease_block_seconds: float = Field(
+        0.0, description="block-seconds leases pinned after their session's last activity "
+        "without the session coming back: leases that ended (expired, capped, broken) "
+        "before the next turn, and live leases of idle sessions so far"
     )
 
     @property

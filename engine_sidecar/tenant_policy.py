@@ -545,7 +545,7 @@ class TenantCounters:
     degraded_events: int = 0
     prefix_hit_tokens: int = 0
     prompt_tokens: int = 0
-    expired_lease_block_seconds: float = 0.0
+    idle_lease_block_seconds: float = 0.0  # of leases that ended before their session came back
 
 
 class CounterBook:

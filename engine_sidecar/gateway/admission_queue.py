@@ -158,8 +158,8 @@ class AdmissionQueue:
             self._lift(tenant_id, queue)
         queue.tickets.append(ticket)
         self.pump()
-        if not ticket.settled:
-            position = queue.tickets.index(ticket)
+        if not ticket.settled:  # still last in its tenant's queue
+            position = len(queue.tickets) - 1
             rate = queue.drain_rate(now)
             full = position >= tenant.max_queued_requests
             too_slow = rate is not None and (position + 1) / rate > tenant.max_queue_seconds
@@ -284,8 +284,11 @@ class AdmissionQueue:
         """Refuse heads past their deadline (or of tenants the policy dropped) with what
         they wait on; a head that fits by now is admitted instead."""
         assert self.policy is not None
-        for tenant_id, queue in self._queues.items():
+        for tenant_id, queue in list(self._queues.items()):
             gone = tenant_id not in self.policy.tenants
+            if gone and not queue.tickets:
+                del self._queues[tenant_id]
+                continue
             while queue.tickets and (gone or queue.tickets[0].deadline <= now):
                 ticket = queue.tickets[0]
                 if not gone and self._try(tenant_id, queue, ticket, 0, now):

@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from .conftest import StubFactory
+from .conftest import Harness, StubFactory
 from .helpers import Keys, make_policy, tenant, wait_for
 from .stub_engine import StubEngine
 
@@ -35,14 +35,23 @@ def _in_background(call: Any) -> tuple[threading.Thread, list[Any]]:
     return thread, out
 
 
-def test_a_queued_request_is_admitted_when_the_slot_frees(
-    stub_sidecar: StubFactory, keys: Keys
-) -> None:
-    harness, stub = stub_sidecar(StubEngine(chunks=20, chunk_delay=0.1))
-    harness.apply(make_policy(tenant("acme", max_concurrent_requests=1)))
+def _slot_taken(
+    stub_sidecar: StubFactory, keys: Keys, chunks: int, **limits: Any
+) -> tuple[Harness, StubEngine, str, threading.Thread, list[Any]]:
+    """A sidecar whose tenant's one concurrency slot is held by a stream of `chunks`
+    chunks 0.1 s apart."""
+    harness, stub = stub_sidecar(StubEngine(chunks=chunks, chunk_delay=0.1))
+    harness.apply(make_policy(tenant("acme", max_concurrent_requests=1, **limits)))
     token = keys.hs("acme")
     first, first_out = _in_background(lambda: _post(harness.url, token, timeout=30))
     wait_for(lambda: stub.active == 1, 10, "the first request never reached the engine")
+    return harness, stub, token, first, first_out
+
+
+def test_a_queued_request_is_admitted_when_the_slot_frees(
+    stub_sidecar: StubFactory, keys: Keys
+) -> None:
+    harness, stub, token, first, first_out = _slot_taken(stub_sidecar, keys, 20)
     second, second_out = _in_background(lambda: _post(harness.url, token, timeout=30))
     wait_for(lambda: harness.gateway.queue.depth("acme") == 1, 10, "second never queued")
     status = httpx.get(harness.url + "/kvquota/status").json()
@@ -63,11 +72,7 @@ def test_a_queued_request_is_admitted_when_the_slot_frees(
 def test_a_client_that_gives_up_while_queued_leaves_no_trace(
     stub_sidecar: StubFactory, keys: Keys
 ) -> None:
-    harness, stub = stub_sidecar(StubEngine(chunks=30, chunk_delay=0.1))
-    harness.apply(make_policy(tenant("acme", max_concurrent_requests=1)))
-    token = keys.hs("acme")
-    first, _ = _in_background(lambda: _post(harness.url, token, timeout=30))
-    wait_for(lambda: stub.active == 1, 10, "the first request never reached the engine")
+    harness, stub, token, first, _ = _slot_taken(stub_sidecar, keys, 30)
     gone, gone_out = _in_background(lambda: _post(harness.url, token, timeout=0.5))
     gone.join(10)
     assert isinstance(gone_out[0], httpx.TimeoutException)
@@ -80,12 +85,8 @@ def test_a_client_that_gives_up_while_queued_leaves_no_trace(
 def test_past_the_tiers_bound_a_queued_request_is_refused_with_retry_after(
     stub_sidecar: StubFactory, keys: Keys
 ) -> None:
-    harness, stub = stub_sidecar(StubEngine(chunks=40, chunk_delay=0.1))
-    harness.apply(make_policy(tenant("acme", max_concurrent_requests=1,
-                                     max_queue_seconds=0.5)))
-    token = keys.hs("acme")
-    first, _ = _in_background(lambda: _post(harness.url, token, timeout=30))
-    wait_for(lambda: stub.active == 1, 10, "the first request never reached the engine")
+    harness, stub, token, first, _ = _slot_taken(stub_sidecar, keys, 40,
+                                                 max_queue_seconds=0.5)
     started = time.monotonic()
     refused = _post(harness.url, token, timeout=30)
     waited = time.monotonic() - started

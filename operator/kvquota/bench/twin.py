@@ -418,8 +418,8 @@ def _plugin_extra(stats: EngineStats) -> dict[str, Any]:
         "preemptionsByReason": {str(k): v for k, v in sorted(reasons.items())},
         "leaseDrops": {str(k): v for k, v in sorted(drops.items())},
         "degradedEpisodes": stats.degraded_episodes,
-        "expiredLeaseBlockSeconds": round(
-            sum(t.expired_lease_block_seconds for t in stats.tenants.values()), 1
+        "idleLeaseBlockSeconds": round(
+            sum(t.idle_lease_block_seconds for t in stats.tenants.values()), 1
         ),
     }
 
