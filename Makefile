@@ -7,6 +7,8 @@ STAMP := $(VENV)/.kvquota-installed
 .PHONY: test demo lint typecheck crds install clean
 
 $(STAMP): pyproject.toml
+	@echo "Setting up $(VENV): kvquota with its test and engine extras (vLLM's CPU build,"
+	@echo "torch, transformers; about 2 minutes, pip is quiet meanwhile). Once only."
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test,engine]'
 	# Beside torch 2.13.0+cpu these break `import transformers` (torchvision::nms).
@@ -29,6 +31,7 @@ test: $(STAMP) lint typecheck
 	$(PY) -m pytest
 
 demo: $(STAMP)
+	@echo "kvquota demo: two vLLM engine starts (~40 s each) and two workload runs; about 2.5 minutes"
 	$(VENV)/bin/kvquota demo
 
 clean:

@@ -3,10 +3,15 @@
 1. generates the tiny model; copies `manifests/samples/` into a run directory;
 2. runs the operator in local mode on it (policy JSON + status files);
 3. starts vLLM's CPU server with the TenantAwareScheduler plugin and the sidecar in
-   front of it, and drives the workload through the sidecar with real JWTs;
+   front of it, and drives the workload (`kvquota.workload`) through the sidecar with
+   real JWTs;
 4. restarts vLLM stock (FCFS, no plugin, no sidecar) and drives the same workload;
-5. prints TTFT p50/p99, admissions and prefix-hit rate per tier for both runs.
-Every process it starts is stopped on exit, error or Ctrl-C.
+5. prints TTFT p50/p99, refusals and prefix-hit rate per kind of request for both runs,
+   and a verdict (`kvquota.verdict`): what was protected and by which mechanism, or
+   which measure shows that this machine could not show it.
+The workload waits on the engines' own telemetry (`kvquota.engine_state`), not on the
+clock, so it means the same on an idle and on a busy machine. Every process it starts
+is stopped on exit, error or Ctrl-C.
 """
 
 from __future__ import annotations
@@ -24,7 +29,10 @@ from typing import Any
 
 import yaml
 
-from kvquota.loadgen import NoisyNeighbour, Target, TierSummary, run_noisy_neighbour, summarise
+from engine_sidecar.policy import EnginePolicy
+from engine_sidecar.stats import STATS_PATH_ENV
+from kvquota.engine_state import QuotaGauge, StockGauge
+from kvquota.loadgen import NoisyNeighbour, Result, Target
 from kvquota.processes import ManagedProcess
 from kvquota.stack import (
     Processes,
@@ -33,10 +41,14 @@ from kvquota.stack import (
     terminate_as_interrupt,
     wait_for_file,
 )
+from kvquota.summary import FREE, PREMIUM, PREMIUM_FIRST, TierSummary, summarise
+from kvquota.verdict import POLICY_RUN, STOCK_RUN, Verdict, judge
+from kvquota.workload import run_noisy_neighbour
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "manifests" / "samples"
 KV_CACHE_BYTES = 10 * 1024 * 1024  # 640 blocks of 32 tokens: the samples' capacityBlocks
+ENGINE_START_TIMEOUT = 300.0
 
 
 class _Progress:
@@ -97,80 +109,127 @@ def _prepare(run: Path) -> tuple[Path, Path, Auth]:
     return manifests, secrets_dir, auth
 
 
+# Both engines, policy on and off:
+# - log stats: the workload reads vLLM's /metrics;
+# - eager mode: torch.compile adds 10-40 s per engine start on 2 cores and does not make
+#   this tiny model faster;
+# - stream interval: the first token still goes out at once (TTFT is unchanged), later
+#   ones in chunks of 16. One chunk per token costs the API server, the sidecar and the
+#   client more CPU than the tiny model's decoding, and on a busy machine that CPU is
+#   what premium requests wait for.
+ENGINE_ARGS = ["--enable-prompt-tokens-details", "--enforce-eager", "--stream-interval", "16"]
+
+
 def _engine(model: Path, run: Path, name: str, plugin: bool) -> tuple[ManagedProcess, str]:
     return engine_process(model, run, name, plugin=plugin, kv_cache_bytes=KV_CACHE_BYTES,
-                          extra_args=["--enable-prompt-tokens-details"])
+                          log_stats=True, extra_args=ENGINE_ARGS)
+
+
+def _start_engine(procs: Processes, engine: ManagedProcess, url: str, say: _Progress) -> None:
+    procs.start(engine).wait_http(
+        url + "/health", ENGINE_START_TIMEOUT, progress=lambda elapsed: say(
+            f"  ... vLLM still starting ({elapsed:.0f}s; it imports torch and vLLM in three "
+            f"processes; log: {engine.log_path})"),
+    )
+
+
+def operator_output(run: Path, manifests: Path) -> tuple[Path, list[str]]:
+    """Where local mode writes its EnginePolicy files, and the flags that say so.
+
+    Local mode still writes `.policies/` and `.status/` inside its input directory (the
+    copy of the samples in the run directory). Once it takes `--out DIR`, this becomes
+    `return run / "operator-out" / "policies", ["--out", str(run / "operator-out")]`
+    (the subdirectory is whatever local mode names it)."""
+    return manifests / ".policies", []
 
 
 def _run_policy_on(
     procs: Processes, model: Path, run: Path, workload: NoisyNeighbour, say: _Progress
-) -> dict[str, TierSummary]:
+) -> list[Result]:
     manifests, secrets_dir, auth = _prepare(run)
+    policies, out_flags = operator_output(run, manifests)
     say("operator (local mode) renders manifests/samples into an EnginePolicy")
     operator = procs.start(ManagedProcess(
-        "operator", [sys.executable, "-m", "kvquota.cli", "operator", "--local", str(manifests)],
+        "operator",
+        [sys.executable, "-m", "kvquota.cli", "operator", "--local", str(manifests), *out_flags],
         run / "operator.log",
     ))
-    policy_file = wait_for_file(
-        lambda: sorted((manifests / ".policies").glob("*.json")), operator, 60
-    )
+    policy_file = wait_for_file(lambda: sorted(policies.glob("*.json")), operator, 60)
+    policy = EnginePolicy.from_json(policy_file.read_text())
     say(f"policy {policy_file.name}; starting vLLM (CPU) with the TenantAwareScheduler plugin")
     engine, engine_url = _engine(model, run, "vllm-policy", plugin=True)
-    procs.start(engine).wait_http(engine_url + "/health", 300)
+    _start_engine(procs, engine, engine_url, say)
     sidecar, sidecar_url = sidecar_process(
         engine.env, engine_url, run, policy_file=policy_file, secrets_dir=secrets_dir,
         tokenizer=model,
     )
     procs.start(sidecar)
     sidecar.wait_http(sidecar_url + "/readyz", 120)
-    say("sidecar ready; running the noisy-neighbour workload through it")
+    say(f"sidecar ready; the workload through it: {_describe(workload)}")
     headers = {tenant: {"Authorization": f"Bearer {auth.token(tenant)}"}
                for tenant in (workload.premium_tenant, workload.free_tenant)}
     target = Target(sidecar_url, str(model), lambda tenant: headers[tenant])
-    results = asyncio.run(run_noisy_neighbour(target, workload))
+    gauge = QuotaGauge(engine_url, sidecar_url, Path(engine.env[STATS_PATH_ENV]), policy,
+                       workload.free_tenant)
+    results = asyncio.run(run_noisy_neighbour(target, workload, gauge, say))
     procs.stop_all()
-    return summarise(results)
+    return results
 
 
 def _run_stock(
     procs: Processes, model: Path, run: Path, workload: NoisyNeighbour, say: _Progress
-) -> dict[str, TierSummary]:
+) -> list[Result]:
     say("starting stock vLLM (FCFS, no plugin, no sidecar)")
     engine, engine_url = _engine(model, run, "vllm-stock", plugin=False)
-    procs.start(engine).wait_http(engine_url + "/health", 300)
-    say("running the same workload straight at vLLM")
-    results = asyncio.run(run_noisy_neighbour(Target(engine_url, str(model)), workload))
+    _start_engine(procs, engine, engine_url, say)
+    say("the same workload straight at vLLM")
+    results = asyncio.run(run_noisy_neighbour(
+        Target(engine_url, str(model)), workload, StockGauge(engine_url), say))
     procs.stop_all()
-    return summarise(results)
+    return results
+
+
+def _describe(w: NoisyNeighbour) -> str:
+    return (f"{w.premium_sessions} premium conversations x {w.turns} turns; before each "
+            f"follow-up turn a wave of {w.burst_requests} long free-tier prompts, the turns "
+            "sent once it holds the KV cache")
 
 
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.0f} ms"
 
 
+ROWS = ((PREMIUM_FIRST, "premium, 1st turn"), (PREMIUM, "premium, follow-up"), (FREE, "free"))
+
+
 def format_table(runs: dict[str, dict[str, TierSummary]]) -> str:
-    header = (f"{'run':<22}{'tier':<9}{'TTFT p50':>10}{'TTFT p99':>10}"
-              f"{'admitted':>10}{'429':>6}{'503':>6}{'prefix hit':>12}")
+    header = (f"{'run':<21}{'requests':<20}{'TTFT p50':>9}{'TTFT p99':>9}"
+              f"{'served':>7}{'429':>5}{'503':>5}{'prefix hit':>11}")
     lines = [header, "-" * len(header)]
     for run, tiers in runs.items():
-        for tier in ("premium", "free"):
-            s = tiers.get(tier, TierSummary(tier))
-            hit = "-" if s.prefix_hit_rate is None else f"{s.prefix_hit_rate:.0%}"
+        for kind, label in ROWS:
+            s = tiers.get(kind, TierSummary(kind))
+            hit = "-" if s.prefix_hit_rate is None or kind == FREE else f"{s.prefix_hit_rate:.0%}"
             lines.append(
-                f"{run:<22}{tier:<9}{_ms(s.percentile(50)):>10}{_ms(s.percentile(99)):>10}"
-                f"{s.admitted:>10}{s.rejected_quota:>6}{s.rejected_watermark:>6}{hit:>12}"
+                f"{run:<21}{label:<20}{_ms(s.percentile(50)):>9}{_ms(s.percentile(99)):>9}"
+                f"{s.admitted:>7}{s.rejected_quota:>5}{s.rejected_watermark:>5}{hit:>11}"
             )
     return "\n".join(lines)
 
 
-def _as_json(runs: dict[str, dict[str, TierSummary]]) -> dict[str, Any]:
+def _as_json(runs: dict[str, dict[str, TierSummary]], verdict: Verdict,
+             results: dict[str, list[Result]]) -> dict[str, Any]:
     return {
-        run: {
-            tier: {**asdict(s), "ttft_p50": s.percentile(50), "ttft_p99": s.percentile(99),
-                   "prefix_hit_rate": s.prefix_hit_rate}
-            for tier, s in tiers.items()
-        }
-        for run, tiers in runs.items()
+        "runs": {
+            run: {
+                kind: {**asdict(s), "ttft_p50": s.percentile(50), "ttft_p99": s.percentile(99),
+                       "prefix_hit_rate": s.prefix_hit_rate}
+                for kind, s in tiers.items()
+            }
+            for run, tiers in runs.items()
+        },
+        "verdict": verdict.as_json(),
+        "requests": {run: [asdict(r) for r in rs] for run, rs in results.items()},
     }
 
 
@@ -183,23 +242,23 @@ def run_demo(run: Path, workload: NoisyNeighbour, json_out: Path | None) -> int:
         with terminate_as_interrupt():
             say("generating the tiny model (cached after the first run)")
             model = generate(REPO / ".cache" / "tiny-model")
-            runs = {
-                "KVQuota (policy on)": _run_policy_on(procs, model, run, workload, say),
-                "stock vLLM (FCFS)": _run_stock(procs, model, run, workload, say),
+            results = {
+                POLICY_RUN: _run_policy_on(procs, model, run, workload, say),
+                STOCK_RUN: _run_stock(procs, model, run, workload, say),
             }
     except KeyboardInterrupt:
         print("interrupted: stopping everything the demo started", file=sys.stderr)
         return 130
     finally:
         procs.stop_all()
+    runs = {name: summarise(rs) for name, rs in results.items()}
+    verdict = judge(runs, expected_follow_ups=workload.follow_ups)
     print()
     print(format_table(runs))
-    on, off = (runs[k].get("premium", TierSummary("premium")).percentile(99) for k in runs)
-    if on and off:
-        print(f"\npremium TTFT p99 with KVQuota: {on / off:.2f}x of stock vLLM "
-              "under the same free-tier burst")
+    print()
+    print("\n".join(verdict.lines()))
     if json_out:
-        json_out.write_text(json.dumps(_as_json(runs), indent=2))
+        json_out.write_text(json.dumps(_as_json(runs, verdict, results), indent=2))
     say(f"done; logs in {run}")
     return 0
 

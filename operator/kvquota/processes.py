@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,10 +65,18 @@ class ManagedProcess:
         except OSError:
             return ""
 
-    def wait_http(self, url: str, timeout: float) -> None:
-        """Poll `url` until it answers 200, the process dies, or `timeout` passes."""
-        deadline = time.monotonic() + timeout
+    def wait_http(
+        self, url: str, timeout: float, *,
+        progress: Callable[[float], None] | None = None, every: float = 10.0,
+    ) -> None:
+        """Poll `url` until it answers 200, the process dies, or `timeout` passes;
+        `progress(elapsed)` is called every `every` seconds meanwhile."""
+        start = time.monotonic()
+        deadline, next_report = start + timeout, start + every
         while time.monotonic() < deadline:
+            if progress is not None and time.monotonic() >= next_report:
+                progress(time.monotonic() - start)
+                next_report += every
             if self._proc is None or self._proc.poll() is not None:
                 raise ProcessFailed(f"{self.name} exited early:\n{self.log_tail()}")
             try:

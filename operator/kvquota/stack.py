@@ -74,14 +74,14 @@ def wait_for_file(pattern: Callable[[], list[Path]], proc: ManagedProcess, timeo
 def engine_process(
     model: Path, run: Path, name: str, *, plugin: bool, kv_cache_bytes: int,
     extra_args: list[str] | None = None, block_size: int = 32, max_model_len: int = 2048,
-    max_num_seqs: int = 64,
+    max_num_seqs: int = 64, log_stats: bool = False,
 ) -> tuple[ManagedProcess, str]:
     """vLLM's OpenAI server (CPU) with policy/stats files under `run/engine`; not started."""
     opts = EngineOptions(
         model=model, port=free_port(), policy_path=run / "engine" / "policy.json",
         stats_path=run / "engine" / "stats.json", plugin=plugin, block_size=block_size,
         kv_cache_bytes=kv_cache_bytes, max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs, extra_args=list(extra_args or []),
+        max_num_seqs=max_num_seqs, log_stats=log_stats, extra_args=list(extra_args or []),
     )
     return vllm_engine(opts, run / f"{name}.log"), f"http://127.0.0.1:{opts.port}"
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import uuid
@@ -37,16 +38,40 @@ def test_demo_isolates_premium_from_the_burst_and_cleans_up(tmp_path: Path) -> N
         env={**os.environ, marker.split("=")[0]: marker.split("=")[1]},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "TTFT p99" in proc.stdout and "KVQuota (policy on)" in proc.stdout
-    runs = json.loads(results.read_text())
-    on, stock = runs["KVQuota (policy on)"], runs["stock vLLM (FCFS)"]
-    # The problem is reproduced: stock vLLM loses the premium conversations' cache...
+    assert "KVQuota (policy on)" in proc.stdout and "verdict:" in proc.stdout
+    report = json.loads(results.read_text())
+    on, stock = report["runs"]["KVQuota (policy on)"], report["runs"]["stock vLLM (FCFS)"]
+    verdict = report["verdict"]
+
+    # Every premium follow-up got an answer in both runs, and p99 rests on 30 of them.
+    for run in (on, stock):
+        assert run["premium"]["sent"] >= 30
+        assert len(run["premium"]["ttfts"]) == run["premium"]["sent"]
+    # The problem is reproduced: stock vLLM loses the idle conversations' cache...
     assert stock["premium"]["prefix_hit_rate"] < 0.5
-    # ...and the policy keeps it, and keeps premium faster under the same burst. How
-    # much faster depends on the machine (the demo prints the ratio: 0.15x-0.6x here;
-    # 9 premium requests make p99 their slowest one), so only the direction is checked.
-    assert on["premium"]["prefix_hit_rate"] >= 0.9
-    assert on["premium"]["ttft_p99"] < stock["premium"]["ttft_p99"]
+    # ...and KVQuota's leases keep it. A follow-up can only miss its 40 new tokens and
+    # the previous turn's last partial block: 320 of the shortest one's 372 tokens are
+    # whole cached blocks (86%); 0.8 still holds if one of the 30 loses its lease.
+    assert on["premium"]["prefix_hit_rate"] >= 0.8
+    # Admission holds the free tier back, premium never: refused or queued, not served.
     assert on["premium"]["rejected_quota"] == on["premium"]["rejected_watermark"] == 0
-    assert on["free"]["rejected_quota"] + on["free"]["rejected_watermark"] > 0
+    held_back = (on["free"]["rejected_quota"] + on["free"]["rejected_watermark"]
+                 + sum(1 for ms in on["free"]["queue_ms"] if ms > 0))
+    assert held_back > 0
+
     assert _leftovers(marker) == []
+
+    if not verdict["shown"]:
+        # A machine too busy to show the effect is said so, by its measure, and no
+        # ratio is printed.
+        assert verdict["problems"] and verdict["ratio"] is None
+        assert "x of stock vLLM" not in proc.stdout
+        pytest.skip("the demo could not show the effect here: " + "; ".join(
+            verdict["problems"]))
+    # Order, not speed: on stock each follow-up was served after free requests that
+    # had queued before it; with KVQuota after none of them (median).
+    assert statistics.median(stock["premium"]["served_ahead"]) >= 1
+    assert statistics.median(on["premium"]["served_ahead"]) == 0
+    # The direction of the headline, within one run: premium is faster with KVQuota.
+    assert verdict["protected"] and verdict["ratio"] < 1.0, proc.stdout[-3000:]
+    assert f"{verdict['ratio']:.2f}x of stock vLLM" in proc.stdout
