@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import secrets
 import shutil
@@ -133,21 +134,18 @@ def _start_engine(procs: Processes, engine: ManagedProcess, url: str, say: _Prog
     )
 
 
-def operator_output(run: Path, manifests: Path) -> tuple[Path, list[str]]:
-    """Where local mode writes its EnginePolicy files, and the flags that say so.
-
-    Local mode still writes `.policies/` and `.status/` inside its input directory (the
-    copy of the samples in the run directory). Once it takes `--out DIR`, this becomes
-    `return run / "operator-out" / "policies", ["--out", str(run / "operator-out")]`
-    (the subdirectory is whatever local mode names it)."""
-    return manifests / ".policies", []
+def operator_output(run: Path) -> tuple[Path, list[str]]:
+    """Where local mode writes its EnginePolicy files (`OUT/policies/`), and the flags
+    that say so: inside the run directory, never inside the manifests it reads."""
+    out = run / "local"
+    return out / "policies", ["--out", str(out)]
 
 
 def _run_policy_on(
     procs: Processes, model: Path, run: Path, workload: NoisyNeighbour, say: _Progress
 ) -> list[Result]:
     manifests, secrets_dir, auth = _prepare(run)
-    policies, out_flags = operator_output(run, manifests)
+    policies, out_flags = operator_output(run)
     say("operator (local mode) renders manifests/samples into an EnginePolicy")
     operator = procs.start(ManagedProcess(
         "operator",
@@ -242,6 +240,10 @@ def run_demo(run: Path, workload: NoisyNeighbour, json_out: Path | None) -> int:
         with terminate_as_interrupt():
             say("generating the tiny model (cached after the first run)")
             model = generate(REPO / ".cache" / "tiny-model")
+            # Generating the model imported torch: a full collection would walk its
+            # ~350,000 objects and stall the load generator mid-measurement.
+            gc.collect()
+            gc.freeze()
             results = {
                 POLICY_RUN: _run_policy_on(procs, model, run, workload, say),
                 STOCK_RUN: _run_stock(procs, model, run, workload, say),

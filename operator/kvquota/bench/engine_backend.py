@@ -40,7 +40,7 @@ from engine_sidecar.stats import EngineStats
 from kvquota.bench.metrics import Outcome, RunResult, Timeline
 from kvquota.bench.scenario import Scenario, Session, generate_sessions
 from kvquota.bench.twin import BASELINE, POLICIES, PolicySpec, Progress
-from kvquota.loadgen import Target
+from kvquota.loadgen import QUEUE_HEADER, Target
 
 if TYPE_CHECKING:
     import httpx
@@ -70,6 +70,7 @@ class _Reply:
     finish: float | None = None
     output_ids: list[int] = field(default_factory=list)
     cached_tokens: int | None = None  # None: the engine did not report it
+    queued_seconds: float = 0.0  # the sidecar's x-kvquota-queue-ms (0 from stock vLLM)
 
 
 async def complete(
@@ -101,6 +102,7 @@ async def complete(
             retry_after = resp.headers.get("retry-after")
             reply.retry_after = float(retry_after) if retry_after else None
             return reply
+        reply.queued_seconds = float(resp.headers.get(QUEUE_HEADER) or 0) / 1000
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -210,6 +212,7 @@ class _Driver:
             outcome.first_token = reply.first_token
             outcome.finish = reply.finish
             outcome.output_tokens = len(reply.output_ids)
+            outcome.queued_seconds = reply.queued_seconds
             if reply.cached_tokens is None:
                 self.cached_unknown = True
             else:
