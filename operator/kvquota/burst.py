@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import multiprocessing
-import os
 import random
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -34,7 +33,6 @@ from kvquota.loadgen import (
 
 STOP_SECONDS = 10.0
 READY_SECONDS = 60.0
-BURST_NICENESS = 10
 
 
 @dataclass(frozen=True)
@@ -133,12 +131,7 @@ class BurstClient:
 
 
 def _serve(conn: Connection, spec: BurstSpec) -> None:
-    """Child process: run waves on command until told to stop.
-
-    It runs niced: it stands for other clients, on other machines in production, and
-    on this one its CPU should not come out of the measuring client's or the servers'
-    share (in both runs alike)."""
-    os.nice(BURST_NICENESS)
+    """Child process: run waves on command until told to stop."""
     conn.send(("ready",))
     asyncio.run(_Burst(conn, spec).run())
 
