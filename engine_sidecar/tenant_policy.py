@@ -176,8 +176,11 @@ class SessionPauses:
     A lease lapses `PAUSE_FACTOR` times the session's typical pause after its last
     activity, never later than the tenant's `lease.seconds` and never sooner than
     `MIN_HOLD_S`. The typical pause is an exponentially weighted mean of the session's
-    observed gaps (end of a turn to the next request); a session with none yet uses its
-    tenant's, and a tenant with none yet gets the full `lease.seconds`.
+    observed gaps (end of a turn to the next request). A session with none yet gets
+    the full `lease.seconds` the platform team declared: one tenant's sessions need not
+    share a rhythm (an agent's loop and a person reading an answer), so its other
+    sessions' pauses say little about this one's first. The tenant's typical pause only
+    orders retention (`RetentionOrder`).
 
     Why 4: think times of people and agents are roughly exponential, and an exponential
     pause exceeds 4 times its mean with probability e^-4 (under 2%), so a returning
@@ -223,10 +226,8 @@ class SessionPauses:
 
     def hold_seconds(self, key: tuple[str, str]) -> float:
         """How long the lease of `key` should last after the session's last activity,
-        before the tenant's `lease.seconds` caps it (inf: nothing observed yet)."""
+        before the tenant's `lease.seconds` caps it (inf: no pause of its own yet)."""
         typical = self._session_mean.get(key)
-        if typical is None:
-            typical = self._tenant_mean.get(key[0])
         if typical is None:
             return math.inf
         return max(self.MIN_HOLD_S, self.PAUSE_FACTOR * typical)

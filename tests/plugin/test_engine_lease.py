@@ -58,6 +58,10 @@ async def test_two_turn_session_keeps_its_prefix_under_pressure(engine):
     previous = engine.policy_path.read_text() if engine.policy_path.exists() else None
     write_policy(engine.policy_path, policy)
     rng = random.Random(uuid.uuid4().int)  # fresh prompts: the engine is shared
+    # A session of its own: the plugin times a lease by the session's earlier pauses,
+    # and this one has none, so it holds for the whole lease however long the burst
+    # takes on this machine.
+    session = f"chat-{uuid.uuid4().hex[:8]}"
 
     def prompt(n: int) -> list[int]:
         return [rng.randrange(16, 2000) for _ in range(n)]
@@ -73,9 +77,9 @@ async def test_two_turn_session_keeps_its_prefix_under_pressure(engine):
             control1 = prompt(PROMPT_TOKENS)
             answer, control_answer = await asyncio.gather(
                 _complete(client, model, turn1, 16, tenant_id="acme", priority=0,
-                          session="chat-1"),
+                          session=session),
                 _complete(client, model, control1, 16, tenant_id="plain", priority=0,
-                          session="chat-1"),
+                          session=session),
             )
             leased = wait_stats(engine.stats_path,
                                  lambda s: s.tenants["acme"].leased_sessions == 1)
@@ -92,9 +96,9 @@ async def test_two_turn_session_keeps_its_prefix_under_pressure(engine):
 
             context, control_context = [*turn1, *answer], [*control1, *control_answer]
             await _complete(client, model, [*context, *prompt(40)], 8, tenant_id="acme",
-                            priority=0, session="chat-1")
+                            priority=0, session=session)
             await _complete(client, model, [*control_context, *prompt(40)], 8,
-                            tenant_id="plain", priority=0, session="chat-1")
+                            tenant_id="plain", priority=0, session=session)
 
         after = wait_stats(
             engine.stats_path,

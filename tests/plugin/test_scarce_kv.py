@@ -193,3 +193,12 @@ def test_a_lease_lasts_a_few_of_the_sessions_own_pauses(
     # (the earlier leases were renewed by the next turn: their session came back). Each
     # measured pause also holds the 10 ms step in which the turn finished: 1% of margin.
     assert stats.idle_lease_block_seconds == pytest.approx(leased * 12.0, rel=0.01)
+
+    # A new session of the same tenant has shown no pause of its own: it keeps its
+    # lease for the tier's whole 300 s, whatever the tenant's other sessions did.
+    harness.add_request("new", tokens(320), 16, priority=0, tenant="acme", session="s2")
+    harness.run_until_done()
+    harness.advance(120.0)
+    harness.add_request("tick", tokens(32), 1, priority=0, tenant="acme")
+    harness.run_until_done()
+    assert harness.kvq_stats().tenants["acme"].leases.get("s2") is not None

@@ -100,7 +100,7 @@ def evaluate(document: dict[str, Any]) -> list[Check]:
                             ", ".join(f"{t} {r:.2f}x" for t, r in ratios)))
     tput = ours["throughput"] / fcfs["throughput"] if fcfs["throughput"] else None
     if tput is not None:
-        checks.append(Check("tput", tput >= THROUGHPUT_VS_FCFS, f"{tput:.2f}x"))
+        checks.append(Check("tput", tput >= THROUGHPUT_VS_FCFS, f"{tput:.3f}x"))
     return checks
 
 
