@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,9 @@ class StubEngine:
     mode: str = "ok"  # ok | error500 | hang_headers | hang_midstream | drop_midstream
     chunks: int = 3
     chunk_delay: float = 0.0
+    # Set: every stream stops after its first chunk until the test sets the event (a
+    # request that holds its slot for exactly as long as the test needs).
+    hold: threading.Event | None = None
     received: list[dict[str, Any]] = field(default_factory=list)
     received_headers: list[dict[str, str]] = field(default_factory=list)
     active: int = 0  # generation requests currently being served
@@ -86,6 +90,8 @@ class StubEngine:
             chunk = {"choices": [{"index": 0, "text": f"t{i}"}]}
             await send({"type": "http.response.body", "more_body": True,
                         "body": b"data: " + json.dumps(chunk).encode() + b"\n\n"})
+            if i == 0 and self.hold is not None:
+                await asyncio.to_thread(self.hold.wait, 60)
             if i == 0 and self.mode == "hang_midstream":
                 await asyncio.sleep(3600)
             if i == 0 and self.mode == "drop_midstream":

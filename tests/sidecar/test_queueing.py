@@ -36,11 +36,11 @@ def _in_background(call: Any) -> tuple[threading.Thread, list[Any]]:
 
 
 def _slot_taken(
-    stub_sidecar: StubFactory, keys: Keys, chunks: int, **limits: Any
+    stub_sidecar: StubFactory, keys: Keys, **limits: Any
 ) -> tuple[Harness, StubEngine, str, threading.Thread, list[Any]]:
-    """A sidecar whose tenant's one concurrency slot is held by a stream of `chunks`
-    chunks 0.1 s apart."""
-    harness, stub = stub_sidecar(StubEngine(chunks=chunks, chunk_delay=0.1))
+    """A sidecar whose tenant's one concurrency slot is held by a stream that goes on
+    until the test sets `stub.hold`."""
+    harness, stub = stub_sidecar(StubEngine(chunks=3, hold=threading.Event()))
     harness.apply(make_policy(tenant("acme", max_concurrent_requests=1, **limits)))
     token = keys.hs("acme")
     first, first_out = _in_background(lambda: _post(harness.url, token, timeout=30))
@@ -51,20 +51,27 @@ def _slot_taken(
 def test_a_queued_request_is_admitted_when_the_slot_frees(
     stub_sidecar: StubFactory, keys: Keys
 ) -> None:
-    harness, stub, token, first, first_out = _slot_taken(stub_sidecar, keys, 20)
+    harness, stub, token, first, first_out = _slot_taken(stub_sidecar, keys)
     second, second_out = _in_background(lambda: _post(harness.url, token, timeout=30))
     wait_for(lambda: harness.gateway.queue.depth("acme") == 1, 10, "second never queued")
+    queued_by = time.monotonic()
     status = httpx.get(harness.url + "/kvquota/status").json()
     assert status["tenants"]["acme"]["usage"]["queued"] == 1
     metrics = httpx.get(harness.url + "/metrics").text
     assert 'kvquota_tenant_queued_requests{tenant_id="acme"} 1.0' in metrics
     assert stub.active == 1  # the engine never saw two at once
+    released_at = time.monotonic()
+    assert stub.hold is not None
+    stub.hold.set()
     first.join(30), second.join(30)
     (first_reply,), (second_reply,) = first_out, second_out
     assert first_reply.status_code == second_reply.status_code == 200
     assert int(first_reply.headers["x-kvquota-queue-ms"]) == 0
-    # It waited for the whole first stream (20 chunks, 0.1 s apart, less what had gone).
-    assert int(second_reply.headers["x-kvquota-queue-ms"]) >= 500
+    # It waited at least from when it was seen queued until the first stream was let
+    # go (the sidecar runs in this process: one monotonic clock; the header rounds to
+    # the millisecond, hence the 1 ms).
+    waited_ms = (released_at - queued_by) * 1000
+    assert int(second_reply.headers["x-kvquota-queue-ms"]) >= waited_ms - 1
     assert len(stub.received) == 2 and harness.wait_ledger_empty()
     assert harness.gateway.queue.depth("acme") == 0
 
@@ -72,11 +79,13 @@ def test_a_queued_request_is_admitted_when_the_slot_frees(
 def test_a_client_that_gives_up_while_queued_leaves_no_trace(
     stub_sidecar: StubFactory, keys: Keys
 ) -> None:
-    harness, stub, token, first, _ = _slot_taken(stub_sidecar, keys, 30)
+    harness, stub, token, first, _ = _slot_taken(stub_sidecar, keys)
     gone, gone_out = _in_background(lambda: _post(harness.url, token, timeout=0.5))
     gone.join(10)
     assert isinstance(gone_out[0], httpx.TimeoutException)
     wait_for(lambda: harness.gateway.queue.depth("acme") == 0, 10, "still queued")
+    assert stub.hold is not None
+    stub.hold.set()
     first.join(30)
     assert harness.wait_ledger_empty()
     assert len(stub.received) == 1  # the abandoned request never reached the engine
@@ -85,8 +94,7 @@ def test_a_client_that_gives_up_while_queued_leaves_no_trace(
 def test_past_the_tiers_bound_a_queued_request_is_refused_with_retry_after(
     stub_sidecar: StubFactory, keys: Keys
 ) -> None:
-    harness, stub, token, first, _ = _slot_taken(stub_sidecar, keys, 40,
-                                                 max_queue_seconds=0.5)
+    harness, stub, token, first, _ = _slot_taken(stub_sidecar, keys, max_queue_seconds=0.5)
     started = time.monotonic()
     refused = _post(harness.url, token, timeout=30)
     waited = time.monotonic() - started
@@ -94,5 +102,7 @@ def test_past_the_tiers_bound_a_queued_request_is_refused_with_retry_after(
     assert refused.json()["error"]["code"] == "TENANT_CONCURRENCY_EXHAUSTED"
     assert int(refused.headers["retry-after"]) >= 1
     assert waited >= 0.5  # it did wait its bound first
+    assert stub.hold is not None
+    stub.hold.set()
     first.join(30)
     assert harness.wait_ledger_empty() and len(stub.received) == 1
