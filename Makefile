@@ -8,9 +8,14 @@ STAMP := $(VENV)/.kvquota-installed
 
 $(STAMP): pyproject.toml
 	@echo "Setting up $(VENV): kvquota with its test and engine extras (vLLM's CPU build,"
-	@echo "torch, transformers; about 2 minutes, pip is quiet meanwhile). Once only."
+	@echo "torch, transformers; a few minutes). Once only."
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test,engine]'
+	@# pip is quiet (its full output buries errors): an elapsed-time line every 10 s.
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test,engine]' & pid=$$!; \
+	  start=$$(date +%s); \
+	  while kill -0 $$pid 2>/dev/null; do \
+	    sleep 10; kill -0 $$pid 2>/dev/null && echo "  ... pip still installing ($$(( $$(date +%s) - start ))s)"; \
+	  done; wait $$pid
 	# Beside torch 2.13.0+cpu these break `import transformers` (torchvision::nms).
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
