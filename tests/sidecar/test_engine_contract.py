@@ -198,7 +198,10 @@ def test_prompt_counts_match_vllm_and_limits_are_400(sidecar: Harness, keys: Key
 # --------------------------------------------------------------- 429 and 503
 
 def test_concurrency_limit_is_429_while_a_stream_is_held(sidecar: Harness, keys: Keys) -> None:
-    sidecar.apply(make_policy(tenant("acme", max_tokens=2000, max_concurrent_requests=1)))
+    # maxQueueSeconds 0: refused at once. With a bound, the request would wait in the
+    # sidecar's queue, and whether the held stream ends first would be a race.
+    sidecar.apply(make_policy(tenant("acme", max_tokens=2000, max_concurrent_requests=1,
+                                     max_queue_seconds=0)))
     token = keys.hs("acme")
     with _held_stream(sidecar, token, {"max_tokens": 2000}) as first_line:
         held = _status(sidecar).tenants["acme"].usage
@@ -213,7 +216,9 @@ def test_concurrency_limit_is_429_while_a_stream_is_held(sidecar: Harness, keys:
 
 def test_block_quota_is_429_while_a_stream_is_held(sidecar: Harness, keys: Keys) -> None:
     # ceil((6 + 2000) / 32) = 63 blocks held; another 63 would exceed 100.
-    sidecar.apply(make_policy(tenant("acme", max_tokens=2000, max_blocks=100)))
+    # maxQueueSeconds 0: refused at once (see the concurrency test above).
+    sidecar.apply(make_policy(tenant("acme", max_tokens=2000, max_blocks=100,
+                                     max_queue_seconds=0)))
     token = keys.hs("acme")
     with _held_stream(sidecar, token, {"max_tokens": 2000}):
         held = _status(sidecar).tenants["acme"].usage
