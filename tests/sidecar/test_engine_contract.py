@@ -55,21 +55,27 @@ def _wait_ledger_empty(harness: Harness, timeout: float = 30.0) -> None:
 
 
 @contextmanager
-def _held_stream(harness: Harness, token: str, body: dict[str, Any]) -> Iterator[str]:
-    """A streaming request that stays admitted while the engine generates its 2,000
-    tokens (seconds on the tiny CPU model): the sidecar releases a reservation when the
-    engine is done with the request, not when the client has read it all. Check what
-    depends on it right away. The client stops reading after one line; small socket
-    buffers keep the sidecar from draining the stream meanwhile."""
+def _held_stream(harness: Harness, token: str, body: dict[str, Any]) -> Iterator[None]:
+    """A streaming request that stays admitted until the block exits.
+
+    The sidecar releases a reservation once it has relayed the engine's last byte, so
+    the stream is held by a client that reads none of the body: the sidecar can relay
+    only what the buffers between it and the client take (a 16 KiB send buffer, the
+    server's 64 KiB write high-water mark, a 4 KiB receive buffer; Linux doubles the
+    socket ones: about 0.2 MB at most). The stream's size must not hang on how fast the
+    engine runs: vLLM merges token deltas into one event when its server lags (under
+    load, a 2,000-token stream can shrink from 0.5 MB to a few KB). `logprobs: 20` adds
+    about 460 bytes per token that merging keeps (measured here: 0.93 MB for 2,000
+    tokens), so at least 4x the buffers must wait for a reader that never comes.
+    """
     small_window = httpx.HTTPTransport(
         socket_options=[(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)])
     with httpx.Client(timeout=60, transport=small_window) as client, client.stream(
         "POST", harness.url + "/v1/completions", headers=_bearer(token),
-        json={"prompt": PROMPT, "stream": True, "ignore_eos": True, **body},
+        json={"prompt": PROMPT, "stream": True, "ignore_eos": True, "logprobs": 20, **body},
     ) as response:
         assert response.status_code == 200, response.read()
-        lines = response.iter_lines()  # keep it referenced: closing it disconnects
-        yield next(lines)
+        yield  # admitted: the sidecar sends the status once the engine has accepted it
 
 
 # ------------------------------------------------------------------ auth matrix
@@ -203,11 +209,11 @@ def test_concurrency_limit_is_429_while_a_stream_is_held(sidecar: Harness, keys:
     sidecar.apply(make_policy(tenant("acme", max_tokens=2000, max_concurrent_requests=1,
                                      max_queue_seconds=0)))
     token = keys.hs("acme")
-    with _held_stream(sidecar, token, {"max_tokens": 2000}) as first_line:
+    with _held_stream(sidecar, token, {"max_tokens": 2000}):
         held = _status(sidecar).tenants["acme"].usage
         refused = _post(sidecar, {"prompt": PROMPT, "max_tokens": 1}, token)
-    assert held.inflight == 1, (held, first_line)
-    assert refused.status_code == 429, (refused.text, first_line)
+    assert held.inflight == 1, held
+    assert refused.status_code == 429, refused.text
     assert refused.json()["error"]["code"] == "TENANT_CONCURRENCY_EXHAUSTED"
     assert int(refused.headers["retry-after"]) >= 1
     _wait_ledger_empty(sidecar)
