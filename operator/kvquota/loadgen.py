@@ -55,13 +55,18 @@ class Result:
     client_lag: float | None = None
 
 
+def no_headers(_tenant: str) -> dict[str, str]:
+    return {}
+
+
 @dataclass(frozen=True)
 class Target:
-    """Where to send requests and how a tenant authenticates there."""
+    """Where to send requests and how a tenant authenticates there (picklable when
+    `headers` is: a client process of its own may get it)."""
 
     url: str
     model: str
-    headers: Callable[[str], dict[str, str]] = lambda tenant: {}
+    headers: Callable[[str], dict[str, str]] = no_headers
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,12 @@ stop a random-weight model at a chosen length other than by `max_tokens`, so a r
 asks for exactly its drawn output length (capped by the client's `maxTokens`): the
 sidecar therefore reserves less than in the twin, where the client's `maxTokens` is
 reserved and the model stops earlier. Refused requests are retried after Retry-After,
-as in the twin. KV usage per tier comes from the plugin's stats file (KVQuota); for
-stock vLLM only `/metrics` could tell (a total), and it is empty while
-`kvquota.processes` starts vLLM with `--disable-log-stats`.
+as in the twin. The noisy tiers (those the baseline drops) are played by a client
+process of their own: in one event loop their hundreds of streams and retries held the
+loop for up to 1.6 s on 2 cores, and premium TTFT then measured the load generator.
+KV usage per tier comes from the plugin's stats file (KVQuota); for stock vLLM only
+`/metrics` could tell (a total), and it is empty while `kvquota.processes` starts vLLM
+with `--disable-log-stats`.
 """
 
 from __future__ import annotations
@@ -27,11 +30,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import re
 import secrets
 import tempfile
 import time
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -143,10 +148,22 @@ class _Driver:
         return time.monotonic() - self.t0
 
     async def run(self) -> None:
+        """Warm up, then play the sessions: the noisy tiers' from a child process when
+        the scenario has both kinds."""
         import httpx
 
+        noisy = set(self.scenario.baseline.drop_tiers)
+        own = [s for s in self.sessions if s.tier not in noisy]
+        others = [s for s in self.sessions if s.tier in noisy]
+        if not own or not others:
+            own, others = self.sessions, []
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
-        async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
+        async with contextlib.AsyncExitStack() as stack:
+            # Started first: its interpreter start-up must not overlap measured requests.
+            noise = await stack.enter_async_context(
+                _NoiseClient(self, others)) if others else None
+            client = await stack.enter_async_context(
+                httpx.AsyncClient(timeout=600.0, limits=limits))
             # Warm-up (first allocations, shapes of a long prefill and of a batch):
             # not measured. Distinct prompts, so nothing of it is cached for the run.
             tenant = next(iter(self.policy.tenants))
@@ -158,12 +175,25 @@ class _Driver:
                 for i in range(8)
             ))
             self.t0 = time.monotonic()
-            tasks = [asyncio.create_task(self._session(client, s)) for s in self.sessions]
-            deadline = self.scenario.duration + self.scenario.drain_timeout
-            _, pending = await asyncio.wait(tasks, timeout=deadline)
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+            if noise is None:
+                await self.play(client, own)
+            else:  # read the child's progress meanwhile, so its pipe never fills
+                noise.go(self.t0)
+                await asyncio.gather(self.play(client, own), noise.collect())
+
+    @property
+    def deadline(self) -> float:
+        """Seconds after t0 when unfinished sessions are cancelled."""
+        return self.scenario.duration + self.scenario.drain_timeout
+
+    async def play(self, client: httpx.AsyncClient, sessions: list[Session]) -> None:
+        tasks = [asyncio.create_task(self._session(client, s)) for s in sessions]
+        if not tasks:
+            return
+        _, pending = await asyncio.wait(tasks, timeout=self.deadline)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
 
     async def _session(self, client: httpx.AsyncClient, session: Session) -> None:
         await asyncio.sleep(max(0.0, session.start - self.clock()))
@@ -203,7 +233,7 @@ class _Driver:
                     )
                     continue
                 break
-            self._settle()
+            self.settle()
             if reply is None or reply.status != 200:
                 if outcome.status != "failed":
                     outcome.status = "rejected" if outcome.rejections else "failed"
@@ -219,10 +249,108 @@ class _Driver:
                 outcome.cached_tokens = reply.cached_tokens
             context = prompt + reply.output_ids
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
         self.settled += 1
         if self.progress is not None:
             self.progress(self.spec.key, self.settled, self.planned, self.clock())
+
+
+NOISE_READY_SECONDS = 60.0
+NOISE_GRACE_SECONDS = 30.0  # after the deadline, for the child to send its outcomes
+
+
+class NoiseClientFailed(RuntimeError):
+    """The noisy tiers' client process did not start or did not report."""
+
+
+class _NoiseClient:
+    """Parent side of the noisy tiers' client process: it plays `sessions` on the
+    parent's clock (time.monotonic is system-wide) and sends back their outcomes."""
+
+    def __init__(self, driver: _Driver, sessions: list[Session]) -> None:
+        context = multiprocessing.get_context("spawn")  # no fork of a running event loop
+        self._driver = driver
+        self._conn, child = context.Pipe()
+        self._child = child
+        self._process = context.Process(
+            target=_play_noise, daemon=True, name="kvquota-bench-noise",
+            args=(child, driver.scenario, sessions, driver.spec, driver.target),
+        )
+
+    async def __aenter__(self) -> _NoiseClient:
+        self._process.start()
+        self._child.close()
+        ready = await asyncio.to_thread(self._conn.poll, NOISE_READY_SECONDS)
+        try:
+            if ready and self._conn.recv() == ("ready",):
+                return self
+        except EOFError:
+            pass
+        raise NoiseClientFailed(f"the noisy tiers' client did not start in "
+                                f"{NOISE_READY_SECONDS:.0f}s (exit code "
+                                f"{self._process.exitcode})")
+
+    async def __aexit__(self, *_exc: object) -> None:
+        self._conn.close()  # a child still playing sees EOF when it reports
+        await asyncio.to_thread(self._process.join, NOISE_GRACE_SECONDS)
+        if self._process.is_alive():
+            self._process.terminate()
+            await asyncio.to_thread(self._process.join, NOISE_GRACE_SECONDS)
+
+    def go(self, t0: float) -> None:
+        self._conn.send(("go", t0))
+
+    async def collect(self) -> None:
+        """Relay the child's progress until it reports its outcomes."""
+        driver = self._driver
+        loop = asyncio.get_running_loop()
+        reported: asyncio.Future[None] = loop.create_future()
+
+        def readable() -> None:
+            try:
+                while not reported.done() and self._conn.poll():
+                    message = self._conn.recv()
+                    if message[0] == "settled":
+                        driver.settle()
+                        continue
+                    _, outcomes, cached_unknown = message
+                    driver.outcomes.extend(outcomes)
+                    driver.cached_unknown |= cached_unknown
+                    reported.set_result(None)
+            except (EOFError, OSError):
+                reported.set_exception(NoiseClientFailed(
+                    f"the noisy tiers' client exited (code {self._process.exitcode})"))
+
+        loop.add_reader(self._conn.fileno(), readable)
+        limit = driver.t0 + driver.deadline + NOISE_GRACE_SECONDS
+        try:
+            await asyncio.wait_for(reported, max(0.0, limit - time.monotonic()))
+        except TimeoutError:
+            raise NoiseClientFailed("the noisy tiers' client did not report in time") from None
+        finally:
+            loop.remove_reader(self._conn.fileno())
+
+
+def _play_noise(conn: Connection, scenario: Scenario, sessions: list[Session],
+                spec: PolicySpec, target: Target) -> None:
+    """Child process: wait for the parent's t0, play the sessions, send the outcomes."""
+    driver = _Driver(scenario, sessions, spec, target,
+                     progress=lambda *_args: conn.send(("settled",)))
+    conn.send(("ready",))
+    try:
+        _, driver.t0 = conn.recv()
+    except EOFError:
+        return  # the parent gave up before the run started
+
+    async def play() -> None:
+        import httpx
+
+        limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
+        async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
+            await driver.play(client, sessions)
+
+    asyncio.run(play())
+    conn.send(("outcomes", driver.outcomes, driver.cached_unknown))
 
 
 _METRIC = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})?\s+([0-9.eE+-]+)$")
@@ -269,6 +397,15 @@ def _read_stats(path: Path) -> EngineStats | None:
         return EngineStats.model_validate_json(path.read_bytes())
     except (OSError, ValueError):
         return None
+
+
+@dataclass(frozen=True)
+class _TrustedTenant:
+    """`Target.headers` for the sidecar's trusted tenant header (picklable: the noisy
+    tiers' client process gets it too)."""
+
+    def __call__(self, tenant: str) -> dict[str, str]:
+        return {TENANT_HEADER: tenant}
 
 
 @dataclass(frozen=True)
@@ -324,9 +461,7 @@ def _start_stack(
         extra_args=["--retry-after", str(scenario.clients.retry_after_seconds)],
     )
     procs.start(sidecar).wait_http(sidecar_url + "/readyz", 120)
-    return engine_env, engine_url, Target(
-        sidecar_url, str(model), lambda tenant: {TENANT_HEADER: tenant}
-    )
+    return engine_env, engine_url, Target(sidecar_url, str(model), _TrustedTenant())
 
 
 def _stats_path(engine_env: dict[str, str]) -> Path | None:
