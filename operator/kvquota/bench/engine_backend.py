@@ -334,9 +334,12 @@ class _NoiseClient:
 def _play_noise(conn: Connection, scenario: Scenario, sessions: list[Session],
                 spec: PolicySpec, target: Target) -> None:
     """Child process: wait for the parent's t0, play the sessions, send the outcomes."""
-    driver = _Driver(scenario, sessions, spec, target,
-                     progress=lambda *_args: conn.send(("settled",)))
-    conn.send(("ready",))
+    def send(*message: Any) -> None:
+        with contextlib.suppress(OSError):  # the parent is gone: its run failed
+            conn.send(message)
+
+    driver = _Driver(scenario, sessions, spec, target, progress=lambda *_: send("settled"))
+    send("ready")
     try:
         _, driver.t0 = conn.recv()
     except EOFError:
@@ -350,7 +353,7 @@ def _play_noise(conn: Connection, scenario: Scenario, sessions: list[Session],
             await driver.play(client, sessions)
 
     asyncio.run(play())
-    conn.send(("outcomes", driver.outcomes, driver.cached_unknown))
+    send("outcomes", driver.outcomes, driver.cached_unknown)
 
 
 _METRIC = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})?\s+([0-9.eE+-]+)$")
