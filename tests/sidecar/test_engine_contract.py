@@ -63,10 +63,11 @@ def _held_stream(harness: Harness, token: str, body: dict[str, Any]) -> Iterator
     only what the buffers between it and the client take (a 16 KiB send buffer, the
     server's 64 KiB write high-water mark, a 4 KiB receive buffer; Linux doubles the
     socket ones: about 0.2 MB at most). The stream's size must not hang on how fast the
-    engine runs: vLLM merges token deltas into one event when its server lags (under
-    load, a 2,000-token stream can shrink from 0.5 MB to a few KB). `logprobs: 20` adds
-    about 460 bytes per token that merging keeps (measured here: 0.93 MB for 2,000
-    tokens), so at least 4x the buffers must wait for a reader that never comes.
+    engine runs: vLLM merges the token deltas its server has not sent yet into one
+    event, so a 2,000-token stream (0.52 MB, measured on an idle machine) shrinks when
+    that server lags; without logprobs, 2 of 12 runs under 3 CPU hogs lost the hold.
+    `logprobs: 20` adds about 460 bytes per token that merging keeps (0.93 MB for 2,000
+    tokens, measured), so at least 4x the buffers wait for a reader that never comes.
     """
     small_window = httpx.HTTPTransport(
         socket_options=[(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)])
