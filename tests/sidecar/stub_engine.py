@@ -30,6 +30,11 @@ class StubEngine:
     received_headers: list[dict[str, str]] = field(default_factory=list)
     active: int = 0  # generation requests currently being served
 
+    def release(self) -> None:
+        """Let held streams go on (see `hold`)."""
+        if self.hold is not None:
+            self.hold.set()
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             while (await receive())["type"] != "lifespan.shutdown":

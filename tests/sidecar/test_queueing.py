@@ -39,7 +39,7 @@ def _slot_taken(
     stub_sidecar: StubFactory, keys: Keys, **limits: Any
 ) -> tuple[Harness, StubEngine, str, threading.Thread, list[Any]]:
     """A sidecar whose tenant's one concurrency slot is held by a stream that goes on
-    until the test sets `stub.hold`."""
+    until the test calls `stub.release()`."""
     harness, stub = stub_sidecar(StubEngine(chunks=3, hold=threading.Event()))
     harness.apply(make_policy(tenant("acme", max_concurrent_requests=1, **limits)))
     token = keys.hs("acme")
@@ -61,8 +61,7 @@ def test_a_queued_request_is_admitted_when_the_slot_frees(
     assert 'kvquota_tenant_queued_requests{tenant_id="acme"} 1.0' in metrics
     assert stub.active == 1  # the engine never saw two at once
     released_at = time.monotonic()
-    assert stub.hold is not None
-    stub.hold.set()
+    stub.release()
     first.join(30), second.join(30)
     (first_reply,), (second_reply,) = first_out, second_out
     assert first_reply.status_code == second_reply.status_code == 200
@@ -84,8 +83,7 @@ def test_a_client_that_gives_up_while_queued_leaves_no_trace(
     gone.join(10)
     assert isinstance(gone_out[0], httpx.TimeoutException)
     wait_for(lambda: harness.gateway.queue.depth("acme") == 0, 10, "still queued")
-    assert stub.hold is not None
-    stub.hold.set()
+    stub.release()
     first.join(30)
     assert harness.wait_ledger_empty()
     assert len(stub.received) == 1  # the abandoned request never reached the engine
@@ -102,7 +100,6 @@ def test_past_the_tiers_bound_a_queued_request_is_refused_with_retry_after(
     assert refused.json()["error"]["code"] == "TENANT_CONCURRENCY_EXHAUSTED"
     assert int(refused.headers["retry-after"]) >= 1
     assert waited >= 0.5  # it did wait its bound first
-    assert stub.hold is not None
-    stub.hold.set()
+    stub.release()
     first.join(30)
     assert harness.wait_ledger_empty() and len(stub.received) == 1
