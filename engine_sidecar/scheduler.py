@@ -156,7 +156,7 @@ class TenantAwareScheduler(compat.Scheduler):
         self._kvq_ids: dict[str, Identity] = {}
         # Sessions with a request in the engine: their lease is not idle.
         self._kvq_active: Counter[tuple[str, str]] = Counter()
-        self._kvq_leases: LeaseTable[KVCacheBlock] = LeaseTable()
+        self._kvq_leases: LeaseTable[KVCacheBlock] = LeaseTable(compat.block_id)
         self._kvq_pauses = SessionPauses()
         # A waiting request that found no room in the last step, the key it ranks with
         # and the free blocks it needed: running work ranked above it is preempted
@@ -636,8 +636,10 @@ class TenantAwareScheduler(compat.Scheduler):
             return  # nothing cached (e.g. aborted before prefill): keep any older lease
         compat.pin_blocks(self, blocks)
         now = self._kvq_clock()
-        hold = self._kvq_pauses.hold_seconds(key)
-        lease = Lease(key[0], key[1], blocks, now, now + min(seconds, hold), hold)
+        pauses = self._kvq_pauses
+        hold = pauses.hold_seconds(key)
+        lease = Lease(key[0], key[1], blocks, now, now + min(seconds, hold), hold,
+                      pauses.return_pause(key))
         # The new references are taken before the replaced lease drops its own, so a
         # prefix shared by both never reaches refcount 0.
         for old, drop in self._kvq_leases.put(lease, policy):
@@ -660,6 +662,8 @@ class TenantAwareScheduler(compat.Scheduler):
         counters.idle_lease_block_seconds += lease.num_blocks * max(
             0.0, min(now, lease.expires_at) - lease.last_activity
         )
+        if why is not LeaseDrop.POLICY and why is not LeaseDrop.RESET:
+            self._kvq_pauses.lease_lapsed(lease.tenant)
         if isinstance(why, LeaseDrop):
             counters.lease_drops[why] += 1
             return

@@ -50,8 +50,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections import Counter, deque
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
 from typing import Any, Generic, TypeVar
@@ -148,10 +148,20 @@ class Lease(Generic[B]):
     last_activity: float
     expires_at: float
     pause_hold: float = math.inf  # SessionPauses.hold_seconds when the lease was taken
+    pause: float | None = None  # SessionPauses.return_pause: None, no rhythm to go by
 
     @property
     def key(self) -> tuple[str, str]:
         return (self.tenant, self.session)
+
+    def expected_return(self, now: float) -> float:
+        """When its session should be back: one typical pause after its last activity,
+        or, once overdue, one pause from now (no nearer than a fresh one). Without a
+        rhythm every lease says `now`, and the caps fall back to the oldest first."""
+        if self.pause is None:
+            return now
+        due = self.last_activity + self.pause
+        return due if due > now else now + self.pause
 
     @property
     def num_blocks(self) -> int:
@@ -179,7 +189,11 @@ class SessionPauses:
     observed gaps (end of a turn to the next request). A session with none yet gets
     the full `lease.seconds` the platform team declared: one tenant's sessions need not
     share a rhythm (an agent's loop and a person reading an answer), so its other
-    sessions' pauses say little about this one's first. The tenant's typical pause only
+    sessions' pauses say little about this one's first. One thing the tenant's sessions
+    do say: whether they come back at all. When none of the last `RETURN_WINDOW` leases
+    of a tenant saw its session return (one-shot API calls that happen to carry a
+    session id), a session with no pause of its own holds only `MIN_HOLD_S`; one
+    return in that window restores the full lease. The tenant's typical pause also
     orders retention (`RetentionOrder`).
 
     Why 4: think times of people and agents are roughly exponential, and an exponential
@@ -193,11 +207,32 @@ class SessionPauses:
     MIN_HOLD_S = 10.0
     WEIGHT = 0.3  # of the newest gap in the mean
     MAX_SESSIONS = 65_536
+    RETURN_WINDOW = 20  # a tenant's latest lease outcomes (came back or not) kept
+    SPREAD_WEIGHT = 0.05  # of the newest gap in the tenant's spread (~20 gaps)
+    REGULAR_SAMPLES = 20
+    REGULAR_CV = 0.5
 
     def __init__(self) -> None:
         self._ended: dict[tuple[str, str], float] = {}  # session -> end of its last turn
         self._session_mean: dict[tuple[str, str], float] = {}
         self._tenant_mean: dict[str, float] = {}
+        self._returns: dict[str, deque[bool]] = {}  # tenant -> latest outcomes
+        self._spread: dict[str, tuple[int, float, float]] = {}  # tenant -> n, E[gap], E[gap²]
+
+    def _outcome(self, tenant: str, came_back: bool) -> None:
+        window = self._returns.get(tenant)
+        if window is None:
+            window = self._returns[tenant] = deque(maxlen=self.RETURN_WINDOW)
+        window.append(came_back)
+
+    def lease_lapsed(self, tenant: str) -> None:
+        """A lease of `tenant` ended before its session came back."""
+        self._outcome(tenant, False)
+
+    def comes_back(self, tenant: str) -> bool:
+        """False once none of the tenant's last `RETURN_WINDOW` leases saw a return."""
+        window = self._returns.get(tenant)
+        return window is None or len(window) < self.RETURN_WINDOW or any(window)
 
     def turn_ended(self, key: tuple[str, str], now: float) -> None:
         ended = self._ended
@@ -214,8 +249,13 @@ class SessionPauses:
         if ended is None:
             return
         gap = max(0.0, now - ended)
+        tenant = key[0]
+        self._outcome(tenant, True)
         self._session_mean[key] = self._mix(self._session_mean.get(key), gap)
-        self._tenant_mean[key[0]] = self._mix(self._tenant_mean.get(key[0]), gap)
+        self._tenant_mean[tenant] = self._mix(self._tenant_mean.get(tenant), gap)
+        n, mean, square = self._spread.get(tenant, (0, gap, gap * gap))
+        w = max(self.SPREAD_WEIGHT, 1.0 / (n + 1))
+        self._spread[tenant] = (n + 1, mean + w * (gap - mean), square + w * (gap * gap - square))
 
     def _mix(self, mean: float | None, gap: float) -> float:
         return gap if mean is None else mean + self.WEIGHT * (gap - mean)
@@ -224,12 +264,29 @@ class SessionPauses:
         """The mean pause of `tenant`'s sessions, None before one was seen."""
         return self._tenant_mean.get(tenant)
 
+    def regular(self, tenant: str) -> bool:
+        """Do the tenant's pauses keep a rhythm (coefficient of variation at most
+        `REGULAR_CV`, over at least `REGULAR_SAMPLES` of them)? Exponential think times
+        have a CV of 1; people reading answers of similar length, far less."""
+        n, mean, square = self._spread.get(tenant, (0, 0.0, 0.0))
+        if n < self.REGULAR_SAMPLES or mean <= 0:
+            return False
+        return max(0.0, square - mean * mean) <= (self.REGULAR_CV * mean) ** 2
+
+    def return_pause(self, key: tuple[str, str]) -> float | None:
+        """The pause after which the session should be back, when its tenant's pauses
+        are regular enough to say (`regular`): its own mean, else its tenant's."""
+        if not self.regular(key[0]):
+            return None
+        return self._session_mean.get(key, self._tenant_mean.get(key[0]))
+
     def hold_seconds(self, key: tuple[str, str]) -> float:
         """How long the lease of `key` should last after the session's last activity,
-        before the tenant's `lease.seconds` caps it (inf: no pause of its own yet)."""
+        before the tenant's `lease.seconds` caps it (inf: no pause of its own yet, and
+        the tenant's sessions do come back)."""
         typical = self._session_mean.get(key)
         if typical is None:
-            return math.inf
+            return math.inf if self.comes_back(key[0]) else self.MIN_HOLD_S
         return max(self.MIN_HOLD_S, self.PAUSE_FACTOR * typical)
 
 
@@ -264,13 +321,19 @@ class LeaseTable(Generic[B]):
     """Leases by session, with per-tenant caps and expiry.
 
     The table never touches blocks itself: every method that ends leases returns them
-    (with why), and the caller drops their references. Invariant: at most one lease
-    per (tenant, session); `_next_expiry` is <= every lease's `expires_at`, so
-    `pop_expired` can skip the scan while nothing can have expired.
+    (with why), and the caller drops their references. `lease.maxBlocks` caps the
+    distinct blocks a tenant's leases pin, as vLLM holds them: a system prompt that
+    every session shares counts once, not once per session (`block_key` says which
+    handles are the same block). Invariants: at most one lease per (tenant, session);
+    `_pinned[tenant]` counts, per block, the tenant's leases that hold it;
+    `_next_expiry` is <= every lease's `expires_at`, so `pop_expired` can skip the scan
+    while nothing can have expired.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, block_key: Callable[[B], Hashable] = lambda block: block) -> None:
         self._leases: dict[tuple[str, str], Lease[B]] = {}
+        self._pinned: dict[str, Counter[Hashable]] = {}
+        self._block_key = block_key
         self._next_expiry = math.inf
 
     def __len__(self) -> int:
@@ -296,11 +359,11 @@ class LeaseTable(Generic[B]):
         trims `lease.blocks` to `lease_block_cap()` before taking references.
         """
         released: list[tuple[Lease[B], LeaseDrop | None]] = []
-        old = self._leases.pop(lease.key, None)
+        old = self.pop(lease.key)
         if old is not None:
             released.append((old, None))
         if lease.blocks:
-            self._leases[lease.key] = lease
+            self._add(lease)
             self._next_expiry = min(self._next_expiry, lease.expires_at)
         released.extend((drop, LeaseDrop.CAP) for drop in self._enforce_caps(lease.tenant, policy))
         return released
@@ -314,20 +377,24 @@ class LeaseTable(Generic[B]):
             self._next_expiry = min(self._next_expiry, lease.expires_at)
 
     def pop(self, key: tuple[str, str]) -> Lease[B] | None:
-        return self._leases.pop(key, None)
+        lease = self._leases.get(key)
+        if lease is not None:
+            self._remove(lease)
+        return lease
 
     def pop_expired(self, now: float) -> list[Lease[B]]:
         if now < self._next_expiry:
             return []
         expired = [lease for lease in self._leases.values() if lease.expires_at <= now]
         for lease in expired:
-            del self._leases[lease.key]
+            self._remove(lease)
         self._next_expiry = min((x.expires_at for x in self._leases.values()), default=math.inf)
         return expired
 
     def pop_all(self) -> list[Lease[B]]:
         leases = list(self._leases.values())
         self._leases.clear()
+        self._pinned.clear()
         self._next_expiry = math.inf
         return leases
 
@@ -337,7 +404,7 @@ class LeaseTable(Generic[B]):
         for lease in list(self._leases.values()):
             seconds = lease_seconds(policy, lease.tenant)
             if seconds <= 0:
-                del self._leases[lease.key]
+                self._remove(lease)
                 dropped.append((lease, LeaseDrop.POLICY))
             else:
                 lease.expires_at = lease.last_activity + min(seconds, lease.pause_hold)
@@ -354,6 +421,26 @@ class LeaseTable(Generic[B]):
             totals[lease.tenant] = (sessions + 1, blocks + lease.num_blocks)
         return totals
 
+    def pinned_blocks(self, tenant: str) -> int:
+        """Distinct blocks the tenant's leases pin (what `lease.maxBlocks` caps)."""
+        return len(self._pinned.get(tenant, ()))
+
+    def _add(self, lease: Lease[B]) -> None:
+        self._leases[lease.key] = lease
+        pinned = self._pinned.setdefault(lease.tenant, Counter())
+        pinned.update(map(self._block_key, lease.blocks))
+
+    def _remove(self, lease: Lease[B]) -> None:
+        del self._leases[lease.key]
+        pinned = self._pinned[lease.tenant]
+        for key in map(self._block_key, lease.blocks):
+            if pinned[key] <= 1:
+                del pinned[key]
+            else:
+                pinned[key] -= 1
+        if not pinned:
+            del self._pinned[lease.tenant]
+
     def _enforce_caps(self, tenant: str, policy: EnginePolicy | None) -> list[Lease[B]]:
         tenant_policy = policy.tenant(tenant) if policy is not None else None
         if tenant_policy is None:
@@ -362,21 +449,24 @@ class LeaseTable(Generic[B]):
         max_blocks = tenant_policy.lease.max_blocks
         if not max_sessions and not max_blocks:
             return []
+        # The oldest activity goes first: with irregular (say exponential) pauses, the
+        # longer a session has been idle, the likelier it is gone for good. But when a
+        # tenant's sessions keep a rhythm (`SessionPauses.regular`: people reading long
+        # answers), they come back in the order they left and the oldest is the next to
+        # return: then the lease whose session should be back last goes first, as
+        # dropping the oldest would drop the very next one to be used, every time.
+        now = max(lease.last_activity for lease in self._leases.values())
         own = sorted(
             (lease for lease in self._leases.values() if lease.tenant == tenant),
-            key=lambda lease: lease.last_activity,
+            key=lambda lease: (-lease.expected_return(now), lease.last_activity),
         )
-        num_blocks = sum(lease.num_blocks for lease in own)
         dropped: list[Lease[B]] = []
-        # Oldest activity goes first; the newest lease survives unless it alone breaks
-        # the block cap (put() already trimmed it to fit).
         while own and (
             (max_sessions and len(own) > max_sessions)
-            or (max_blocks and num_blocks > max_blocks)
+            or (max_blocks and self.pinned_blocks(tenant) > max_blocks)
         ):
             oldest = own.pop(0)
-            num_blocks -= oldest.num_blocks
-            del self._leases[oldest.key]
+            self._remove(oldest)
             dropped.append(oldest)
         return dropped
 

@@ -202,3 +202,45 @@ def test_a_lease_lasts_a_few_of_the_sessions_own_pauses(
     harness.add_request("tick", tokens(32), 1, priority=0, tenant="acme")
     harness.run_until_done()
     assert harness.kvq_stats().tenants["acme"].leases.get("s2") is not None
+
+
+def test_sessions_of_a_tenant_that_never_come_back_hold_briefly(
+    make_harness, policy_path, tokens: Tokens
+):
+    write_policy(policy_path, engine_policy(
+        tenant("api", "standard", guaranteed=100, lease_seconds=60), block_size=BLOCK,
+    ))
+    harness = make_harness(num_blocks=400, block_size=BLOCK, policy_path=policy_path)
+
+    def one_shot(session: str) -> None:
+        harness.add_request(session, tokens(160), 16, priority=1, tenant="api",
+                            session=session)
+        harness.run_until_done()
+
+    def leased(session: str) -> bool:
+        harness.add_request("tick", tokens(32), 1, priority=1, tenant="api")
+        harness.run_until_done()  # a step: expired leases go at its start
+        return session in harness.kvq_stats().tenants["api"].leases
+
+    # One-shot calls that carry a session id: each lease holds the tier's 60 s for a
+    # session that never returns, 20 times over (SessionPauses.RETURN_WINDOW).
+    for n in range(20):
+        one_shot(f"call-{n}")
+        harness.advance(61.0)
+        assert not leased(f"call-{n}")
+    wasted = harness.kvq_stats().tenants["api"].idle_lease_block_seconds
+    # The 21st holds only MIN_HOLD_S (10 s): alive 9 s on, gone 11 s on.
+    one_shot("call-20")
+    harness.advance(9.0)
+    assert leased("call-20")
+    harness.advance(2.0)
+    assert not leased("call-20")
+    held = harness.kvq_stats().tenants["api"].idle_lease_block_seconds - wasted
+    assert held < wasted / 20 / 5  # one 10 s lease against the mean 60 s one (+ margin)
+    # One session that does come back restores the full lease for new sessions.
+    one_shot("chat")
+    harness.advance(5.0)
+    one_shot("chat")
+    one_shot("call-21")
+    harness.advance(30.0)
+    assert leased("call-21")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import time
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from engine_sidecar.tenant_policy import (
     LeaseDrop,
     LeaseTable,
     Reason,
+    SessionPauses,
     VictimRanker,
     identity_from_extra_args,
     stats_tenant,
@@ -118,8 +120,11 @@ def test_releasing_blocks_can_end_borrowing():
 # -- leases -------------------------------------------------------------------------------
 
 
-def _lease(tenant_id: str, session: str, blocks: int, at: float, seconds: float = 60):
-    return Lease(tenant_id, session, list(range(blocks)), at, at + seconds)
+def _lease(
+    tenant_id: str, session: str, blocks: int, at: float, seconds: float = 60, first: int = 0
+):
+    """A lease of blocks `first` .. `first + blocks - 1` (the same ids: the same blocks)."""
+    return Lease(tenant_id, session, list(range(first, first + blocks)), at, at + seconds)
 
 
 def test_lease_expiry_and_renewal():
@@ -146,9 +151,69 @@ def test_lease_caps_drop_the_oldest_sessions_of_that_tenant():
     table.put(_lease("acme", "b", 4, at=2.0), policy)
     dropped = table.put(_lease("acme", "c", 4, at=3.0), policy)
     assert [(lease.key, why) for lease, why in dropped] == [(("acme", "a"), LeaseDrop.CAP)]
-    dropped = table.put(_lease("other", "y", 8, at=4.0), policy)  # 12 > 10 blocks
+    dropped = table.put(_lease("other", "y", 8, at=4.0, first=100), policy)  # 12 > 10
     assert [(lease.key, why) for lease, why in dropped] == [(("other", "x"), LeaseDrop.CAP)]
     assert table.tenant_totals() == {"acme": (2, 8), "other": (1, 8)}
+
+
+def test_the_block_cap_counts_a_shared_prefix_once():
+    # Six sessions over one 8-block system prompt, 2 blocks of their own each: vLLM
+    # holds 8 + 6 * 2 = 20 distinct blocks, not 6 * 10 = 60, and all fit a cap of 20.
+    table: LeaseTable[int] = LeaseTable()
+    policy = engine_policy(tenant("acme", lease_seconds=60, lease_blocks=20))
+    for n in range(6):
+        own = [100 + 2 * n, 101 + 2 * n]
+        lease = Lease("acme", f"s{n}", [*range(8), *own], float(n), n + 60.0)
+        assert table.put(lease, policy) == []
+    assert table.pinned_blocks("acme") == 20
+    # A seventh session's 2 own blocks break the cap: the oldest session goes, and
+    # only its own blocks stop counting (the prefix is still pinned by the others).
+    dropped = table.put(Lease("acme", "s6", [*range(8), 200, 201], 6.0, 66.0), policy)
+    assert [(lease.key, why) for lease, why in dropped] == [(("acme", "s0"), LeaseDrop.CAP)]
+    assert table.pinned_blocks("acme") == 20
+    assert [lease.key for lease in table.pop_expired(61.0)] == [("acme", "s1")]
+    assert table.pinned_blocks("acme") == 18
+    table.pop_all()
+    assert table.pinned_blocks("acme") == 0
+
+
+def _pauses(gaps: list[float]) -> SessionPauses:
+    pauses = SessionPauses()
+    now = 0.0
+    for n, gap in enumerate(gaps):
+        key = ("acme", f"s{n % 4}")
+        pauses.turn_ended(key, now)
+        now += gap
+        pauses.turn_started(key, now)
+    return pauses
+
+
+def test_leases_of_sessions_with_a_rhythm_go_to_those_about_to_return():
+    rng = random.Random(3)
+    # People reading answers of similar length: pauses 60-100 s (CV 0.14) keep a rhythm;
+    # exponential think times (CV 1) do not.
+    regular = _pauses([rng.uniform(60, 100) for _ in range(40)])
+    irregular = _pauses([rng.expovariate(1 / 80) for _ in range(40)])
+    assert regular.regular("acme") and not irregular.regular("acme")
+    assert not _pauses([80.0] * 10).regular("acme")  # too few pauses to say
+    # Three sessions that left 30, 20 and 10 s ago pause 80 s: they come back in that
+    # order, so a fourth one, just left, is the one a 3-session cap gives up ...
+    policy = engine_policy(tenant("acme", lease_seconds=300, lease_sessions=3))
+    table: LeaseTable[int] = LeaseTable()
+    for n, left in enumerate((0.0, 10.0, 20.0)):
+        lease = _lease("acme", f"s{n}", 2, at=left, first=10 * n)
+        lease.pause = regular.return_pause(("acme", f"s{n}"))
+        table.put(lease, policy)
+    newest = _lease("acme", "s3", 2, at=30.0, first=30)
+    newest.pause = 80.0
+    assert [(lease.key, why) for lease, why in table.put(newest, policy)] == [
+        (("acme", "s3"), LeaseDrop.CAP)
+    ]
+    # ... where without a rhythm the oldest goes, the likeliest to have been abandoned.
+    table = LeaseTable()
+    for n, left in enumerate((0.0, 10.0, 20.0, 30.0)):
+        dropped = table.put(_lease("acme", f"s{n}", 2, at=left, first=10 * n), policy)
+    assert [(lease.key, why) for lease, why in dropped] == [(("acme", "s0"), LeaseDrop.CAP)]
 
 
 def test_a_policy_change_re_derives_expiry_and_drops_withdrawn_leases():
