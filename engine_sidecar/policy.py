@@ -28,6 +28,9 @@ JwtAlgorithm = Literal[
 ]
 
 
+MAX_TOKEN_LIFETIME_SECONDS = 366 * 86_400
+
+
 def default_algorithms() -> list[JwtAlgorithm]:
     return ["RS256"]
 
@@ -102,6 +105,11 @@ class JwtPolicy(_Model):
     audience: str | None = Field(None, max_length=512)
     tenant_claim: str = Field("tenant_id", min_length=1, max_length=128)
     leeway_seconds: int = Field(30, ge=0, le=300)
+    max_token_lifetime_seconds: int | None = Field(
+        None, ge=1, le=MAX_TOKEN_LIFETIME_SECONDS,
+        description="Refuse tokens that expire further ahead than this, or whose exp - iat "
+        "is larger (None: no limit).",
+    )
 
     @model_validator(mode="after")
     def _one_key_family(self) -> JwtPolicy:

@@ -1,8 +1,9 @@
 """Wire formats between the engine-side parts and the operator.
 
 - `EngineStats`: what the scheduler plugin (EngineCore process) publishes at
-  `KVQUOTA_STATS_PATH`: a JSON file replaced atomically at least twice a second while
-  the engine steps. The sidecar reads it.
+  `KVQUOTA_STATS_PATH`: a JSON file replaced atomically at least every `HEARTBEAT_S`
+  while the engine runs. The sidecar reads it, and takes stats older than
+  `STALE_AFTER_S` for unknown capacity (the engine is gone or stuck).
 - `SidecarStatus`: what the sidecar serves at `GET /kvquota/status`: the plugin's view
   merged with the admission ledger. The operator polls it and writes CR status.
 """
@@ -15,6 +16,8 @@ from pydantic.alias_generators import to_camel
 POLICY_PATH_ENV = "KVQUOTA_POLICY_PATH"
 STATS_PATH_ENV = "KVQUOTA_STATS_PATH"
 STATUS_ROUTE = "/kvquota/status"
+HEARTBEAT_S = 0.5  # the plugin rewrites its stats file at least this often
+STALE_AFTER_S = max(2.0, 10 * HEARTBEAT_S)  # ten missed rewrites: nobody is writing
 
 
 class _Wire(BaseModel):
@@ -119,4 +122,11 @@ class SidecarStatus(_Wire):
     capacity_source: str | None = Field(
         None, description="where totalBlocks/freeBlocks come from: 'engine' (plugin stats), "
         "'policy' (capacityBlocks override); None: unknown, the watermark is not applied"
+    )
+    engine_stats_age_seconds: float | None = Field(
+        None, description="age of the plugin's latest stats file; None: none read yet"
+    )
+    engine_stats_stale: bool = Field(
+        False, description="the plugin's stats are older than STALE_AFTER_S: admission "
+        "ignores them (unknown capacity) until the engine publishes again"
     )

@@ -25,13 +25,12 @@ from pathlib import Path
 
 from engine_sidecar.policy import EnginePolicy, write_atomically
 from engine_sidecar.policy_watch import PolicyWatcher
-from engine_sidecar.stats import EngineStats, TenantEngineStats
+from engine_sidecar.stats import HEARTBEAT_S, EngineStats, TenantEngineStats
 from engine_sidecar.tenant_policy import lease_seconds
 
 logger = logging.getLogger(__name__)
 
 STEP_INTERVAL_S = 0.25
-HEARTBEAT_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)

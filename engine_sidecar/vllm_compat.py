@@ -536,48 +536,26 @@ class AllocationHook:
     requests, and growth of running requests. A running request that is not still
     prefilling (vLLM's `_inflight_prefills`) computes at most 1 + speculative tokens
     per step, i.e. at most 2 + ceil((spec + lookahead) / block_size) new blocks; those
-    still prefilling share the step's token budget. So `arm_for_step()` leaves vLLM's
-    own method in place when no request waits and the free blocks cover that worst
-    case. Layouts where the bound is not obviously safe (several KV cache groups,
-    sliding windows, KV connectors, encoder-decoder) keep the hook installed.
+    still prefilling share the step's token budget. So `arm_for_step()` takes the
+    wrapper out when no request waits and the free blocks cover that worst case
+    (unless another wrapper has since been put over it, which must stay). Layouts
+    where the bound is not obviously safe (several KV cache groups, sliding windows,
+    KV connectors, encoder-decoder) keep the hook installed.
     """
 
     def __init__(self, scheduler: Scheduler, on_failure: AllocationFailureHandler) -> None:
         from vllm.v1.kv_cache_interface import FullAttentionSpec
 
         manager = scheduler.kv_cache_manager
-        allocate = manager.allocate_slots
-
-        def allocate_slots(
-            request: Request, num_new_tokens: int, *, num_lookahead_tokens: int = 0, **kwargs: Any
-        ) -> KVCacheBlocks | None:
-            # vLLM makes this call, with no other argument, for every running request
-            # in every step: without `**` it costs a third of a microsecond less.
-            if kwargs:
-                blocks = allocate(
-                    request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens, **kwargs
-                )
-            else:
-                blocks = allocate(
-                    request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens
-                )
-            if blocks is None:
-                return on_failure(
-                    request,
-                    lambda: allocate(
-                        request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens,
-                        **kwargs,
-                    ),
-                    lambda: allocation_shortfall(
-                        manager, request, num_new_tokens, num_lookahead_tokens, kwargs
-                    ),
-                )
-            return blocks
-
         self._scheduler = scheduler
         self._manager = manager
         self._pool = manager.block_pool
-        self._hooked: Callable[..., KVCacheBlocks | None] = allocate_slots
+        self._on_failure = on_failure
+        # While armed: our wrapper, and the instance attribute it replaced (None: it
+        # shadows the class's method). Other wrappers (a profiler, a fault injector)
+        # stay in the chain: arming wraps whatever is there, disarming removes only ours.
+        self._installed: Callable[..., KVCacheBlocks | None] | None = None
+        self._replaced: Callable[..., KVCacheBlocks | None] | None = None
         self.armed = False
         groups = scheduler.kv_cache_config.kv_cache_groups
         spec = groups[0].kv_cache_spec if len(groups) == 1 else None
@@ -609,11 +587,57 @@ class AllocationHook:
         if needed is not self.armed:
             self._arm(needed)
 
+    def _wrap(
+        self, allocate: Callable[..., KVCacheBlocks | None]
+    ) -> Callable[..., KVCacheBlocks | None]:
+        manager = self._manager
+        on_failure = self._on_failure
+
+        def allocate_slots(
+            request: Request, num_new_tokens: int, *, num_lookahead_tokens: int = 0, **kwargs: Any
+        ) -> KVCacheBlocks | None:
+            # vLLM makes this call, with no other argument, for every running request
+            # in every step: without `**` it costs a third of a microsecond less.
+            if kwargs:
+                blocks = allocate(
+                    request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens, **kwargs
+                )
+            else:
+                blocks = allocate(
+                    request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens
+                )
+            if blocks is None:
+                return on_failure(
+                    request,
+                    lambda: allocate(
+                        request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens,
+                        **kwargs,
+                    ),
+                    lambda: allocation_shortfall(
+                        manager, request, num_new_tokens, num_lookahead_tokens, kwargs
+                    ),
+                )
+            return blocks
+
+        return allocate_slots
+
     def _arm(self, armed: bool) -> None:
+        manager = self._manager
+        own = vars(manager)
         if armed:
-            self._manager.allocate_slots = self._hooked  # type: ignore[method-assign]
+            self._replaced = own.get("allocate_slots")
+            self._installed = self._wrap(manager.allocate_slots)
+            manager.allocate_slots = self._installed  # type: ignore[method-assign]
+        elif own.get("allocate_slots") is self._installed:
+            if self._replaced is None:
+                del manager.allocate_slots  # back to the class's allocate_slots
+            else:
+                manager.allocate_slots = self._replaced  # type: ignore[method-assign]
+            self._installed = self._replaced = None
         else:
-            del self._manager.allocate_slots  # back to KVCacheManager.allocate_slots
+            # Someone wrapped ours since: taking ours out would drop theirs. Staying
+            # armed is always correct, only slower; retried at every step.
+            return
         self.armed = armed
 
 

@@ -100,12 +100,14 @@ class PolicyHolder:
         secrets_dir: Path | None,
         plugin_policy_path: Path | None,
         on_error: Callable[[str], None] | None = None,
+        on_change: Callable[[ActivePolicy], None] | None = None,
     ) -> None:
         self.secrets_dir = secrets_dir
         self.plugin_policy_path = plugin_policy_path
         self.active: ActivePolicy | None = None
         self.error: str | None = None
         self._on_error = on_error
+        self._on_change = on_change  # after a new policy version became active
         self._last_raw: bytes | None = None
         self._latest: EnginePolicy | None = None  # last well-formed policy offered
         self._secret_prints: dict[Path, tuple[int, int] | None] = {}
@@ -169,6 +171,8 @@ class PolicyHolder:
         if previous is None or previous.version != active.version:
             logger.info("policy %s active (%d tenants, from %s)",
                         active.version, len(policy.tenants), origin)
+            if self._on_change is not None:
+                self._on_change(active)
         self._write_for_plugin(policy)
         return True
 

@@ -109,6 +109,7 @@ class Gateway:
         self.holder = PolicyHolder(
             config.secrets_dir, config.plugin_policy_path,
             on_error=lambda _message: self.metrics.policy_errors.inc(),
+            on_change=lambda active: self.metrics.retain_tenants(active.policy.tenants),
         )
         self.policy_source = policy_source
         self.ledger = Ledger(on_release=lambda _reservation: self._queue_changed.set())
@@ -284,12 +285,13 @@ class Gateway:
         self.metrics.rejections.labels(reason).inc()
         return error
 
-    def _authenticate(self, active: ActivePolicy, headers: dict[bytes, bytes]) -> str:
+    def _authenticate(self, active: ActivePolicy, headers: list[tuple[bytes, bytes]]) -> str:
         try:
             return active.auth.authenticate(headers)
         except ApiError as error:
             self.metrics.admissions.labels("unknown", "", Decision.REJECTED_AUTH).inc()
-            reason = "unknown_tenant" if error.status == 403 else "unauthenticated"
+            reason = {400: "invalid_request", 403: "unknown_tenant"}.get(
+                error.status, "unauthenticated")
             raise self._reject(error, reason) from None
 
     def _active(self) -> ActivePolicy:
@@ -311,12 +313,11 @@ class Gateway:
         await self._generate(scope, receive, send, Kind.CHAT)
 
     async def _generate(self, scope: Scope, receive: Receive, send: Send, kind: Kind) -> None:
-        headers = dict(scope["headers"])
         try:
             raw = await self._read_body(receive)
             if raw is None:
                 return
-            admitted = await self._admit(kind, raw, headers, receive)
+            admitted = await self._admit(kind, raw, scope["headers"], receive)
         except ApiError as error:
             await send_error(send, error)
             return
@@ -343,12 +344,12 @@ class Gateway:
             self.metrics.reservations.labels(tier, outcome).inc()
 
     async def _admit(
-        self, kind: Kind, raw: bytes, headers: dict[bytes, bytes], receive: Receive
+        self, kind: Kind, raw: bytes, raw_headers: list[tuple[bytes, bytes]], receive: Receive
     ) -> tuple[Reservation, bytes, str, float] | None:
         """Authenticate, count, then wait in the tenant's queue until admitted (or
         refused); None if the client went away meanwhile."""
         active = self._active()
-        tenant_id = self._authenticate(active, headers)
+        tenant_id = self._authenticate(active, raw_headers)
         try:
             request = parse(kind, raw)
         except ApiError as error:
@@ -368,7 +369,7 @@ class Gateway:
                 403, errors.UNKNOWN_TENANT,
                 f"tenant {tenant_id!r} is no longer in the pool's policy"), "unknown_tenant")
         self._sync_policy(active)
-        session = session_id(headers, request.body)
+        session = session_id(dict(raw_headers), request.body)
         shape = RequestShape(
             tuple(len(p) for p in prompts), request.requested_max_tokens, request.n,
             request.prompt_param, request.max_tokens_param, session,
@@ -438,11 +439,10 @@ class Gateway:
     # -- other routes -----------------------------------------------------------
 
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
-        headers = dict(scope["headers"])
         try:
             if await self._read_body(receive) is None:
                 return
-            self._authenticate(self._active(), headers)
+            self._authenticate(self._active(), scope["headers"])
         except ApiError as error:
             await send_error(send, error)
             return
@@ -466,6 +466,7 @@ class Gateway:
             ready=not self.readiness(), active=self.holder.active,
             policy_error=self.holder.error, ledger=self.ledger, counters=self.counters,
             stats=self.stats.current(), capacity=self.capacity(), queue=self.queue,
+            stats_age=self.stats.age(), stats_stale=self.stats.stale(),
         )
         return Response(status.model_dump_json(by_alias=True), media_type="application/json")
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,13 +23,23 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
-from engine_sidecar.gateway.errors import UNAUTHENTICATED, UNKNOWN_TENANT, ApiError
+from engine_sidecar.gateway.errors import (
+    INVALID_REQUEST,
+    UNAUTHENTICATED,
+    UNKNOWN_TENANT,
+    ApiError,
+)
 from engine_sidecar.policy import AuthPolicy, JwtPolicy
 
 logger = logging.getLogger(__name__)
 
 MAX_TOKEN_BYTES = 16 * 1024
 VERIFIED_CACHE_SIZE = 10_000
+# A verified token is checked again after this long, however far off its `exp` is.
+VERIFIED_CACHE_SECONDS = 300.0
+# NumericDate claims past 9999-12-31T23:59:59Z are no date (and 10**400 is no float).
+MAX_NUMERIC_DATE = 253_402_300_799
+TIME_CLAIMS = ("exp", "nbf", "iat")
 MIN_HMAC_KEY_BYTES = 32
 _EC_CURVES = {"ES256": "secp256r1", "ES384": "secp384r1", "ES512": "secp521r1"}
 
@@ -164,13 +175,17 @@ def _claim(claims: Mapping[str, Any], path: str) -> Any:
 
 
 class JwtVerifier:
-    def __init__(self, policy: JwtPolicy, keys: VerificationKeys) -> None:
+    def __init__(
+        self, policy: JwtPolicy, keys: VerificationKeys, clock: Callable[[], float] = time.time
+    ) -> None:
         self._policy = policy
         self._keys = keys
+        self._clock = clock
         self._pinned = frozenset(policy.algorithms)
-        # Verified tokens -> (tenant, expiry): clients resend the same token on every
+        # Verified tokens -> (tenant, until): clients resend the same token on every
         # request, and a signature check costs far more than the rest of admission.
-        # Keys or policy changing builds a new verifier, so the cache never outlives them.
+        # Keys or policy changing builds a new verifier, so the cache never outlives them;
+        # an entry lasts until the token's expiry, at most VERIFIED_CACHE_SECONDS.
         self._verified: dict[str, tuple[str, float]] = {}
         self._require = ["exp"]
         if policy.issuer:
@@ -179,19 +194,20 @@ class JwtVerifier:
             self._require.append("aud")
 
     def tenant_of(self, token: str) -> str:
+        now = self._clock()
         cached = self._verified.get(token)
         if cached is not None:
-            tenant, expires = cached
-            if time.time() <= expires:
+            tenant, until = cached
+            if now <= until:
                 return tenant
             del self._verified[token]
-        tenant, expires = self._verify(token)
+        tenant, expires = self._verify(token, now)
         if len(self._verified) >= VERIFIED_CACHE_SIZE:
             self._verified.pop(next(iter(self._verified)))  # oldest first
-        self._verified[token] = (tenant, expires)
+        self._verified[token] = (tenant, min(expires, now + VERIFIED_CACHE_SECONDS))
         return tenant
 
-    def _verify(self, token: str) -> tuple[str, float]:
+    def _verify(self, token: str, now: float) -> tuple[str, float]:
         if len(token) > MAX_TOKEN_BYTES:
             raise _unauthenticated("bearer token is too large")
         try:
@@ -205,14 +221,58 @@ class JwtVerifier:
                 f"{', '.join(sorted(self._pinned))}"
             )
         claims = self._decode(token, alg, header.get("kid"))
+        expires = self._check_times(claims, now)
         tenant = _claim(claims, self._policy.tenant_claim)
         if not isinstance(tenant, str) or not tenant:
             raise ApiError(
                 403, UNKNOWN_TENANT,
                 f"token has no string claim {self._policy.tenant_claim!r} naming the tenant",
             )
-        # `exp` is required and was checked; the cache honours it with the same leeway.
-        return tenant, float(claims["exp"]) + self._policy.leeway_seconds
+        return tenant, expires
+
+    def _check_times(self, claims: Mapping[str, Any], now: float) -> float:
+        """Check exp/nbf/iat of a token whose signature verified; its expiry with leeway.
+
+        PyJWT's own time checks are off: they take `int(claim)`, which accepts strings
+        and booleans, and let an `exp` of 10**400 through to overflow later."""
+        times: dict[str, float] = {}
+        for name in TIME_CLAIMS:
+            if name not in claims:
+                continue
+            value = claims[name]
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise _unauthenticated(
+                    f"token claim {name!r} must be a JSON number of seconds since the "
+                    f"epoch, not {_json_type(value)}"
+                )
+            finite = isinstance(value, int) or math.isfinite(value)
+            if not finite or not 0 <= value <= MAX_NUMERIC_DATE:
+                raise _unauthenticated(
+                    f"token claim {name!r} is out of range: it must be a time between "
+                    "1970 and 9999 in seconds since the epoch"
+                )
+            times[name] = float(value)
+        leeway = self._policy.leeway_seconds
+        exp = times["exp"]  # required: decoding refused tokens without it
+        if exp <= now - leeway:
+            raise _unauthenticated("token has expired; get a new one")
+        for name in ("nbf", "iat"):
+            if name in times and times[name] > now + leeway:
+                raise _unauthenticated(f"token is not valid yet ({name} is in the future)")
+        limit = self._policy.max_token_lifetime_seconds
+        if limit is not None:
+            if exp - now > limit + leeway:
+                raise _unauthenticated(
+                    f"token expires {exp - now:.0f} s from now; this pool accepts tokens "
+                    f"that live at most {limit} s (maxTokenLifetimeSeconds): get a "
+                    "shorter-lived one"
+                )
+            if "iat" in times and exp - times["iat"] > limit:
+                raise _unauthenticated(
+                    f"token lifetime (exp - iat) is {exp - times['iat']:.0f} s; this pool "
+                    f"accepts tokens that live at most {limit} s (maxTokenLifetimeSeconds)"
+                )
+        return exp + leeway
 
     def _candidates(self, alg: str, kid: Any) -> list[Any]:
         if self._keys.hmac_secret is not None:
@@ -226,7 +286,10 @@ class JwtVerifier:
         candidates = self._candidates(alg, kid)
         if not candidates:
             raise _unauthenticated("no configured key matches the token's algorithm and kid")
-        options: jwt.types.Options = {"require": self._require}
+        options: jwt.types.Options = {
+            "require": self._require, "verify_exp": False, "verify_nbf": False,
+            "verify_iat": False,  # checked with the claims' types in _check_times
+        }
         if not self._policy.audience:
             options["verify_aud"] = False
         last: jwt.PyJWTError | None = None
@@ -244,11 +307,17 @@ class JwtVerifier:
         raise _token_error(last or jwt.InvalidSignatureError()) from None
 
 
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, str):
+        return "a string"
+    if value is None:
+        return "null"
+    return "an array" if isinstance(value, list) else "an object"
+
+
 def _token_error(exc: jwt.PyJWTError) -> ApiError:
-    if isinstance(exc, jwt.ExpiredSignatureError):
-        return _unauthenticated("token has expired; get a new one")
-    if isinstance(exc, jwt.ImmatureSignatureError):
-        return _unauthenticated("token is not valid yet (nbf/iat in the future)")
     if isinstance(exc, jwt.InvalidAudienceError):
         return _unauthenticated("token audience does not match this pool")
     if isinstance(exc, jwt.InvalidIssuerError):
@@ -266,24 +335,37 @@ class Authenticator:
     """Maps a request's headers to a tenant id known to the policy (or raises ApiError)."""
 
     def __init__(
-        self, policy: AuthPolicy, keys: VerificationKeys | None, tenants: Mapping[str, Any]
+        self,
+        policy: AuthPolicy,
+        keys: VerificationKeys | None,
+        tenants: Mapping[str, Any],
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._policy = policy
-        self._jwt = JwtVerifier(policy.jwt, keys) if policy.jwt and keys else None
+        self._jwt = JwtVerifier(policy.jwt, keys, clock) if policy.jwt and keys else None
         self._tenants = tenants
         header = policy.trusted_tenant_header
         self.trusted_header = header.lower().encode("latin-1") if header else None
 
     @classmethod
     def from_policy(
-        cls, policy: AuthPolicy, secrets_dir: Path | None, tenants: Mapping[str, Any]
+        cls,
+        policy: AuthPolicy,
+        secrets_dir: Path | None,
+        tenants: Mapping[str, Any],
+        clock: Callable[[], float] = time.time,
     ) -> Authenticator:
         keys = VerificationKeys.load(policy.jwt, secrets_dir) if policy.jwt else None
-        return cls(policy, keys, tenants)
+        return cls(policy, keys, tenants, clock)
 
-    def authenticate(self, headers: Mapping[bytes, bytes]) -> str:
-        if self.trusted_header is not None and (value := headers.get(self.trusted_header)):
-            tenant = value.decode("latin-1").strip()
+    def authenticate(
+        self, headers: Mapping[bytes, bytes] | Iterable[tuple[bytes, bytes]]
+    ) -> str:
+        """`headers` as ASGI gives them (a list of lowercase name/value pairs, where a
+        credential sent twice shows) or as a mapping."""
+        authorization, trusted = self._credentials(headers)
+        if trusted:
+            tenant = trusted.decode("latin-1").strip()
             if tenant not in self._tenants:
                 raise ApiError(
                     403, UNKNOWN_TENANT,
@@ -291,7 +373,6 @@ class Authenticator:
                     "this pool",
                 )
             return tenant
-        authorization = headers.get(b"authorization")
         if authorization is not None and self._jwt is not None:
             tenant = self._jwt.tenant_of(_bearer_token(authorization))
         elif self._policy.anonymous.allowed and self._policy.anonymous.tenant_id:
@@ -312,6 +393,36 @@ class Authenticator:
                 f"tenant {tenant[:63]!r} has no TenantQuota on this pool",
             )
         return tenant
+
+    def _credentials(
+        self, headers: Mapping[bytes, bytes] | Iterable[tuple[bytes, bytes]]
+    ) -> tuple[bytes | None, bytes | None]:
+        """The Authorization and trusted tenant header values. A request that names its
+        caller twice is refused rather than letting one of the two silently win."""
+        authorization: bytes | None = None
+        trusted: bytes | None = None
+        pairs = headers.items() if isinstance(headers, Mapping) else headers
+        for name, value in pairs:
+            if name == b"authorization":
+                if authorization is not None:
+                    raise _duplicate_credentials(
+                        "the request has more than one Authorization header; send exactly one"
+                    )
+                authorization = value
+            elif name == self.trusted_header:
+                if trusted is not None:
+                    raise _duplicate_credentials(
+                        "the request has the trusted tenant header more than once; send it "
+                        "exactly once"
+                    )
+                trusted = value
+        # Both present is no conflict: the gateway that sets the trusted header may
+        # forward the client's own token, and the header (which that gateway owns) wins.
+        return authorization, trusted
+
+
+def _duplicate_credentials(message: str) -> ApiError:
+    return ApiError(400, INVALID_REQUEST, message)
 
 
 def _bearer_token(value: bytes) -> str:

@@ -7,7 +7,9 @@ tenants that left the policy disappear.
 
 Cardinality: a `tenant_id` label is only ever a tenant of the active policy (first
 `tenant_label_limit` of them seen), else "other"; failed authentication uses
-"unknown". Latency histograms are labelled by tier only.
+"unknown". A tenant that leaves the policy gives its label back (its admission series
+are dropped), so tenants added later get labels of their own. Latency histograms are
+labelled by tier only.
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ class TenantLabels:
             self._known.add(tenant_id)
             return tenant_id
         return OTHER
+
+    def retain(self, policy_tenants: Container[str]) -> set[str]:
+        """Free the labels of tenants no longer in the policy; the tenants freed."""
+        gone = {t for t in self._known if t not in policy_tenants}
+        self._known -= gone
+        return gone
 
 
 @dataclass
@@ -217,3 +225,15 @@ class GatewayMetrics:
 
     def attach_state(self, sources: StateSources) -> None:
         self.registry.register(StateCollector(sources))
+
+    def retain_tenants(self, policy_tenants: Container[str]) -> None:
+        """A new policy is active: tenants it dropped stop being reported and free their
+        label slots. (Scrape-time families follow the policy by themselves.)"""
+        for tenant_id in self.labels.retain(policy_tenants):
+            series = {
+                (sample.labels["tier"], sample.labels["decision"])
+                for family in self.admissions.collect() for sample in family.samples
+                if sample.labels.get("tenant_id") == tenant_id
+            }
+            for tier, decision in series:
+                self.admissions.remove(tenant_id, tier, decision)

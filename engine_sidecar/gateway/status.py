@@ -57,7 +57,11 @@ def build_status(
     stats: EngineStats | None,
     capacity: PoolView | None,
     queue: AdmissionQueue,
+    stats_age: float | None = None,
+    stats_stale: bool = False,
 ) -> SidecarStatus:
+    """`stats` are the plugin's stats admission uses (None when missing or stale);
+    `stats_age` is how old the latest ones are, stale or not."""
     errors = [policy_error] if policy_error else []
     if stats is not None and stats.policy_error:
         errors.append(f"scheduler plugin: {stats.policy_error}")
@@ -96,4 +100,6 @@ def build_status(
         degraded=bool(stats and stats.degraded),
         tenants=tenants,
         capacity_source=capacity.source if capacity else None,
+        engine_stats_age_seconds=round(stats_age, 3) if stats_age is not None else None,
+        engine_stats_stale=stats_stale,
     )

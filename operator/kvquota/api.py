@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from engine_sidecar.policy import (
+    MAX_TOKEN_LIFETIME_SECONDS,
     TENANT_ID_PATTERN,
     Isolation,
     JwtAlgorithm,
@@ -200,6 +201,12 @@ class JwtSpec(BaseModel):
     issuer: ShortString | None = None
     audience: ShortString | None = None
     tenant_claim: str = Field("tenant_id", min_length=1, max_length=128)
+    max_token_lifetime_seconds: int | None = Field(
+        None, ge=1, le=MAX_TOKEN_LIFETIME_SECONDS,
+        description="Refuse tokens whose exp is further than this many seconds ahead, or "
+        "whose exp - iat is larger. Unset: any lifetime (the sidecar still re-verifies a "
+        "cached token every few minutes).",
+    )
 
 
 class AnonymousSpec(BaseModel):

@@ -47,6 +47,7 @@ def render_auth(auth: AuthSpec) -> AuthPolicy:
             issuer=auth.jwt.issuer,
             audience=auth.jwt.audience,
             tenant_claim=auth.jwt.tenant_claim,
+            max_token_lifetime_seconds=auth.jwt.max_token_lifetime_seconds,
         )
     return AuthPolicy(
         jwt=jwt,

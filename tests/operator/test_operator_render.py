@@ -69,3 +69,15 @@ def test_long_pool_names_still_give_a_valid_unique_configmap_name() -> None:
     long_a, long_b = "a" * 250, "a" * 249 + "b"
     assert len(configmap_name(long_a)) <= 253
     assert configmap_name(long_a) != configmap_name(long_b)
+
+
+def test_max_token_lifetime_reaches_the_sidecar_policy() -> None:
+    jwt = {"secretRef": {"name": "auth", "key": "jwt.pub"}}
+    capped = render_policy("default", "p", _spec(auth={"jwt": {
+        **jwt, "maxTokenLifetimeSeconds": 3600}}), [_tenant("a")], replicas=1)
+    uncapped = render_policy("default", "p", _spec(auth={"jwt": jwt}), [_tenant("a")],
+                             replicas=1)
+    assert capped.auth.jwt is not None and capped.auth.jwt.max_token_lifetime_seconds == 3600
+    assert uncapped.auth.jwt is not None and uncapped.auth.jwt.max_token_lifetime_seconds is None
+    loaded = EnginePolicy.from_json(capped.to_json())
+    assert loaded.auth.jwt is not None and loaded.auth.jwt.max_token_lifetime_seconds == 3600

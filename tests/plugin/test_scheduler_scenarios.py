@@ -633,3 +633,56 @@ def test_allocation_never_fails_while_the_hook_is_disarmed(
 
     assert disarmed_steps > 0 and failures, "the workload must exercise both modes"
     assert all(failures)
+
+
+def test_other_wrappers_of_allocate_slots_survive_the_hook(make_harness, policy_path):
+    """A profiler or fault injector that wraps the KV cache manager's allocate_slots
+    keeps seeing every call while the failure hook arms and disarms around it."""
+    write_policy(policy_path, engine_policy(tenant("acme", guaranteed=50)))
+    prompts = Tokens(seed=5)
+    harness = make_harness(num_blocks=201, block_size=BLOCK, policy_path=policy_path)
+    hook = harness.plugin._kvq_alloc_hook
+    manager = harness.scheduler.kv_cache_manager
+    calls: dict[str, int] = {}
+
+    def wrap(name: str):
+        inner = manager.allocate_slots
+
+        def counting(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return inner(*args, **kwargs)
+
+        manager.allocate_slots = counting
+        calls[name] = 0
+        return counting
+
+    def run(name: str) -> set[bool]:
+        """Steps until idle; whether the hook was armed in steps that allocated."""
+        armed: set[bool] = set()
+        while harness.has_unfinished():
+            before = calls[name]
+            harness.step()
+            if calls[name] > before:
+                armed.add(hook.armed)
+        return armed
+
+    harness.add_request("warm-up", prompts(40), 8, tenant="acme")
+    harness.run_until_done()
+    assert not hook.armed
+
+    # Wrapped while the hook is out: arming wraps the injector, disarming puts it back.
+    injector = wrap("injector")
+    harness.add_request("r1", prompts(40), 8, tenant="acme")
+    assert run("injector") == {True, False}
+    assert manager.allocate_slots is injector
+
+    # Wrapped over the armed hook: the hook must not take the profiler out with it.
+    harness.add_request("r2", prompts(40), 8, tenant="acme")
+    harness.step()
+    assert hook.armed
+    profiler = wrap("profiler")
+    injected = calls["injector"]
+    assert run("profiler") == {True}  # the hook stays under the profiler
+    assert manager.allocate_slots is profiler
+    assert calls["profiler"] == 7  # r2's remaining decode steps
+    assert calls["injector"] - injected == calls["profiler"]

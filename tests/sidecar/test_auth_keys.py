@@ -156,3 +156,103 @@ def test_anonymous_and_trusted_header(keys: Keys) -> None:
     closed = Authenticator.from_policy(AuthPolicy(), None, TENANTS)
     assert "neither tokens nor anonymous" in _refused(closed, None)
     assert _refused(closed, None, x_fairness_id="gw")  # header off unless configured
+
+
+def _clocked(keys: Keys, clock: list[float], **jwt_fields: Any) -> Authenticator:
+    fields = {"key_file": "jwt-hs", "algorithms": ["HS256"], "issuer": ISSUER,
+              "audience": AUDIENCE, "leeway_seconds": 5, **jwt_fields}
+    return Authenticator.from_policy(AuthPolicy.model_validate({"jwt": fields}), keys.dir,
+                                     TENANTS, clock=lambda: clock[0])
+
+
+@pytest.mark.parametrize(("claims", "message"), [
+    ({"exp": 10**400}, "'exp' is out of range"),
+    ({"exp": 1e308}, "'exp' is out of range"),
+    ({"exp": float("inf")}, "'exp' is out of range"),
+    ({"exp": float("nan")}, "'exp' is out of range"),
+    ({"iat": -(10**30)}, "'iat' is out of range"),
+    ({"exp": "4102444800"}, "'exp' must be a JSON number of seconds since the epoch, not a "
+                            "string"),
+    ({"exp": True}, "'exp' must be a JSON number of seconds since the epoch, not a boolean"),
+    ({"nbf": "0"}, "'nbf' must be a JSON number of seconds since the epoch, not a string"),
+    ({"iat": [0]}, "'iat' must be a JSON number of seconds since the epoch, not an array"),
+])
+def test_time_claims_must_be_numbers_in_range(
+    keys: Keys, claims: dict[str, Any], message: str
+) -> None:
+    """Refused with a 401 that names the claim: never an overflow (a 500) and never a
+    string that PyJWT would coerce into a date."""
+    refusal = _refused(_auth(keys), keys.hs("acme", **claims))
+    assert message in refusal
+
+
+def test_max_token_lifetime_refuses_long_lived_tokens(keys: Keys) -> None:
+    now = keys.claims()["iat"]
+    capped = _auth(keys, max_token_lifetime_seconds=3600)
+    assert _tenant(capped, keys.hs("acme", exp=now + 3000)) == "acme"
+    assert "at most 3600 s" in _refused(capped, keys.hs("acme", exp=now + 7200))
+    assert "at most 3600 s" in _refused(capped, keys.hs("acme", exp=253_402_300_799))
+    old_but_long = keys.hs("acme", iat=now - 7000, exp=now + 300)
+    assert "(exp - iat) is 7300 s" in _refused(capped, old_but_long)
+    assert _tenant(_auth(keys), old_but_long) == "acme"  # no cap configured: any lifetime
+
+
+def test_verified_tokens_are_checked_again_within_minutes(
+    keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A token valid until the year 9999 is not trusted from the cache until then."""
+    decoded: list[str] = []
+    decode = jwt.decode
+
+    def counting(token: str, *args: Any, **kwargs: Any) -> Any:
+        decoded.append(token)
+        return decode(token, *args, **kwargs)
+
+    monkeypatch.setattr(jwt, "decode", counting)
+    clock = [float(keys.claims()["iat"])]
+    auth = _clocked(keys, clock)
+    token = keys.hs("acme", exp=253_402_300_799)
+    assert _tenant(auth, token) == "acme"
+    clock[0] += 60
+    assert _tenant(auth, token) == "acme"
+    assert len(decoded) == 1  # the cache answered
+    clock[0] += 600
+    assert _tenant(auth, token) == "acme"
+    assert len(decoded) == 2  # verified again
+
+
+def test_expired_tokens_leave_the_cache(keys: Keys) -> None:
+    clock = [float(keys.claims()["iat"])]
+    auth = _clocked(keys, clock)
+    token = keys.hs("acme", exp=int(clock[0]) + 30)
+    assert _tenant(auth, token) == "acme"
+    clock[0] += 40  # past exp + 5 s leeway
+    assert "expired" in _refused(auth, token)
+
+
+def test_a_caller_named_twice_is_a_bad_request(keys: Keys) -> None:
+    policy = AuthPolicy.model_validate({
+        "jwt": {"key_file": "jwt-hs", "algorithms": ["HS256"]},
+        "trusted_tenant_header": "X-Fairness-Id",
+    })
+    auth = Authenticator.from_policy(policy, keys.dir, TENANTS)
+    acme, gw = (f"Bearer {keys.hs(t)}".encode() for t in ("acme", "gw"))
+    cases = [
+        ([(b"authorization", acme), (b"authorization", gw)], "more than one Authorization"),
+        ([(b"x-fairness-id", b"gw"), (b"x-fairness-id", b"acme")], "more than once"),
+    ]
+    for headers, message in cases:
+        with pytest.raises(ApiError) as info:
+            auth.authenticate(headers)
+        assert (info.value.status, info.value.code) == (400, "INVALID_REQUEST")
+        assert message in info.value.message
+    assert auth.authenticate([(b"authorization", gw), (b"user-agent", b"sdk")]) == "gw"
+    # A gateway that sets the trusted header may forward the client's token: its header,
+    # the one it owns, names the tenant.
+    assert auth.authenticate([(b"authorization", acme), (b"x-fairness-id", b"gw")]) == "gw"
+
+    # Without JWT the Authorization header is no credential (SDKs always send one).
+    gateway_only = Authenticator.from_policy(AuthPolicy.model_validate(
+        {"trusted_tenant_header": "X-Fairness-Id"}), None, TENANTS)
+    assert gateway_only.authenticate(
+        [(b"authorization", b"Bearer sk-anything"), (b"x-fairness-id", b"gw")]) == "gw"

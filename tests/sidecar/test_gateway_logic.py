@@ -273,3 +273,89 @@ def test_unknown_capacity_skips_the_watermark_and_says_so(
     status = _status(harness.url)
     assert response.status_code == 200
     assert status.capacity_source is None and status.total_blocks == 0
+
+
+def test_absurd_token_times_are_401_not_500(stub_sidecar: StubFactory, keys: Keys) -> None:
+    harness, stub = stub_sidecar()
+    harness.apply(make_policy(tenant("acme")))
+    for exp in (10**400, str(int(time.time()) + 300)):
+        response = httpx.post(harness.url + "/v1/completions", json={"prompt": "x"},
+                              headers=_bearer(keys.hs("acme", exp=exp)))
+        assert response.status_code == 401, response.text
+        assert response.json()["error"]["code"] == "UNAUTHENTICATED"
+        assert "'exp'" in response.json()["error"]["message"]
+    assert not stub.received
+
+
+def test_a_request_naming_its_caller_twice_is_400(stub_sidecar: StubFactory, keys: Keys) -> None:
+    """Two credentials must not resolve to whichever came last."""
+    harness, stub = stub_sidecar()
+    harness.apply(make_policy(
+        tenant("acme"), tenant("gw"),
+        auth={"jwt": {"key_file": "jwt-hs", "algorithms": ["HS256"]},
+              "trusted_tenant_header": "X-Fairness-Id"},
+    ))
+    url = harness.url + "/v1/completions"
+    acme, gw = (f"Bearer {keys.hs(t)}" for t in ("acme", "gw"))
+    twice = httpx.post(url, json={"prompt": "x"},
+                       headers=[("Authorization", acme), ("Authorization", gw)])
+    header_twice = httpx.post(url, json={"prompt": "x"},
+                              headers=[("X-Fairness-Id", "gw"), ("X-Fairness-Id", "acme")])
+    models = httpx.get(harness.url + "/v1/models",
+                       headers=[("Authorization", acme), ("Authorization", gw)])
+    for response in (twice, header_twice, models):
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["code"] == "INVALID_REQUEST"
+    assert not stub.received
+    assert httpx.post(url, json={"prompt": "x"}, headers=[("Authorization", gw)]
+                      ).status_code == 200
+
+
+def test_tenants_that_leave_the_policy_free_their_labels(
+    stub_sidecar: StubFactory, keys: Keys
+) -> None:
+    harness, _ = stub_sidecar(tenant_label_limit=4)
+
+    def admit_each(*tenant_ids: str) -> set[str]:
+        harness.apply(make_policy(*(tenant(t) for t in tenant_ids)))
+        for tenant_id in tenant_ids:
+            response = httpx.post(harness.url + "/v1/completions",
+                                  json={"prompt": "x", "max_tokens": 1},
+                                  headers=_bearer(keys.hs(tenant_id)))
+            assert response.status_code == 200, response.text
+        metrics = httpx.get(harness.url + "/metrics").text
+        return {line.split('tenant_id="')[1].split('"')[0] for line in metrics.splitlines()
+                if 'tenant_id="' in line and not line.startswith("#")}
+
+    assert admit_each("t1", "t2", "t3", "t4") == {"t1", "t2", "t3", "t4"}
+    assert admit_each("t5", "t6") == {"t5", "t6"}  # not "other"; t1-t4 are gone
+
+
+def test_stale_engine_stats_count_as_unknown_capacity(
+    stub_sidecar: StubFactory, keys: Keys, tmp_path: pytest.TempPathFactory
+) -> None:
+    """An engine that died leaves its last stats file behind: a cache that was full
+    then must not refuse requests forever (nor a free one admit them)."""
+    stats_path = tmp_path / "stats.json"  # type: ignore[operator]
+    harness, _ = stub_sidecar(stats_path=stats_path)
+    harness.apply(make_policy(tenant("acme", guaranteed_blocks=0, max_queue_seconds=0),
+                              watermark=0.2))
+
+    def post_with_stats(age: float) -> httpx.Response:
+        stats = EngineStats(timestamp=time.time() - age, total_blocks=1000, free_blocks=0)
+        write_atomically(stats_path, stats.model_dump_json(by_alias=True))
+        time.sleep(0.15)  # the reader re-stats at most every 0.1 s
+        return httpx.post(harness.url + "/v1/completions", json={"prompt": "x"},
+                          headers=_bearer(keys.hs("acme")))
+
+    fresh = post_with_stats(age=0)
+    fresh_status = _status(harness.url)
+    stale = post_with_stats(age=60)
+    status = _status(harness.url)
+
+    assert fresh.status_code == 503, fresh.text  # full cache, a borrowing tenant
+    assert fresh_status.capacity_source == "engine"
+    assert stale.status_code == 200, stale.text  # admitted on its quota alone
+    assert status.capacity_source is None and status.total_blocks == 0
+    assert status.engine_stats_stale and not fresh_status.engine_stats_stale
+    assert status.engine_stats_age_seconds is not None and status.engine_stats_age_seconds >= 60
