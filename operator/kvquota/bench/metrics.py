@@ -36,6 +36,9 @@ class Outcome:
     rejections: list[int] = field(default_factory=list)  # HTTP status per refused attempt
     refused_within_guarantee: int = 0  # 429/503 refusals of an attempt that fit the guarantee
     queued_seconds: float = 0.0  # time the admitted attempt waited in the sidecar's queue
+    # Seconds every attempt waited in the sidecar's queue, by what it waited on (the
+    # tenant's own quota or concurrency limit, or the KV watermark).
+    waited_on: dict[str, float] = field(default_factory=dict)
     status: Status = "unfinished"
 
     @property
@@ -155,8 +158,17 @@ def tier_summary(
         "rejected503": sum(1 for s in rejected if s == 503),
         "refusedWithinGuarantee": sum(o.refused_within_guarantee for o in mine),
         "queuedP99": _r(percentile([o.queued_seconds for o in done], 99)),
+        "queuedSecondsBy": _waited_on(mine),
         "ttftCdf": cdf(ttfts),
     }
+
+
+def _waited_on(outcomes: list[Outcome]) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for outcome in outcomes:
+        for reason, seconds in outcome.waited_on.items():
+            totals[reason] = totals.get(reason, 0.0) + seconds
+    return {reason: round(seconds, 1) for reason, seconds in sorted(totals.items())}
 
 
 def summarize(run: RunResult, scenario: Scenario) -> dict[str, Any]:

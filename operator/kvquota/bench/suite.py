@@ -120,13 +120,29 @@ def diagnosis(document: dict[str, Any]) -> str:
     for name, t in ours.items():
         if t["rejected429"] or t["rejected503"]:
             parts.append(f"{name} refused 429x{t['rejected429']} 503x{t['rejected503']}")
+        waited = t.get("queuedSecondsBy") or {}
+        if sum(waited.values()) >= 1.0:
+            parts.append(f"{name} queued " + ", ".join(
+                f"{seconds:.0f}s on {_WAITED_ON.get(reason, reason)}"
+                for reason, seconds in sorted(waited.items(), key=lambda x: -x[1])))
         if t.get("gaveUp"):
             parts.append(f"{name} gave up {t['gaveUp']}")
     extra = document["policies"]["kvquota"].get("extra") or {}
     if extra.get("preemptionsByReason"):
         parts.append("evictions " + ", ".join(
             f"{r} {c}" for r, c in extra["preemptionsByReason"].items()))
+    capped = (extra.get("leaseDrops") or {}).get("cap")
+    if capped:
+        parts.append(f"leases dropped for lease caps {capped}")
     return "; ".join(parts)
+
+
+# What a queued request waited on (`admission.Decision`), as the diagnosis says it.
+_WAITED_ON = {
+    "rejected_quota": "its maxBlocks",
+    "rejected_concurrency": "its maxConcurrentRequests",
+    "rejected_watermark": "the KV watermark",
+}
 
 
 def suite_cases(names: list[str] | None = None) -> list[tuple[str, str | None]]:

@@ -220,6 +220,9 @@ class TwinRun:
         retry after Retry-After (up to the scenario's `clients.maxAttempts`)."""
         attempt: _Attempt = ticket.payload
         session, turn, outcome = attempt.session, attempt.turn, attempt.outcome
+        if ticket.waited_on is not None and ticket.waited > 0:
+            reason = ticket.waited_on.value
+            outcome.waited_on[reason] = outcome.waited_on.get(reason, 0.0) + ticket.waited
         if ticket.reservation is not None:
             assert ticket.verdict is not None
             outcome.queued_seconds += ticket.waited
