@@ -13,7 +13,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from engine_sidecar.stats import POLICY_PATH_ENV, STATS_PATH_ENV
+from engine_sidecar.gateway.request_body import BODY_BYTES_PER_TOKEN
+from engine_sidecar.stats import ADMIN_PORT, POLICY_PATH_ENV, STATS_PATH_ENV, STATUS_ROUTE
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -31,7 +32,13 @@ def register(subparsers: Any) -> None:
         ),
     )
     sidecar.add_argument("--listen", default="0.0.0.0:8000", metavar="HOST:PORT",
-                         help="address to serve on (default: %(default)s)")
+                         help="address clients reach: /v1/*, /healthz, /readyz "
+                              "(default: %(default)s)")
+    sidecar.add_argument("--admin-listen", default=f"0.0.0.0:{ADMIN_PORT}",
+                         metavar="HOST:PORT",
+                         help=f"address for the operator, Prometheus and probes: "
+                              f"{STATUS_ROUTE}, /metrics, /healthz, /readyz with reasons "
+                              "(default: %(default)s; in a pod, bind the pod IP)")
     sidecar.add_argument("--upstream", default="http://127.0.0.1:8001", metavar="URL",
                          help="the vLLM OpenAI server (default: %(default)s)")
     source = sidecar.add_mutually_exclusive_group(required=True)
@@ -50,6 +57,24 @@ def register(subparsers: Any) -> None:
     sidecar.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
                          help="longest wait for the engine's response headers or next chunk "
                               "(default: %(default)s); then 504")
+    sidecar.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                         help="a request's line and headers must arrive within this long "
+                              "of the connection opening (default: %(default)s); then 408")
+    sidecar.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
+                         help="a request's whole body must arrive within this long of "
+                              "authentication (default: %(default)s); then 408")
+    sidecar.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024,
+                         metavar="BYTES",
+                         help="largest request body of any tenant (default: %(default)s); "
+                              "a tenant's own cap follows from its quota, see "
+                              "--body-bytes-per-token")
+    sidecar.add_argument("--body-bytes-per-token", type=int, default=BODY_BYTES_PER_TOKEN,
+                         metavar="BYTES",
+                         help="body bytes allowed per prompt token a tenant may send "
+                              "(default: %(default)s; raise it for image or audio input)")
+    sidecar.add_argument("--max-connections", type=int, metavar="N",
+                         help="client connections open at once; beyond, 503 (default: "
+                              "half the file-descriptor limit, at most 4096)")
     sidecar.add_argument("--retry-after", type=int, default=1, metavar="SECONDS",
                          help="Retry-After on 429/503 (default: %(default)s)")
     sidecar.add_argument("--tenant-label-limit", type=int, default=100, metavar="N",
@@ -74,11 +99,28 @@ def register(subparsers: Any) -> None:
     install.set_defaults(func=_run_install_plugin)
 
 
-def parse_listen(value: str) -> tuple[str, int]:
+def parse_listen(value: str, flag: str = "--listen") -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
     if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        raise SystemExit(f"--listen must be HOST:PORT, got {value!r}")
+        raise SystemExit(f"{flag} must be HOST:PORT, got {value!r}")
     return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def check_server_flags(args: argparse.Namespace) -> tuple[tuple[str, int], tuple[str, int]]:
+    """The client and admin addresses, once every connection bound is valid."""
+    client = parse_listen(args.listen)
+    admin = parse_listen(args.admin_listen, "--admin-listen")
+    if admin[1] == client[1]:
+        raise SystemExit(f"--admin-listen must use another port than --listen ({client[1]})")
+    for flag, value in (("--header-timeout", args.header_timeout),
+                        ("--body-timeout", args.body_timeout),
+                        ("--max-body-bytes", args.max_body_bytes),
+                        ("--body-bytes-per-token", args.body_bytes_per_token),
+                        ("--max-connections", 1 if args.max_connections is None
+                         else args.max_connections)):
+        if value <= 0:
+            raise SystemExit(f"{flag} must be positive, got {value}")
+    return client, admin
 
 
 def _env_path(name: str) -> Path | None:
@@ -87,11 +129,13 @@ def _env_path(name: str) -> Path | None:
 
 
 def _run_sidecar(args: argparse.Namespace) -> int:
+    import asyncio
     import logging
 
     import prometheus_client
     import uvicorn
 
+    from engine_sidecar.gateway import server
     from engine_sidecar.gateway.app import Gateway, GatewayConfig
     from engine_sidecar.gateway.policy_source import (
         ConfigMapPolicySource,
@@ -103,7 +147,7 @@ def _run_sidecar(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call
     prometheus_client.disable_created_metrics()  # no `_created` series per label set
-    host, port = parse_listen(args.listen)
+    (host, port), (admin_host, admin_port) = check_server_flags(args)
     source: PolicySource
     if args.policy_configmap:
         namespace, sep, name = args.policy_configmap.partition("/")
@@ -129,15 +173,27 @@ def _run_sidecar(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout,
         retry_after_seconds=args.retry_after,
         tenant_label_limit=args.tenant_label_limit,
+        max_body_bytes=args.max_body_bytes,
+        body_bytes_per_token=args.body_bytes_per_token,
+        body_timeout=args.body_timeout,
     )
     gateway = Gateway(config, source)
-    server = uvicorn.Server(uvicorn.Config(
-        gateway.app, host=host, port=port, log_level=args.log_level,
-        access_log=args.access_log, server_header=False, lifespan="on", interface="asgi3",
-        proxy_headers=False,  # client addresses are not used; skip the middleware
-        timeout_graceful_shutdown=30,
-    ))
-    server.run()
+    client_limits = server.ConnectionLimits(head_timeout=args.header_timeout,
+                                            max_connections=args.max_connections)
+    admin_limits = server.ConnectionLimits(head_timeout=args.header_timeout,
+                                           max_connections=server.ADMIN_MAX_CONNECTIONS)
+    client = uvicorn.Server(server.server_config(
+        gateway.app, client_limits, lifespan="on", log_level=args.log_level,
+        access_log=args.access_log))
+    admin = server.AdminServer(server.server_config(
+        gateway.admin_app, admin_limits, lifespan="off", log_level=args.log_level,
+        access_log=args.access_log))
+    client_sock = server.listen(host, port, "--listen")
+    admin_sock = server.listen(admin_host, admin_port, "--admin-listen")
+    logging.getLogger(__name__).info(
+        "clients on %s:%d (at most %d connections), admin on %s:%d",
+        host, port, client_limits.connections(), admin_host, admin_port)
+    asyncio.run(server.serve(client, client_sock, admin, admin_sock))
     return 0
 
 

@@ -4,8 +4,9 @@
   `KVQUOTA_STATS_PATH`: a JSON file replaced atomically at least every `HEARTBEAT_S`
   while the engine runs. The sidecar reads it, and takes stats older than
   `STALE_AFTER_S` for unknown capacity (the engine is gone or stuck).
-- `SidecarStatus`: what the sidecar serves at `GET /kvquota/status`: the plugin's view
-  merged with the admission ledger. The operator polls it and writes CR status.
+- `SidecarStatus`: what the sidecar serves at `GET /kvquota/status` on its admin port
+  (container port `admin`, 9100 by default; never on the client port): the plugin's
+  view merged with the admission ledger. The operator polls it and writes CR status.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pydantic.alias_generators import to_camel
 POLICY_PATH_ENV = "KVQUOTA_POLICY_PATH"
 STATS_PATH_ENV = "KVQUOTA_STATS_PATH"
 STATUS_ROUTE = "/kvquota/status"
+ADMIN_PORT = 9100  # the sidecar's admin port: status, metrics, probes
+ADMIN_PORT_NAME = "admin"  # its container port name in the engine pod
 HEARTBEAT_S = 0.5  # the plugin rewrites its stats file at least this often
 STALE_AFTER_S = max(2.0, 10 * HEARTBEAT_S)  # ten missed rewrites: nobody is writing
 

@@ -1,17 +1,21 @@
 """`kvquota sidecar`: the admission gateway in the engine pod, in front of vLLM.
 
-Routes: POST /v1/completions, POST /v1/chat/completions (streamed through untouched),
-GET /v1/models, /healthz (alive), /readyz (engine answers, valid policy, tokenizer),
-/metrics, GET /kvquota/status (`SidecarStatus`, polled by the operator).
+Client port: POST /v1/completions, POST /v1/chat/completions (streamed through
+untouched), GET /v1/models, /healthz (alive), /readyz (engine answers, valid policy,
+tokenizer). Admin port: GET /kvquota/status (`SidecarStatus`, polled by the operator),
+/metrics, /healthz, /readyz with its reasons.
 
 Refusals are OpenAI-style `{"error": {"message", "type", "code", "param"}}`:
 401 UNAUTHENTICATED, 403 UNKNOWN_TENANT, 400 PROMPT_TOO_LONG / INVALID_REQUEST /
-REQUEST_EXCEEDS_TENANT_QUOTA, 413 REQUEST_TOO_LARGE, 429 TENANT_BLOCK_QUOTA_EXHAUSTED /
+REQUEST_EXCEEDS_TENANT_QUOTA, 408 REQUEST_TIMEOUT, 413 REQUEST_TOO_LARGE,
+431 REQUEST_HEADERS_TOO_LARGE, 429 TENANT_BLOCK_QUOTA_EXHAUSTED /
 TENANT_CONCURRENCY_EXHAUSTED (Retry-After), 503 KV_CACHE_WATERMARK_EXCEEDED
 (Retry-After) / ENGINE_UNAVAILABLE / POLICY_NOT_LOADED / SIDECAR_NOT_READY,
 502 UPSTREAM_ERROR, 504 UPSTREAM_TIMEOUT.
 
-Modules, one responsibility each: `app` (routes, request path), `auth` (JWT, keys),
+Modules, one responsibility each: `app` (routes, request path), `server` (the two
+ports; request-head deadline, connection limit), `request_body` (body cap and deadline),
+`model_names` (no server paths in /v1/models), `auth` (JWT, keys),
 `active_policy` (validated policy + secrets, the plugin's copy), `policy_source` (file
 poll, ConfigMap watch), `openai_request` (parse/rewrite bodies), `tokens` (prompt
 counting), `admission` (pure decisions), `ledger` (reservations), `forward` +

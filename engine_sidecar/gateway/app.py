@@ -1,16 +1,24 @@
-"""The sidecar's ASGI app: routes, lifespan, and the admission path of a request.
+"""The sidecar's ASGI apps: routes, lifespan, and the admission path of a request.
+
+Two apps, one per port: `app` for clients (/v1/*, /healthz, /readyz) and `admin_app`
+for the operator, Prometheus and the kubelet (/kvquota/status, /metrics, /healthz,
+/readyz with its reasons). Nothing on the client port shows another tenant's usage,
+the policy's errors or a server path.
 
 Request path for POST /v1/completions and /v1/chat/completions:
-read body -> policy loaded? -> authenticate -> parse -> count prompt tokens ->
-decide + reserve (synchronously, so atomic) -> rewrite -> stream to the engine ->
-release the reservation whatever happened.
+policy loaded? -> authenticate (headers only) -> read the body (capped for the tenant,
+with a deadline) -> parse -> count prompt tokens -> decide + reserve (synchronously, so
+atomic) -> rewrite -> stream to the engine -> release the reservation whatever
+happened. A refusal sent before the body was read closes the connection.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -37,16 +45,25 @@ from engine_sidecar.gateway.forward import (
     REQUEST_DROP,
     Upstream,
     exchange,
-    filter_headers,
+    request_headers,
     send_error,
     wait_for_disconnect,
 )
 from engine_sidecar.gateway.ledger import Ledger, Reservation
 from engine_sidecar.gateway.metrics import GatewayMetrics, StateSources
+from engine_sidecar.gateway.model_names import engine_name, public_cards
 from engine_sidecar.gateway.openai_request import Kind, parse, rewrite, session_id
 from engine_sidecar.gateway.policy_source import PolicySource
 from engine_sidecar.gateway.prefix import prompt_fingerprints
-from engine_sidecar.gateway.status import DecisionCounters, build_status
+from engine_sidecar.gateway.request_body import (
+    BODY_BYTES_PER_TOKEN,
+    CLOSE,
+    body_limit,
+    declared_length,
+    declares_body,
+    read_body,
+)
+from engine_sidecar.gateway.status import DecisionCounters, build_status, hide_paths
 from engine_sidecar.gateway.tokens import EngineTokenCounter, HfTokenCounter, TokenCounter
 from engine_sidecar.stats import STATUS_ROUTE
 
@@ -55,6 +72,7 @@ logger = logging.getLogger(__name__)
 JSON_HEADERS = [(b"content-type", b"application/json")]
 QUEUE_HEADER = b"x-kvquota-queue-ms"  # on admitted responses: time spent in the queue
 PUMP_INTERVAL_S = 0.05  # while requests queue: re-check capacity (new stats) and deadlines
+MAX_MODEL_LIST_BYTES = 1024 * 1024  # the engine's /v1/models answer, read whole
 ASGIHandler = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
@@ -69,33 +87,17 @@ class GatewayConfig:
     request_timeout: float = 600.0
     connect_timeout: float = 5.0
     retry_after_seconds: int = 1
-    max_body_bytes: int = 32 * 1024 * 1024
+    max_body_bytes: int = 32 * 1024 * 1024  # global cap; a tenant's is derived below it
+    body_bytes_per_token: int = BODY_BYTES_PER_TOKEN  # raise it for image/audio inputs
+    body_timeout: float = 30.0  # seconds to receive a whole request body, then 408
     tenant_label_limit: int = 100
     engine_probe_interval: float = 2.0
     extra_request_drop: set[bytes] = field(default_factory=set)
     data_plane: str = "auto"  # "httptools" (fast), "httpx" (fallback), "auto"
 
 
-async def read_body(receive: Receive, limit: int) -> bytes | None:
-    """The whole request body; None if the client went away first."""
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, errors.REQUEST_TOO_LARGE,
-                           f"the request body exceeds {limit // (1024 * 1024)} MiB")
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
 class Gateway:
-    """Sidecar state and handlers; `.app` is the ASGI application."""
+    """Sidecar state and handlers; `.app` serves clients, `.admin_app` the admin port."""
 
     def __init__(
         self,
@@ -145,31 +147,43 @@ class Gateway:
             routes=[
                 Route("/healthz", self._healthz, methods=["GET"]),
                 Route("/readyz", self._readyz, methods=["GET"]),
-                Route("/metrics", self._metrics, methods=["GET"]),
-                Route(STATUS_ROUTE, self._status, methods=["GET"]),
             ],
             lifespan=self._lifespan,
             exception_handlers={HTTPException: _http_exception},
         )
+        # No lifespan: the client app's runs the gateway's tasks, once.
+        self.admin_starlette = Starlette(
+            routes=[
+                Route("/healthz", self._healthz, methods=["GET"]),
+                Route("/readyz", self._admin_readyz, methods=["GET"]),
+                Route("/metrics", self._metrics, methods=["GET"]),
+                Route(STATUS_ROUTE, self._status, methods=["GET"]),
+            ],
+            exception_handlers={HTTPException: _http_exception},
+        )
         self._tier_children: dict[str, tuple[Any, Any, Any]] = {}
-        self.app: ASGIHandler = _GatewayApp(self)
+        self.app: ASGIHandler = _GatewayApp(self.dispatch)
+        self.admin_app: ASGIHandler = _GatewayApp(self.dispatch_admin)
 
     async def dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and (route := self._proxied.get(scope["path"])):
             method, handler = route
             if scope["method"] != method:
-                await send_error(send, ApiError(405, errors.METHOD_NOT_ALLOWED,
-                                                f"use {method} on this route"))
+                await send_error(send, _unread(scope, ApiError(
+                    405, errors.METHOD_NOT_ALLOWED, f"use {method} on this route")))
                 return
             try:
                 await handler(scope, receive, send)
             except Exception:  # a bug: answer like an API, keep the trace in the log only
                 logger.exception("unhandled error on %s", scope["path"])
                 with contextlib.suppress(Exception):
-                    await send_error(send, ApiError(
-                        500, errors.INTERNAL_ERROR, "the sidecar failed on this request"))
+                    await send_error(send, _unread(scope, ApiError(
+                        500, errors.INTERNAL_ERROR, "the sidecar failed on this request")))
             return
-        await self.starlette(scope, receive, send)
+        await self.starlette(scope, receive, _closing(scope, send))
+
+    async def dispatch_admin(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.admin_starlette(scope, receive, _closing(scope, send))
 
     def _tier_metrics(self, tier: str) -> tuple[Any, Any, Any]:
         """(ttft, duration, reserved-blocks) children for a tier, looked up once."""
@@ -214,7 +228,8 @@ class Gateway:
                     continue
                 tried.add(name)
                 try:
-                    self.token_counter = await asyncio.to_thread(HfTokenCounter.load, name)
+                    self.token_counter = await asyncio.to_thread(
+                        HfTokenCounter.load, name, EngineTokenCounter(self.upstream.client, None))
                     logger.info("counting prompt tokens with %s", self.token_counter.description)
                     _freeze_startup_objects()
                     return
@@ -229,8 +244,8 @@ class Gateway:
 
     def _upstream_failed(self, kind: str) -> None:
         self.metrics.upstream_errors.labels(kind).inc()
-        if kind == "connect":
-            self.monitor.mark_down("the engine refused a connection")
+        if kind == "connect":  # the engine, or the sidecar's own fd limit: the probe tells
+            self.monitor.recheck()
 
     # -- helpers -------------------------------------------------------------------
 
@@ -275,11 +290,20 @@ class Gateway:
             reasons.append("tokenizer still loading")
         return reasons
 
-    async def _read_body(self, receive: Receive) -> bytes | None:
+    async def _read_body(
+        self, scope: Scope, receive: Receive, active: ActivePolicy, tenant_id: str, kind: Kind
+    ) -> bytes | None:
+        limit = body_limit(
+            active.policy.tenants[tenant_id], block_size=active.policy.block_size,
+            chat=kind is Kind.CHAT, cap=self.config.max_body_bytes,
+            bytes_per_token=self.config.body_bytes_per_token,
+        )
         try:
-            return await read_body(receive, self.config.max_body_bytes)
+            return await read_body(receive, limit, self.config.body_timeout,
+                                   declared_length(scope))
         except ApiError as error:
-            raise self._reject(error, "too_large") from None
+            raise self._reject(error, "too_large" if error.status == 413 else "slow_body"
+                               ) from None
 
     def _reject(self, error: ApiError, reason: str) -> ApiError:
         self.metrics.rejections.labels(reason).inc()
@@ -313,13 +337,18 @@ class Gateway:
         await self._generate(scope, receive, send, Kind.CHAT)
 
     async def _generate(self, scope: Scope, receive: Receive, send: Send, kind: Kind) -> None:
+        body_read = False
         try:
-            raw = await self._read_body(receive)
+            active = self._active()
+            tenant_id = self._authenticate(active, scope["headers"])
+            raw = await self._read_body(scope, receive, active, tenant_id, kind)
             if raw is None:
                 return
-            admitted = await self._admit(kind, raw, scope["headers"], receive)
+            body_read = True
+            admitted = await self._admit(kind, raw, scope["headers"], receive, active,
+                                         tenant_id)
         except ApiError as error:
-            await send_error(send, error)
+            await send_error(send, error if body_read else _unread(scope, error))
             return
         if admitted is None:
             return  # the client left while its request was queued
@@ -344,16 +373,18 @@ class Gateway:
             self.metrics.reservations.labels(tier, outcome).inc()
 
     async def _admit(
-        self, kind: Kind, raw: bytes, raw_headers: list[tuple[bytes, bytes]], receive: Receive
+        self, kind: Kind, raw: bytes, raw_headers: list[tuple[bytes, bytes]], receive: Receive,
+        active: ActivePolicy, tenant_id: str,
     ) -> tuple[Reservation, bytes, str, float] | None:
-        """Authenticate, count, then wait in the tenant's queue until admitted (or
-        refused); None if the client went away meanwhile."""
-        active = self._active()
-        tenant_id = self._authenticate(active, raw_headers)
+        """Count an authenticated request, then wait in the tenant's queue until admitted
+        (or refused); None if the client went away meanwhile."""
         try:
             request = parse(kind, raw)
         except ApiError as error:
             raise self._reject(error, "invalid_request") from None
+        if "model" in request.body:  # the public name /v1/models shows -> the engine's
+            request.body["model"] = engine_name(request.body["model"], self.monitor.model,
+                                                active.policy.model)
         counter = self.token_counter
         if counter is None:
             raise self._reject(ApiError(
@@ -434,27 +465,61 @@ class Gateway:
         active = self.holder.active
         if active is not None and active.auth.trusted_header is not None:
             drop.add(active.auth.trusted_header)
-        return [*filter_headers(scope["headers"], drop), *JSON_HEADERS]
+        return [*request_headers(scope["headers"], drop), *JSON_HEADERS]
 
     # -- other routes -----------------------------------------------------------
 
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The engine's model list with server paths replaced by the served name."""
         try:
-            if await self._read_body(receive) is None:
-                return
-            self._authenticate(self._active(), scope["headers"])
+            active = self._active()
+            self._authenticate(active, scope["headers"])
+            status, payload = await self._engine_models(scope)
         except ApiError as error:
-            await send_error(send, error)
+            await send_error(send, _unread(scope, error))
             return
-        forward_headers = filter_headers(scope["headers"], REQUEST_DROP)
-        await exchange(receive, send, self.upstream,
-                       lambda: self.upstream.open("GET", "/v1/models", forward_headers, b""))
+        body = json.dumps(public_cards(payload, active.policy.model),
+                          separators=(",", ":")).encode()
+        headers = [*JSON_HEADERS, (b"content-length", str(len(body)).encode())]
+        if declares_body(scope):
+            headers.append((b"connection", b"close"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def _engine_models(self, scope: Scope) -> tuple[int, Any]:
+        forward_headers = request_headers(scope["headers"])
+        response = await self.upstream.open("GET", "/v1/models", forward_headers, b"")
+        try:
+            if response.status_code >= 500:
+                raise self.upstream.failure_status(response.status_code)
+            chunks: list[bytes] = []
+            size = 0
+            async for chunk in response.aiter_raw():
+                size += len(chunk)
+                if size > MAX_MODEL_LIST_BYTES:
+                    raise ValueError("model list too large")
+                chunks.append(chunk)
+            return response.status_code, json.loads(b"".join(chunks))
+        except OSError as exc:
+            raise self.upstream.failure(exc) from None
+        except ValueError:
+            raise ApiError(502, errors.UPSTREAM_ERROR,
+                           "the inference engine's /v1/models answer is not a JSON model "
+                           "list") from None
+        finally:
+            await response.aclose()
 
     async def _healthz(self, _request: Request) -> Response:
         return JSONResponse({"status": "alive"})
 
     async def _readyz(self, _request: Request) -> Response:
-        reasons = self.readiness()
+        """For clients and load balancers: ready or not, the reasons are on the admin
+        port (they name the policy's problems)."""
+        ready = not self.readiness()
+        return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
+
+    async def _admin_readyz(self, _request: Request) -> Response:
+        reasons = [hide_paths(reason) for reason in self.readiness()]
         return JSONResponse({"ready": not reasons, "reasons": reasons},
                             status_code=503 if reasons else 200)
 
@@ -472,14 +537,37 @@ class Gateway:
 
 
 class _GatewayApp:
-    """The ASGI application: a plain object with an async `__call__`, so servers detect
+    """An ASGI application: a plain object with an async `__call__`, so servers detect
     ASGI 3 (a bound method would look like ASGI 2 to uvicorn)."""
 
-    def __init__(self, gateway: Gateway) -> None:
-        self._gateway = gateway
+    def __init__(self, dispatch: ASGIHandler) -> None:
+        self._dispatch = dispatch
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self._gateway.dispatch(scope, receive, send)
+        await self._dispatch(scope, receive, send)
+
+
+def _unread(scope: Scope, error: ApiError) -> ApiError:
+    """`error` as the answer to a request whose body was not read: the connection
+    closes, so the client cannot keep it open by sending the rest slowly."""
+    if not declares_body(scope) or error.headers.get("connection") == "close":
+        return error
+    return dataclasses.replace(error, headers={**error.headers, **CLOSE})
+
+
+def _closing(scope: Scope, send: Send) -> Send:
+    """`send` for routes that never read a body: one the client declared closes the
+    connection after the response."""
+    if scope["type"] != "http" or not declares_body(scope):
+        return send
+
+    async def send_closing(message: Any) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()),
+                                              (b"connection", b"close")]}
+        await send(message)
+
+    return send_closing
 
 
 async def _http_exception(_request: Request, exc: Exception) -> Response:

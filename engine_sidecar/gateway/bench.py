@@ -308,7 +308,8 @@ def _start_sidecar(setup: Setup, upstream: str, model: str, tokenizer: str | Non
     home.mkdir()
     policy_file, secrets_dir, token = _write_policy(home, model)
     argv = [sys.executable, "-m", "engine_sidecar.cli", "sidecar",
-            "--listen", f"127.0.0.1:{port}", "--upstream", upstream,
+            "--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{_free_port()}",
+            "--upstream", upstream,
             "--policy-file", str(policy_file), "--secrets-dir", str(secrets_dir),
             "--log-level", "warning"]
     argv += ["--tokenizer", tokenizer] if tokenizer else ["--engine-tokenizer"]

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import http.cookiejar
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -42,7 +43,16 @@ HOP_BY_HOP = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
     b"trailer", b"trailers", b"transfer-encoding", b"upgrade",
 })
-# Never forwarded to the engine: the client's credentials and our own inputs.
+# The only client headers the engine sees. vLLM acts on others: X-Request-Id names the
+# response and the engine request, X-data-parallel-rank picks a rank, X-Vllm-Priority
+# overrides the priority, X-Session-ID the session; the credentials are the sidecar's.
+# W3C trace context passes (vLLM's tracing reads it), when well-formed.
+REQUEST_ALLOW = frozenset({b"content-type", b"accept", b"traceparent", b"tracestate"})
+TRACE_CONTEXT = frozenset({b"traceparent", b"tracestate"})
+_TRACEPARENT = re.compile(rb"(?!ff)[0-9a-f]{2}-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}"
+                          rb"-[0-9a-f]{2}")
+MAX_TRACESTATE_BYTES = 512  # W3C: 32 list members; longer ones may be dropped
+# Never forwarded, even if allowed: the client's credentials and our own inputs.
 REQUEST_DROP = HOP_BY_HOP | {
     b"host", b"content-length", b"authorization", b"cookie", b"x-session-id", b"expect",
     b"accept-encoding",
@@ -64,6 +74,20 @@ def filter_headers(
 ) -> list[tuple[bytes, bytes]]:
     extra = _connection_tokens(headers)
     return [(k.lower(), v) for k, v in headers if k.lower() not in drop and k.lower() not in extra]
+
+
+def request_headers(
+    headers: list[tuple[bytes, bytes]], drop: frozenset[bytes] | set[bytes] = REQUEST_DROP
+) -> list[tuple[bytes, bytes]]:
+    """The client's headers that go to the engine: `REQUEST_ALLOW` minus `drop`, and trace
+    context only when it is one well-formed `traceparent` (W3C Trace Context)."""
+    kept = [(k, v) for k, v in filter_headers(headers, drop) if k in REQUEST_ALLOW]
+    parents = [v for k, v in kept if k == b"traceparent"]
+    states = [v for k, v in kept if k == b"tracestate"]
+    if (len(parents) != 1 or not _TRACEPARENT.fullmatch(parents[0])
+            or sum(len(v) for v in states) > MAX_TRACESTATE_BYTES):
+        kept = [(k, v) for k, v in kept if k not in TRACE_CONTEXT]
+    return kept
 
 
 class UpstreamResponse(Protocol):

@@ -3,11 +3,13 @@
 Merges three views: the admission ledger (reservations, in-flight), the sidecar's
 decision counters, and the plugin's engine stats (blocks used and leased, preemptions,
 lease breaks, degraded events). Counters are per process: they restart from zero with
-the sidecar, like any Prometheus counter.
+the sidecar, like any Prometheus counter. Messages name files, never where they live on
+the server (`hide_paths`).
 """
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -22,6 +24,15 @@ from engine_sidecar.stats import (
     TenantStatus,
     TenantUsage,
 )
+
+# An absolute path: a "/" that starts a word (not inside a URL or a "ns/name").
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.:/~-])/(?:[^\s/'\"(),;:]+/)*([^\s/'\"(),;:]+)")
+
+
+def hide_paths(message: str) -> str:
+    """Every absolute path in `message` cut to its last component: status readers (the
+    operator, CR status) learn which file, not the pod's file system layout."""
+    return _ABSOLUTE_PATH.sub(r"\1", message)
 
 
 @dataclass
@@ -94,7 +105,7 @@ def build_status(
     return SidecarStatus(
         ready=ready,
         policy_version=active.version if active else None,
-        policy_error="; ".join(errors) or None,
+        policy_error=hide_paths("; ".join(errors)) or None,
         total_blocks=(capacity.total_blocks if capacity else None) or 0,
         free_blocks=capacity.free_blocks if capacity and capacity.known else 0,
         degraded=bool(stats and stats.degraded),

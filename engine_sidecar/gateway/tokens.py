@@ -1,9 +1,27 @@
-"""Prompt token counting with the model's own tokenizer (chat template for chat).
+"""Prompt token counting: the tokens the engine will process, for every request forwarded.
 
-The local tokenizer (transformers, loaded once in the background) is the fast path.
-When it cannot be loaded in the sidecar container (model files only in the engine
-container, no hub access), counting falls back to the engine's `/tokenize` endpoint:
-exact, but one extra round trip per request.
+Completions: the model's own tokenizer (transformers, loaded once in the background) is
+the fast path, encoding each text prompt as vLLM does; token-id prompts count as sent.
+
+Chat: the engine's own `POST /tokenize`, sent the request's messages and every field
+that changes the rendered prompt (`chat_tokenize_payload`). The prompt is what vLLM's
+renderer makes of the messages: the server's chat template (`--chat-template`, the
+processor's, the tokenizer's), `--default-chat-template-kwargs`, the template's content
+format, developer-role folding, tool-call arguments parsed, tools serialized by its
+request models. A local rendering sees none of that and drifted from the engine (content
+parts it dropped cost nothing in the ledger, issue #13); /tokenize runs the same renderer
+on the same input, so the counts are equal by construction, for one extra round trip
+per chat request (about 4 ms on a 2-core test machine).
+
+Where /tokenize renders more than the chat request will, the count is an upper bound:
+tools sent with `tool_choice: "none"` to an engine started with
+`--exclude-tools-when-tool-choice-none`; tool-call ids that Mistral tokenizers truncate.
+Not covered (vLLM renders these chat requests differently from /tokenize): gpt-oss
+models (Harmony rendering) and Kimi K3's template arguments `tool_choice` and
+`response_format`.
+
+When the local tokenizer cannot be loaded in the sidecar container (model files only in
+the engine container, no hub access), completions are counted by /tokenize too.
 """
 
 from __future__ import annotations
@@ -24,6 +42,9 @@ logger = logging.getLogger(__name__)
 
 # Prompts longer than this are tokenized off the event loop.
 INLINE_CHARS = 8_000
+# The chat fields /tokenize takes as they are (TokenizeChatRequest in vLLM).
+TOKENIZE_CHAT_FIELDS = ("messages", "add_generation_prompt", "continue_final_message",
+                        "add_special_tokens", "tools")
 
 
 TokenIds = Sequence[int]
@@ -41,41 +62,46 @@ def _bad_prompt(message: str, request: ParsedRequest) -> ApiError:
     return ApiError(400, errors.INVALID_REQUEST, message, param=request.prompt_param)
 
 
-def _text_of(content: Any) -> Any:
-    """Content parts -> text, as vLLM's 'string' content format joins them."""
-    if not isinstance(content, list):
-        return content
-    return "\n".join(
-        part["text"] for part in content if part.get("type", "text") == "text"
-    )
+def chat_tokenize_payload(body: dict[str, Any]) -> dict[str, Any]:
+    """The /tokenize body that renders the prompt a chat completion with `body` renders.
 
-
-def _chat_options(body: dict[str, Any]) -> dict[str, Any]:
-    options: dict[str, Any] = {
-        "add_generation_prompt": body.get("add_generation_prompt", True) is not False,
-        "continue_final_message": body.get("continue_final_message") is True,
-    }
-    if isinstance(body.get("tools"), list):
-        options["tools"] = body["tools"]
-    return options
+    vLLM's chat request adds `documents` and `reasoning_effort` (and, with it,
+    `enable_thinking` unless the client set it) to the template arguments
+    (`ChatCompletionRequest.build_chat_params`); /tokenize takes them as template
+    arguments, merged the same way (request fields over `chat_template_kwargs`)."""
+    payload = {name: body[name] for name in TOKENIZE_CHAT_FIELDS if name in body}
+    client_kwargs: dict[str, Any] = body.get("chat_template_kwargs") or {}
+    kwargs = dict(client_kwargs)
+    if body.get("documents") is not None:
+        kwargs["documents"] = body["documents"]
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        kwargs["reasoning_effort"] = effort
+        if "enable_thinking" not in client_kwargs:
+            kwargs["enable_thinking"] = effort != "none"
+    if kwargs:
+        payload["chat_template_kwargs"] = kwargs
+    return payload
 
 
 class HfTokenCounter:
-    """transformers tokenizer; thread-safe use through one worker thread for long input."""
+    """Completion prompts with a transformers tokenizer (one worker thread for long input);
+    chat prompts with `chat`, the engine's renderer."""
 
-    def __init__(self, tokenizer: Any, name: str) -> None:
+    def __init__(self, tokenizer: Any, name: str, chat: TokenCounter) -> None:
         self._tokenizer = tokenizer
         # The Rust tokenizer underneath a fast tokenizer: same ids, a fraction of the
         # Python overhead of `tokenizer.encode` (which goes through batch encoding).
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
-        self.description = f"local tokenizer {name}"
+        self._chat = chat
+        self.description = f"local tokenizer {name} (chat: {chat.description})"
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvq-tok")
 
     @classmethod
-    def load(cls, name_or_path: str) -> HfTokenCounter:
+    def load(cls, name_or_path: str, chat: TokenCounter) -> HfTokenCounter:
         from transformers import AutoTokenizer
 
-        return cls(AutoTokenizer.from_pretrained(name_or_path), name_or_path)
+        return cls(AutoTokenizer.from_pretrained(name_or_path), name_or_path, chat)
 
     def _encode(self, text: str, special: bool) -> TokenIds:
         if self._backend is not None:
@@ -84,43 +110,23 @@ class HfTokenCounter:
         return list(self._tokenizer.encode(text, add_special_tokens=special))
 
     def _tokenize_sync(self, request: ParsedRequest) -> tuple[TokenIds, ...]:
-        if request.kind is Kind.CHAT:
-            messages = [{**m, "content": _text_of(m.get("content"))} for m in request.messages]
-            text = self._tokenizer.apply_chat_template(
-                messages, tokenize=False, **_chat_options(request.body))
-            special = request.body.get("add_special_tokens") is True
-            return (self._encode(text, special),)
         special = request.body.get("add_special_tokens", True) is not False
         return tuple(
             p if isinstance(p, list) else self._encode(p, special) for p in request.prompts
         )
 
     async def tokenize(self, request: ParsedRequest) -> tuple[TokenIds, ...]:
+        if request.kind is Kind.CHAT:
+            return await self._chat.tokenize(request)
         try:
-            if _size(request) <= INLINE_CHARS:
+            if sum(len(p) for p in request.prompts) <= INLINE_CHARS:
                 return self._tokenize_sync(request)
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self._executor, self._tokenize_sync, request)
-        except ApiError:
-            raise
         except Exception as exc:
-            raise _tokenizer_error(exc, request) from None
-
-
-def _size(request: ParsedRequest) -> int:
-    if request.kind is Kind.CHAT:
-        return sum(len(str(m.get("content") or "")) for m in request.messages)
-    return sum(len(p) for p in request.prompts)
-
-
-def _tokenizer_error(exc: Exception, request: ParsedRequest) -> ApiError:
-    if type(exc).__module__.startswith("jinja2"):
-        detail = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
-        return _bad_prompt(f"the model's chat template cannot render these messages: "
-                           f"{detail}", request)
-    logger.debug("tokenizer refused a request: %s", type(exc).__name__)
-    return _bad_prompt("the prompt cannot be tokenized (check for invalid characters or "
-                       "message structure)", request)
+            logger.debug("tokenizer refused a request: %s", type(exc).__name__)
+            raise _bad_prompt("the prompt cannot be tokenized (check for invalid "
+                              "characters)", request) from None
 
 
 class EngineTokenCounter:
@@ -156,11 +162,7 @@ class EngineTokenCounter:
 
     async def tokenize(self, request: ParsedRequest) -> tuple[TokenIds, ...]:
         if request.kind is Kind.CHAT:
-            payload: dict[str, Any] = {"messages": request.messages,
-                                       **_chat_options(request.body)}
-            if request.body.get("add_special_tokens") is True:
-                payload["add_special_tokens"] = True
-            return (await self._tokenize(payload, request),)
+            return (await self._tokenize(chat_tokenize_payload(request.body), request),)
         special = request.body.get("add_special_tokens", True) is not False
         prompts: list[TokenIds] = []
         for prompt in request.prompts:

@@ -34,7 +34,7 @@ from engine_sidecar.policy import EnginePolicy
 from engine_sidecar.stats import STATS_PATH_ENV
 from kvquota.engine_state import QuotaGauge, StockGauge
 from kvquota.loadgen import NoisyNeighbour, Result, Target
-from kvquota.processes import ManagedProcess
+from kvquota.processes import ManagedProcess, free_port
 from kvquota.stack import (
     Processes,
     engine_process,
@@ -157,9 +157,10 @@ def _run_policy_on(
     say(f"policy {policy_file.name}; starting vLLM (CPU) with the TenantAwareScheduler plugin")
     engine, engine_url = _engine(model, run, "vllm-policy", plugin=True)
     _start_engine(procs, engine, engine_url, say)
+    admin_port = free_port()
     sidecar, sidecar_url = sidecar_process(
         engine.env, engine_url, run, policy_file=policy_file, secrets_dir=secrets_dir,
-        tokenizer=model,
+        tokenizer=model, admin_port=admin_port,
     )
     procs.start(sidecar)
     sidecar.wait_http(sidecar_url + "/readyz", 120)
@@ -167,8 +168,8 @@ def _run_policy_on(
     headers = {tenant: {"Authorization": f"Bearer {auth.token(tenant)}"}
                for tenant in (workload.premium_tenant, workload.free_tenant)}
     target = Target(sidecar_url, str(model), lambda tenant: headers[tenant])
-    gauge = QuotaGauge(engine_url, sidecar_url, Path(engine.env[STATS_PATH_ENV]), policy,
-                       workload.free_tenant)
+    gauge = QuotaGauge(engine_url, f"http://127.0.0.1:{admin_port}",
+                       Path(engine.env[STATS_PATH_ENV]), policy, workload.free_tenant)
     results = asyncio.run(run_noisy_neighbour(target, workload, gauge, say))
     procs.stop_all()
     return results

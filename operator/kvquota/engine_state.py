@@ -130,9 +130,9 @@ class StockGauge:
 class QuotaGauge:
     """KVQuota: the free tier at the most the sidecar admits, all of it in the engine."""
 
-    def __init__(self, engine_url: str, sidecar_url: str, stats_path: Path,
+    def __init__(self, engine_url: str, sidecar_admin_url: str, stats_path: Path,
                  policy: EnginePolicy, free_tenant: str) -> None:
-        self.engine_url, self.sidecar_url = engine_url, sidecar_url
+        self.engine_url, self.sidecar_admin_url = engine_url, sidecar_admin_url
         self.stats_path = stats_path
         self.policy = policy
         self.free = policy.tenants[free_tenant]
@@ -142,7 +142,7 @@ class QuotaGauge:
                     unanswered: int) -> Hold | None:
         try:
             load = await read_vllm_load(client, self.engine_url)
-            resp = await client.get(self.sidecar_url + STATUS_ROUTE, timeout=5.0)
+            resp = await client.get(self.sidecar_admin_url + STATUS_ROUTE, timeout=5.0)
             resp.raise_for_status()
             status = SidecarStatus.model_validate_json(resp.content)
             queued = _queued(resp.json(), self.free.tenant_id)

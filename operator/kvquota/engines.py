@@ -3,7 +3,8 @@
 Ready engines are pods matched by the pool's selector with the Ready condition
 (Kubernetes readiness, the same signal a Service uses): that count is what quotas are
 split over, so a flaky status poll never changes the policy. The sidecar reports
-(`SidecarStatus` at `GET /kvquota/status`) feed capacity, usage and sync.
+(`SidecarStatus` at `GET /kvquota/status` on the sidecar's admin port, never the client
+port) feed capacity, usage and sync.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from engine_sidecar.stats import STATUS_ROUTE, SidecarStatus
+from engine_sidecar.stats import ADMIN_PORT, ADMIN_PORT_NAME, STATUS_ROUTE, SidecarStatus
 from kvquota import GROUP
 from kvquota.api import LabelSelector
 from kvquota.usage import EngineObservation
@@ -27,8 +28,6 @@ if TYPE_CHECKING:
 
 PORT_ANNOTATION = f"{GROUP}/status-port"
 SIDECAR_CONTAINER = "kvquota-sidecar"
-SIDECAR_PORT_NAME = "http"
-DEFAULT_SIDECAR_PORT = 8000
 
 
 def selector_string(selector: LabelSelector) -> str:
@@ -83,17 +82,19 @@ def is_ready(pod: Mapping[str, Any]) -> bool:
 
 
 def status_url(pod: Mapping[str, Any]) -> str:
+    """The sidecar's admin port: the annotation, else its container port named `admin`,
+    else the default."""
     meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
     port: int | str = (meta.get("annotations") or {}).get(PORT_ANNOTATION) or 0
     if not port:
         for container in spec.get("containers") or ():
             if container.get("name") == SIDECAR_CONTAINER:
                 for item in container.get("ports") or ():
-                    if item.get("name") == SIDECAR_PORT_NAME:
+                    if item.get("name") == ADMIN_PORT_NAME:
                         port = item.get("containerPort") or 0
     ip = str((pod.get("status") or {}).get("podIP"))
     host = f"[{ip}]" if ":" in ip else ip
-    return f"http://{host}:{int(port) or DEFAULT_SIDECAR_PORT}{STATUS_ROUTE}"
+    return f"http://{host}:{int(port) or ADMIN_PORT}{STATUS_ROUTE}"
 
 
 class EnginePoller:

@@ -89,14 +89,17 @@ def engine_process(
 def sidecar_process(
     engine_env: dict[str, str], engine_url: str, run: Path, *, policy_file: Path,
     secrets_dir: Path, tokenizer: Path, extra_args: list[str] | None = None,
+    admin_port: int | None = None,
 ) -> tuple[ManagedProcess, str]:
     """The sidecar in front of the engine at `engine_url`; `engine_env` carries the
     engine's policy and stats paths (the sidecar writes the one, reads the other).
-    Not started."""
+    Returns its client URL; its status and metrics are on `admin_port` (a free one if
+    not given). Not started."""
     port = free_port()
     proc = ManagedProcess(
         "sidecar",
         [sys.executable, "-m", "kvquota.cli", "sidecar", "--listen", f"127.0.0.1:{port}",
+         "--admin-listen", f"127.0.0.1:{admin_port or free_port()}",
          "--upstream", engine_url, "--policy-file", str(policy_file),
          "--secrets-dir", str(secrets_dir), "--tokenizer", str(tokenizer),
          *(extra_args or [])],

@@ -100,15 +100,72 @@ def test_sidecar_mounts_the_secret_the_pool_verifies_tokens_with() -> None:
     assert not any(o["kind"] == "Secret" for o in objects), "secrets never ship in manifests"
 
 
-def test_clients_reach_the_sidecar_port_with_its_probes() -> None:
+def test_clients_reach_the_client_port_and_probes_the_admin_port() -> None:
     objects = build(EXAMPLE)
     sidecar = _container(_pod(objects), "kvquota-sidecar")
-    (port,) = sidecar["ports"]
-    assert (port["name"], port["containerPort"]) == ("http", 8000)
-    assert sidecar["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
-    assert sidecar["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    ports = {p["name"]: p["containerPort"] for p in sidecar["ports"]}
+    assert ports == {"http": 8000, "admin": 9100}
+    # A flood on the client port must not restart the pod or make it unready.
+    assert sidecar["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "admin"}
+    assert sidecar["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "admin"}
     (service_port,) = one(objects, "Service", "vllm-engine")["spec"]["ports"]
     assert service_port["port"] == 8000 and service_port["targetPort"] == "http"
+
+
+def test_the_admin_port_is_the_one_the_operator_polls_bound_to_the_pod_ip() -> None:
+    from kvquota.engines import status_url
+
+    pod = _pod(build(EXAMPLE))
+    sidecar = _container(pod, "kvquota-sidecar")
+    command = sidecar["command"]
+    assert command[command.index("--admin-listen") + 1] == "$(POD_IP):9100"
+    assert _env(sidecar)["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    running = {"metadata": pod["metadata"], "spec": pod["spec"],
+               "status": {"podIP": "10.1.2.3"}}
+    assert status_url(running) == "http://10.1.2.3:9100/kvquota/status"
+    annotations = pod["metadata"]["annotations"]
+    assert (annotations["prometheus.io/port"], annotations["prometheus.io/path"]) == (
+        "9100", "/metrics")
+
+
+def _admits(rule: dict[str, Any], namespace: str, labels: dict[str, str]) -> bool:
+    """Whether one NetworkPolicy ingress rule admits a pod (no `from`: every pod)."""
+    peers = rule.get("from")
+    if peers is None:
+        return True
+    for peer in peers:
+        ns = peer.get("namespaceSelector", {}).get("matchLabels")
+        pods = peer.get("podSelector", {}).get("matchLabels", {})
+        if ns is not None and ns != {"kubernetes.io/metadata.name": namespace}:
+            continue
+        if pods.items() <= labels.items():
+            return True
+    return False
+
+
+def test_only_the_operator_and_prometheus_reach_the_admin_port() -> None:
+    objects = build(EXAMPLE)
+    pod = _pod(objects)
+    policy = one(objects, "NetworkPolicy", "kvquota-engine")
+    assert policy["metadata"]["namespace"] == "default"  # the engine's own
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= (
+        pod["metadata"]["labels"].items())
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    operator = one(build("manifests/base"), "Deployment", "kvquota-operator")
+    operator_ns = operator["metadata"]["namespace"]
+    operator_labels = operator["spec"]["template"]["metadata"]["labels"]
+
+    def admitted(port: str, namespace: str, labels: dict[str, str]) -> bool:
+        return any(_admits(rule, namespace, labels) for rule in policy["spec"]["ingress"]
+                   if port in {p["port"] for p in rule["ports"]})
+
+    client = ("default", {"app": "some-client"})
+    assert admitted("http", *client) and not admitted("admin", *client)
+    assert admitted("admin", operator_ns, operator_labels)
+    assert not admitted("admin", operator_ns, {"app": "something-else"})
+    assert admitted("admin", "monitoring", {"app.kubernetes.io/name": "prometheus"})
+    named = {p["name"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+    assert {p["port"] for r in policy["spec"]["ingress"] for p in r["ports"]} <= named
 
 
 def test_added_containers_run_unprivileged() -> None:

@@ -209,6 +209,7 @@ def test_engine_podmonitor_scrapes_the_sidecar_of_every_engine() -> None:
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     ports = {p["name"]: c["name"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
     assert ports[endpoint["port"]] == "kvquota-sidecar"
+    assert endpoint["port"] == "admin"  # the client port serves no /metrics
     assert endpoint["path"] == "/metrics"
     # The `pool` label the alerts group by.
     assert any(r["targetLabel"] == "pool" for r in endpoint["relabelings"])

@@ -175,7 +175,7 @@ class FakeEngines:
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": "default", "labels": self.labels},
             "spec": {"containers": [{"name": "kvquota-sidecar", "image": "sidecar",
-                                     "ports": [{"name": "http",
+                                     "ports": [{"name": "admin",
                                                 "containerPort": engine.server.port}]}]},
         })
         await self.cluster.patch("Pod", name, {"status": {

@@ -25,7 +25,8 @@ def _pod(ip: str = "10.0.0.7", ready: str = "True", **meta: Any) -> dict[str, An
         "metadata": {"name": "engine-0", **meta},
         "spec": {"containers": [
             {"name": "vllm", "ports": [{"name": "http", "containerPort": 8001}]},
-            {"name": "kvquota-sidecar", "ports": [{"name": "http", "containerPort": 8000}]},
+            {"name": "kvquota-sidecar", "ports": [{"name": "http", "containerPort": 8000},
+                                                  {"name": "admin", "containerPort": 9200}]},
         ]},
         "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": ready}]},
     }
@@ -45,11 +46,14 @@ def test_only_ready_pods_with_an_ip_that_are_not_terminating_count() -> None:
     assert not is_ready(_pod(deletionTimestamp="2026-01-01T00:00:00Z"))
 
 
-def test_status_endpoint_is_the_sidecar_http_port() -> None:
-    assert status_url(_pod()) == "http://10.0.0.7:8000/kvquota/status"
-    assert status_url(_pod(ip="fd00::7")) == "http://[fd00::7]:8000/kvquota/status"
-    annotated = _pod(annotations={"kvquota.dev/status-port": "9100"})
-    assert status_url(annotated) == "http://10.0.0.7:9100/kvquota/status"
+def test_status_endpoint_is_the_sidecar_admin_port_never_the_client_port() -> None:
+    assert status_url(_pod()) == "http://10.0.0.7:9200/kvquota/status"
+    assert status_url(_pod(ip="fd00::7")) == "http://[fd00::7]:9200/kvquota/status"
+    annotated = _pod(annotations={"kvquota.dev/status-port": "9300"})
+    assert status_url(annotated) == "http://10.0.0.7:9300/kvquota/status"
+    unnamed = _pod()
+    unnamed["spec"]["containers"][1]["ports"] = [{"name": "http", "containerPort": 8000}]
+    assert status_url(unnamed) == "http://10.0.0.7:9100/kvquota/status"  # the default
 
 
 def test_gateway_api_pool_selectors_v1_and_v1alpha2() -> None:

@@ -16,8 +16,15 @@ from typing import Any
 import pytest
 
 from engine_sidecar.gateway.app import Gateway, GatewayConfig
+from engine_sidecar.gateway.openai_request import ParsedRequest
 from engine_sidecar.gateway.policy_source import FilePolicySource
-from engine_sidecar.gateway.tokens import HfTokenCounter, TokenCounter
+from engine_sidecar.gateway.server import ADMIN_MAX_CONNECTIONS, ConnectionLimits
+from engine_sidecar.gateway.tokens import (
+    EngineTokenCounter,
+    HfTokenCounter,
+    TokenCounter,
+    TokenIds,
+)
 from engine_sidecar.policy import EnginePolicy
 
 from .helpers import Keys, ServerThread, wait_for, write_policy
@@ -31,20 +38,59 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> Keys:
     return Keys(tmp_path_factory.mktemp("secrets")).write()
 
 
+class RecordingCounter:
+    """The sidecar's counter, remembering each request's prompt token counts (tests
+    compare them with what the engine reports)."""
+
+    def __init__(self, inner: TokenCounter) -> None:
+        self.inner = inner
+        self.description = inner.description
+        self.counts: list[tuple[int, ...]] = []
+
+    async def tokenize(self, request: ParsedRequest) -> tuple[TokenIds, ...]:
+        prompts = await self.inner.tokenize(request)
+        self.counts.append(tuple(len(p) for p in prompts))
+        return prompts
+
+
+CounterFactory = Callable[[Gateway], RecordingCounter]
+
+
 @pytest.fixture(scope="session")
-def token_counter(tiny_model: Path) -> TokenCounter:
-    return HfTokenCounter.load(str(tiny_model))
+def token_counter(tiny_model: Path) -> CounterFactory:
+    """The counter `kvquota sidecar` builds: the model's tokenizer (loaded once), chat
+    prompts through the gateway's engine."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    return lambda gateway: RecordingCounter(HfTokenCounter(
+        tokenizer, str(tiny_model), EngineTokenCounter(gateway.upstream.client, None)))
 
 
 @dataclass
 class Harness:
     gateway: Gateway
     policy_file: Path
-    server: ServerThread
+    server: ServerThread  # the client port
+    admin: ServerThread  # status, metrics, probes
 
     @property
     def url(self) -> str:
         return self.server.url
+
+    @property
+    def admin_url(self) -> str:
+        return self.admin.url
+
+    @property
+    def counter(self) -> RecordingCounter:
+        counter = self.gateway.token_counter
+        assert isinstance(counter, RecordingCounter)
+        return counter
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.admin.stop()
 
     def apply(self, policy: EnginePolicy, timeout: float = 10.0) -> EnginePolicy:
         """Publish a policy and wait until the sidecar enforces it."""
@@ -70,18 +116,25 @@ class Harness:
 
 
 def start_harness(
-    tmp: Path, config: GatewayConfig, counter: TokenCounter | None, **kwargs: Any
+    tmp: Path, config: GatewayConfig, counter: CounterFactory | None,
+    limits: ConnectionLimits | None = None, **kwargs: Any,
 ) -> Harness:
+    """Both ports, served as `kvquota sidecar` serves them."""
+    limits = limits or ConnectionLimits()
     policy_file = tmp / "policy-source.json"
-    gateway = Gateway(config, FilePolicySource(policy_file, interval=0.05),
-                      token_counter=counter, **kwargs)
-    server = ServerThread(gateway.app, send_buffer=SEND_BUFFER).start()
-    return Harness(gateway, policy_file, server)
+    gateway = Gateway(config, FilePolicySource(policy_file, interval=0.05), **kwargs)
+    if counter is not None:  # before the server starts: the lifespan loads none then
+        gateway.token_counter = counter(gateway)
+    admin = ServerThread(gateway.admin_app, limits=ConnectionLimits(
+        head_timeout=limits.head_timeout, max_connections=ADMIN_MAX_CONNECTIONS),
+        lifespan="off").start()
+    server = ServerThread(gateway.app, send_buffer=SEND_BUFFER, limits=limits).start()
+    return Harness(gateway, policy_file, server, admin)
 
 
 @pytest.fixture(scope="session")
 def sidecar(
-    engine: Any, keys: Keys, token_counter: TokenCounter,
+    engine: Any, keys: Keys, token_counter: CounterFactory,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Harness]:
     """The real sidecar in front of the real engine; it writes the plugin's policy file."""
@@ -94,7 +147,7 @@ def sidecar(
         wait_for(lambda: harness.gateway.monitor.up, 30, "sidecar never saw the engine up")
         yield harness
     finally:
-        harness.server.stop()
+        harness.stop()
 
 
 StubFactory = Callable[..., tuple[Harness, StubEngine]]
@@ -102,13 +155,14 @@ StubFactory = Callable[..., tuple[Harness, StubEngine]]
 
 @pytest.fixture
 def stub_sidecar(
-    keys: Keys, token_counter: TokenCounter, tmp_path: Path
+    keys: Keys, token_counter: CounterFactory, tmp_path: Path
 ) -> Iterator[StubFactory]:
     """Factory: a sidecar in front of a recording stub engine served on a socket."""
     servers: list[ServerThread] = []
 
     def make(
-        stub: StubEngine | None = None, *, wait_up: bool = True, **config: Any
+        stub: StubEngine | None = None, *, wait_up: bool = True,
+        limits: ConnectionLimits | None = None, **config: Any,
     ) -> tuple[Harness, StubEngine]:
         stub = stub or StubEngine()
         stub_server = ServerThread(stub).start()
@@ -116,8 +170,8 @@ def stub_sidecar(
         settings = {"upstream": stub_server.url, "secrets_dir": keys.dir,
                     "plugin_policy_path": tmp_path / "plugin-policy.json",
                     "engine_probe_interval": 0.2, **config}
-        harness = start_harness(tmp_path, GatewayConfig(**settings), token_counter)
-        servers.append(harness.server)
+        harness = start_harness(tmp_path, GatewayConfig(**settings), token_counter, limits)
+        servers.extend((harness.admin, harness.server))
         if wait_up:
             wait_for(lambda: harness.gateway.monitor.up, 10, "stub engine not seen up")
         return harness, stub

@@ -19,6 +19,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from starlette.types import ASGIApp
 
+from engine_sidecar.gateway.server import ConnectionLimits, server_config
 from engine_sidecar.policy import EnginePolicy, TenantPolicy, write_atomically
 
 ISSUER = "https://idp.example.test"
@@ -140,19 +141,25 @@ class ServerThread:
     `send_buffer` fixes SO_SNDBUF on the listening socket (accepted sockets inherit it
     and lose autotuning), so a client that stops reading blocks the server's send
     after a bounded number of bytes instead of megabytes: held streams stay held.
+    With `limits`, the server runs as `kvquota sidecar` runs its ports (the guarded
+    protocol, connection limits); without, as plain uvicorn (the stub engine).
     """
 
-    def __init__(self, app: ASGIApp, send_buffer: int | None = None) -> None:
+    def __init__(self, app: ASGIApp, send_buffer: int | None = None,
+                 limits: ConnectionLimits | None = None, lifespan: str = "on") -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if send_buffer:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
         self.sock.bind(("127.0.0.1", 0))
         self.port = int(self.sock.getsockname()[1])
-        self.server = uvicorn.Server(uvicorn.Config(
-            app, log_level="warning", access_log=False, lifespan="on",
-            timeout_graceful_shutdown=2,
-        ))
+        if limits is None:
+            config = uvicorn.Config(app, log_level="warning", access_log=False,
+                                    lifespan=lifespan, timeout_graceful_shutdown=2)
+        else:
+            config = server_config(app, limits, lifespan=lifespan, log_level="warning",
+                                   timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        daemon=True, name=f"uvicorn-{self.port}")
 

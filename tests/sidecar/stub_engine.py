@@ -23,6 +23,7 @@ class StubEngine:
     mode: str = "ok"  # ok | error500 | hang_headers | hang_midstream | drop_midstream
     chunks: int = 3
     chunk_delay: float = 0.0
+    model_id: str = "stub-model"  # what /v1/models names (vLLM: the path, if no served name)
     # Set: every stream stops after its first chunk until the test sets the event (a
     # request that holds its slot for exactly as long as the test needs).
     hold: threading.Event | None = None
@@ -52,7 +53,7 @@ class StubEngine:
             await _json(send, 200, {})
         elif path == "/v1/models":
             await _json(send, 200, {"object": "list", "data": [
-                {"id": "stub-model", "root": "stub-model", "max_model_len": MAX_MODEL_LEN}]})
+                {"id": self.model_id, "root": self.model_id, "max_model_len": MAX_MODEL_LEN}]})
         elif path == "/tokenize":
             payload = json.loads(body)
             text = payload.get("prompt") or json.dumps(payload.get("messages"))

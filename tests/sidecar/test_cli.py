@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_sidecar.cli import install_plugin, parse_listen
+from engine_sidecar.cli import check_server_flags, install_plugin, parse_listen
 from kvquota.cli import build_parser
 
 
@@ -24,6 +24,20 @@ def test_sidecar_flags_and_defaults(tmp_path: Path) -> None:
         build_parser().parse_args(["sidecar"])
     with pytest.raises(SystemExit):
         build_parser().parse_args(["sidecar", "--policy-file", "a", "--policy-configmap", "b/c"])
+
+
+def test_status_and_metrics_get_their_own_port(tmp_path: Path) -> None:
+    policy = ["sidecar", "--policy-file", str(tmp_path / "p.json")]
+    args = build_parser().parse_args(policy)
+    assert check_server_flags(args) == (("0.0.0.0", 8000), ("0.0.0.0", 9100))
+    assert (args.header_timeout, args.body_timeout, args.max_connections) == (10.0, 30.0, None)
+    same = build_parser().parse_args([*policy, "--admin-listen", "10.0.0.5:8000"])
+    with pytest.raises(SystemExit, match="another port than --listen"):
+        check_server_flags(same)
+    for flag in ("--header-timeout", "--body-timeout", "--max-connections"):
+        bad = build_parser().parse_args([*policy, flag, "0"])
+        with pytest.raises(SystemExit, match=f"{flag} must be positive"):
+            check_server_flags(bad)
 
 
 def test_listen_addresses() -> None:

@@ -40,7 +40,8 @@ def _post(harness: Harness, body: dict[str, Any], token: str | None = None,
 
 
 def _status(harness: Harness) -> SidecarStatus:
-    return SidecarStatus.model_validate_json(httpx.get(harness.url + "/kvquota/status").content)
+    response = httpx.get(harness.admin_url + "/kvquota/status")
+    return SidecarStatus.model_validate_json(response.content)
 
 
 def _engine_stats(engine: Any) -> EngineStats | None:
@@ -362,7 +363,7 @@ async def test_disconnect_storm_leaves_the_ledger_at_zero(
             t.running == 0 and t.waiting == 0 for t in stats.tenants.values())
 
     await asyncio.to_thread(wait_for, engine_idle, 60, "engine still busy after the storm")
-    metrics = httpx.get(sidecar.url + "/metrics").text
+    metrics = httpx.get(sidecar.admin_url + "/metrics").text
     assert 'outcome="cancelled"' in metrics
 
 
@@ -427,5 +428,5 @@ def test_hot_reload_changes_a_limit_without_restart(
     assert EnginePolicy.from_json(engine.policy_path.read_text()).version == second.version
     wait_for(lambda: (s := _engine_stats(engine)) is not None
              and s.policy_version == second.version, 10, "plugin did not load the policy")
-    metrics = httpx.get(sidecar.url + "/metrics").text
+    metrics = httpx.get(sidecar.admin_url + "/metrics").text
     assert f'version="{second.version}"' in metrics and f'version="{first.version}"' not in metrics

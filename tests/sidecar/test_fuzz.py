@@ -1,8 +1,10 @@
-"""Property: no request body or header a client can send makes the sidecar answer 500.
+"""Properties of the request surface: no request body or header a client can send makes
+the sidecar answer 500, and none makes the engine process more than was reserved.
 
-Against a cheap stub engine (200 examples) the property covers the sidecar alone; a
-smaller run against the real engine also shows vLLM accepts whatever the sidecar
-forwards (or refuses it with a 4xx, never a 5xx that we would map to 502).
+Against a cheap stub engine (200 examples) the first property covers the sidecar alone;
+a smaller run against the real engine also shows vLLM accepts whatever the sidecar
+forwards (or refuses it with a 4xx, never a 5xx that we would map to 502). The second
+runs against the real engine only: its usage is the measure (#13).
 """
 
 from __future__ import annotations
@@ -11,12 +13,15 @@ import json
 from typing import Any
 
 import httpx
+import openai
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings, target
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 
 from .conftest import Harness, StubFactory
 from .helpers import Keys, make_policy, tenant
+from .request_shapes import ESCAPES, chat_bodies, completion_bodies, create, long_part
 
 SCALARS = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**70), 2**70),
@@ -138,3 +143,72 @@ def test_fuzzed_requests_never_500_real_engine(
     sidecar.apply(_fuzz_policy())
     with httpx.Client(timeout=60) as client:
         _check(sidecar, client, data.draw(requests(keys)))
+
+
+# ------------------------------------------- the engine never holds more than reserved
+
+MEDIA_PART = st.sampled_from([
+    {"type": "image_url", "image_url": {"url": "http://example.test/a.png"}},
+    {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+    {"type": "tool_reference", "name": "lookup"},
+])
+SURFACE_EXTRAS = {
+    "max_tokens": st.integers(1, 16), "ignore_eos": st.booleans(),
+    "request_id": st.just("client-chosen"), "suffix": st.just(" done"),
+    "truncate_prompt_tokens": st.integers(1, 8), "best_of": st.integers(1, 3),
+    **ESCAPES,
+}
+
+
+@st.composite
+def surface_bodies(draw: st.DrawFn) -> dict[str, Any]:
+    """Mostly valid requests of every shape, some with a field or part that once let the
+    engine process more than the sidecar counted."""
+    chat = draw(st.booleans())
+    body = draw(chat_bodies(long=draw(st.booleans())) if chat else completion_bodies())
+    if chat and draw(st.integers(0, 3)) == 0:
+        extra = draw(st.one_of(long_part(("refusal", "thinking")), MEDIA_PART))
+        body["messages"].append({"role": "user", "content": [extra]})
+    extras = draw(st.fixed_dictionaries({}, optional=SURFACE_EXTRAS))
+    if draw(st.integers(0, 2)):  # the dangerous ones in a third of the examples
+        extras = {k: v for k, v in extras.items() if k in ("max_tokens", "ignore_eos")}
+    return {**body, **extras}
+
+
+def _reserved_blocks(harness: Harness, tier: str) -> float:
+    metrics = httpx.get(harness.admin_url + "/metrics", timeout=10).text
+    for family in text_string_to_metric_families(metrics):
+        for sample in family.samples:
+            if sample.name == "kvquota_reserved_blocks_total" and sample.labels == {
+                    "tier": tier}:
+                return sample.value
+    return 0.0
+
+
+@pytest.mark.engine
+@settings(max_examples=50, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(body=surface_bodies())
+def test_the_engine_never_processes_more_than_the_reservation(
+    sidecar: Harness, keys: Keys, body: dict[str, Any]
+) -> None:
+    """For every admitted request, the tokens the engine processed for it (each of its n
+    sequences holds the prompt, plus every completion token) fit in the KV blocks the
+    sidecar reserved; refused ones never reach the engine."""
+    policy = sidecar.apply(make_policy(tenant("free", tier="free", priority=2, max_tokens=16,
+                                              max_blocks=5000)))
+    before = _reserved_blocks(sidecar, "free")
+    with openai.OpenAI(base_url=sidecar.url + "/v1", api_key=keys.hs("free"),
+                       max_retries=0, timeout=60) as client:
+        try:
+            usage = create(client, body).usage
+        except openai.BadRequestError as refused:
+            by_sidecar = isinstance(refused.code, str)  # vLLM's codes are numbers
+            event("refused by the sidecar" if by_sidecar else "refused by the engine")
+            assert not by_sidecar or _reserved_blocks(sidecar, "free") == before
+            return
+    reserved_tokens = (_reserved_blocks(sidecar, "free") - before) * policy.block_size
+    used = body.get("n", 1) * usage.prompt_tokens + usage.completion_tokens
+    event("admitted")
+    target(used / reserved_tokens, label="tokens processed / tokens reserved")
+    assert used <= reserved_tokens, (json.dumps(body)[:1500], usage, reserved_tokens)

@@ -152,7 +152,7 @@ def test_no_policy_means_503_and_not_ready(stub_sidecar: StubFactory, keys: Keys
     harness, _ = stub_sidecar()
     response = httpx.post(harness.url + "/v1/completions", json={"prompt": "x"},
                           headers=_bearer(keys.hs("acme")))
-    ready = httpx.get(harness.url + "/readyz").json()
+    ready = httpx.get(harness.admin_url + "/readyz").json()
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "POLICY_NOT_LOADED"
     assert ready["ready"] is False
@@ -166,8 +166,8 @@ def test_bad_policy_keeps_the_last_good_one(stub_sidecar: StubFactory, keys: Key
     write_atomically(harness.policy_file, json.dumps({"pool": "default/test", "tenants": 3}))
     wait_for(lambda: harness.gateway.holder.error, 5, "bad policy not noticed")
 
-    status = _status(harness.url)
-    metrics = httpx.get(harness.url + "/metrics").text
+    status = _status(harness.admin_url)
+    metrics = httpx.get(harness.admin_url + "/metrics").text
     response = httpx.post(harness.url + "/v1/completions", json={"prompt": "x"},
                           headers=_bearer(keys.hs("acme")))
 
@@ -188,7 +188,7 @@ def test_policy_needing_a_missing_secret_is_refused(
                                                      "algorithms": ["RS256"]}})
     write_atomically(harness.policy_file, bad.to_json())
     wait_for(lambda: harness.gateway.holder.error, 5, "bad policy not noticed")
-    status = _status(harness.url)
+    status = _status(harness.admin_url)
     assert status.policy_version == good.version
     assert status.policy_error and "'no-such-key' not found" in status.policy_error
     assert str(keys.dir) not in status.policy_error
@@ -217,7 +217,7 @@ def test_tenant_labels_are_capped(stub_sidecar: StubFactory, keys: Keys) -> None
     for tenant_id in ("t1", "t2", "t3", "stranger"):
         httpx.post(harness.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1},
                    headers=_bearer(keys.hs(tenant_id)))
-    metrics = httpx.get(harness.url + "/metrics").text
+    metrics = httpx.get(harness.admin_url + "/metrics").text
     admitted = [line for line in metrics.splitlines()
                 if line.startswith("kvquota_admissions_total")]
     labels = {line.split('tenant_id="')[1].split('"')[0] for line in admitted}
@@ -243,8 +243,8 @@ def test_status_and_metrics_merge_the_plugin_stats(
                headers=_bearer(keys.hs("acme")))
     time.sleep(0.15)  # the reader re-stats at most every 0.1 s
 
-    status = _status(harness.url)
-    metrics = httpx.get(harness.url + "/metrics").text
+    status = _status(harness.admin_url)
+    metrics = httpx.get(harness.admin_url + "/metrics").text
 
     acme = status.tenants["acme"]
     assert (status.total_blocks, status.capacity_source) == (1000, "engine")
@@ -270,7 +270,7 @@ def test_unknown_capacity_skips_the_watermark_and_says_so(
     harness.apply(make_policy(tenant("acme", guaranteed_blocks=0), watermark=0.49))
     response = httpx.post(harness.url + "/v1/completions", json={"prompt": "x"},
                           headers=_bearer(keys.hs("acme")))
-    status = _status(harness.url)
+    status = _status(harness.admin_url)
     assert response.status_code == 200
     assert status.capacity_source is None and status.total_blocks == 0
 
@@ -323,7 +323,7 @@ def test_tenants_that_leave_the_policy_free_their_labels(
                                   json={"prompt": "x", "max_tokens": 1},
                                   headers=_bearer(keys.hs(tenant_id)))
             assert response.status_code == 200, response.text
-        metrics = httpx.get(harness.url + "/metrics").text
+        metrics = httpx.get(harness.admin_url + "/metrics").text
         return {line.split('tenant_id="')[1].split('"')[0] for line in metrics.splitlines()
                 if 'tenant_id="' in line and not line.startswith("#")}
 
@@ -349,9 +349,9 @@ def test_stale_engine_stats_count_as_unknown_capacity(
                           headers=_bearer(keys.hs("acme")))
 
     fresh = post_with_stats(age=0)
-    fresh_status = _status(harness.url)
+    fresh_status = _status(harness.admin_url)
     stale = post_with_stats(age=60)
-    status = _status(harness.url)
+    status = _status(harness.admin_url)
 
     assert fresh.status_code == 503, fresh.text  # full cache, a borrowing tenant
     assert fresh_status.capacity_source == "engine"

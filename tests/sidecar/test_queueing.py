@@ -55,9 +55,9 @@ def test_a_queued_request_is_admitted_when_the_slot_frees(
     second, second_out = _in_background(lambda: _post(harness.url, token, timeout=30))
     wait_for(lambda: harness.gateway.queue.depth("acme") == 1, 10, "second never queued")
     queued_by = time.monotonic()
-    status = httpx.get(harness.url + "/kvquota/status").json()
+    status = httpx.get(harness.admin_url + "/kvquota/status").json()
     assert status["tenants"]["acme"]["usage"]["queued"] == 1
-    metrics = httpx.get(harness.url + "/metrics").text
+    metrics = httpx.get(harness.admin_url + "/metrics").text
     assert 'kvquota_tenant_queued_requests{tenant_id="acme"} 1.0' in metrics
     assert stub.active == 1  # the engine never saw two at once
     released_at = time.monotonic()

@@ -1,0 +1,196 @@
+"""The sidecar's two HTTP servers, and what one connection may hold on either.
+
+The client port serves /v1/* and health; the admin port serves status, metrics and
+health (`Gateway.admin_app`) to the operator and Prometheus only. Each is its own
+uvicorn server in one event loop, so a flood on the client port never starves the
+operator's status poll or the kubelet's probes.
+
+What is enforced where:
+- request head (request line and headers): `GuardedHttpToolsProtocol` below. It must
+  be complete within `head_timeout` seconds of the connection opening, or of its first
+  byte on a kept-alive connection, and within `max_head_bytes`; else 408 / 431 and the
+  connection is closed. uvicorn has no head deadline of its own on httptools, and
+  httptools buffers a header of any length.
+- an idle kept-alive connection: uvicorn's `timeout_keep_alive`.
+- connections open at once, per server: uvicorn's `limit_concurrency` (set to
+  `max_connections` + 1: uvicorn counts the connection asking). Beyond it, a request is
+  answered 503 (text/plain, `connection: close`) as soon as its head is in; until then
+  the head deadline bounds how long it holds its file descriptor.
+- the request body: the app (`request_body.read_body`): a size cap (413) and a deadline
+  (408); a refusal sent before the body was read closes the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http
+import logging
+import resource
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from engine_sidecar.gateway import errors
+from engine_sidecar.gateway.errors import ApiError
+
+logger = logging.getLogger(__name__)
+
+FD_RESERVE = 64  # listeners, the policy watch, httpx, tokenizer files, logs
+ADMIN_MAX_CONNECTIONS = 32  # the operator, Prometheus and the kubelet
+
+
+def default_max_connections() -> int:
+    """Client connections that fit the process's file-descriptor limit: each may hold a
+    second descriptor towards the engine while its request streams."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 4096
+    return max(8, min(4096, (soft - FD_RESERVE) // 2))
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    head_timeout: float = 10.0  # seconds for a request's line and headers
+    max_head_bytes: int = 64 * 1024
+    keep_alive_timeout: int = 5  # seconds an idle kept-alive connection stays open
+    max_connections: int | None = None  # None: default_max_connections()
+
+    def connections(self) -> int:
+        return self.max_connections or default_max_connections()
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a deadline and a size bound on each request
+    head. Subclassed per server by `guarded_protocol` (uvicorn builds protocols from
+    the class alone)."""
+
+    limits: ClassVar[ConnectionLimits] = ConnectionLimits()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_bytes = 0
+        self._head_begun = False  # a byte of the awaited head arrived
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._await_head()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._head_done()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._head_timer is None or self.transport.is_closing():
+            return
+        # The head is still incomplete: this chunk was all head (pipelined requests
+        # aside, where it may also end the previous body; the bound stays a bound).
+        self._head_bytes += len(data)
+        if self._head_bytes > self.limits.max_head_bytes:
+            self._refuse(ApiError(
+                431, errors.REQUEST_HEADERS_TOO_LARGE,
+                f"the request line and headers exceed {self.limits.max_head_bytes} bytes"))
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._head_timer is None:  # a kept-alive connection's next request
+            self._await_head()
+        self._head_begun = True
+
+    def on_headers_complete(self) -> None:
+        self._head_done()
+        super().on_headers_complete()
+
+    def _await_head(self) -> None:
+        self._head_bytes = 0
+        self._head_begun = False
+        self._head_timer = self.loop.call_later(self.limits.head_timeout, self._head_expired)
+
+    def _head_done(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_expired(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing():
+            return
+        if not self._head_begun:  # opened and never used: nothing to answer
+            self.transport.close()
+            return
+        self._refuse(ApiError(
+            408, errors.REQUEST_TIMEOUT,
+            f"the request line and headers did not arrive within "
+            f"{self.limits.head_timeout:g}s"))
+
+    def _refuse(self, error: ApiError) -> None:
+        """Answer and close, unless a response is going out on this connection (a
+        pipelined request's head): then only close."""
+        self._head_done()
+        if self.cycle is None or self.cycle.response_complete:
+            body = error.body()
+            phrase = http.HTTPStatus(error.status).phrase.encode()
+            head = [b"HTTP/1.1 %d %s\r\n" % (error.status, phrase)]
+            head += [name + b": " + value + b"\r\n" for name, value in error.raw_headers()]
+            head.append(b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body))
+            self.transport.write(b"".join(head) + body)
+        self.transport.close()
+
+
+def guarded_protocol(limits: ConnectionLimits) -> type[GuardedHttpToolsProtocol]:
+    return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), {"limits": limits})
+
+
+def server_config(
+    app: Any, limits: ConnectionLimits, *, lifespan: str, log_level: str = "info",
+    access_log: bool = False, timeout_graceful_shutdown: int | None = 30,
+) -> uvicorn.Config:
+    """The uvicorn settings both ports run with (the tests use this too)."""
+    return uvicorn.Config(
+        app, http=guarded_protocol(limits), ws="none", lifespan=lifespan,  # type: ignore[arg-type]
+        interface="asgi3", log_level=log_level, access_log=access_log, server_header=False,
+        proxy_headers=False,  # client addresses are not used; skip the middleware
+        timeout_keep_alive=limits.keep_alive_timeout,
+        limit_concurrency=limits.connections() + 1,
+        timeout_graceful_shutdown=timeout_graceful_shutdown,
+    )
+
+
+def listen(host: str, port: int, flag: str) -> socket.socket:
+    """Bind before serving, so a taken port is one clear error, not a traceback."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise SystemExit(f"{flag} {host}:{port}: cannot listen ({exc.strerror})") from None
+    return sock
+
+
+class AdminServer(uvicorn.Server):
+    """The admin port's server: it stops when the client server has stopped, and leaves
+    the signals to it (the kubelet's probes keep answering while requests drain)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def serve(
+    client: uvicorn.Server, client_sock: socket.socket,
+    admin: AdminServer, admin_sock: socket.socket,
+) -> None:
+    admin_task = asyncio.create_task(admin.serve(sockets=[admin_sock]), name="admin-server")
+    try:
+        await client.serve(sockets=[client_sock])
+    finally:
+        admin.should_exit = True
+        await admin_task
