@@ -50,8 +50,9 @@ def register(subparsers: Any) -> None:
                          help="mounted Secret: the JWT key file named by the policy and the "
                               "'cache-salt' pool secret")
     sidecar.add_argument("--tokenizer", metavar="PATH_OR_NAME",
-                         help="tokenizer for prompt counting (default: the engine's model, "
-                              "then the policy's; else the engine's /tokenize)")
+                         help="tokenizer counting completion prompts (default: the engine's "
+                              "model, then the policy's; else the engine's /tokenize); chat "
+                              "prompts are always counted by the engine's /tokenize")
     sidecar.add_argument("--engine-tokenizer", action="store_true",
                          help="count prompt tokens with the engine's /tokenize endpoint only")
     sidecar.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
