@@ -455,16 +455,20 @@ class LeaseTable(Generic[B]):
         # answers), they come back in the order they left and the oldest is the next to
         # return: then the lease whose session should be back last goes first, as
         # dropping the oldest would drop the very next one to be used, every time.
-        now = max(lease.last_activity for lease in self._leases.values())
-        own = sorted(
-            (lease for lease in self._leases.values() if lease.tenant == tenant),
-            key=lambda lease: (-lease.expected_return(now), lease.last_activity),
-        )
+        own = [lease for lease in self._leases.values() if lease.tenant == tenant]
+
+        def over() -> bool:
+            return bool(own) and bool(
+                (max_sessions and len(own) > max_sessions)
+                or (max_blocks and self.pinned_blocks(tenant) > max_blocks)
+            )
+
+        if not over():
+            return []  # the common case: no sort
+        now = max(lease.last_activity for lease in own)  # the newest lease's time
+        own.sort(key=lambda lease: (-lease.expected_return(now), lease.last_activity))
         dropped: list[Lease[B]] = []
-        while own and (
-            (max_sessions and len(own) > max_sessions)
-            or (max_blocks and self.pinned_blocks(tenant) > max_blocks)
-        ):
+        while over():
             oldest = own.pop(0)
             self._remove(oldest)
             dropped.append(oldest)
