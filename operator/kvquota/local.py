@@ -40,6 +40,7 @@ import yaml
 from engine_sidecar.policy import write_atomically
 from kvquota import API_VERSION
 from kvquota.conditions import find
+from kvquota.paths import user_cache
 from kvquota.plan import PoolPlan, plan_pool
 from kvquota.status import pool_status, tenant_status
 
@@ -51,10 +52,8 @@ Key = tuple[str, str, str]  # (kind, namespace, name)
 def default_output(root: Path) -> Path:
     """`$XDG_CACHE_HOME/kvquota/local/<name>-<hash of the resolved input path>`: one
     directory per input, stable across runs, outside the input."""
-    cache = os.environ.get("XDG_CACHE_HOME", "")
-    base = Path(cache) if os.path.isabs(cache) else Path.home() / ".cache"
     digest = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:12]
-    return base / "kvquota" / "local" / f"{root.resolve().name or 'root'}-{digest}"
+    return user_cache() / "local" / f"{root.resolve().name or 'root'}-{digest}"
 
 
 @dataclass(frozen=True)
