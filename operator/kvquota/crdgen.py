@@ -31,7 +31,7 @@ _DROP_KEYS = {"title", "additionalProperties"}  # additionalProperties re-added 
 _KEEP_KEYS = {
     "type", "description", "properties", "required", "items", "enum", "default",
     "format", "pattern", "minimum", "maximum", "minLength", "maxLength", "minItems",
-    "maxItems", "maxProperties", "nullable",
+    "maxItems", "maxProperties", "multipleOf", "nullable",
     "x-kubernetes-validations", "x-kubernetes-list-type", "x-kubernetes-list-map-keys",
     "x-kubernetes-preserve-unknown-fields",
 }

@@ -42,10 +42,9 @@ from kvquota import API_VERSION
 from kvquota.conditions import find
 from kvquota.paths import user_cache
 from kvquota.plan import PoolPlan, plan_pool
-from kvquota.status import pool_status, tenant_status
+from kvquota.status import WARNING_REASONS, pool_status, tenant_status
 
 POLICIES, STATUSES = "policies", "status"  # subdirectories of the output directory
-KINDS = ("InferencePool", "TenantQuota")
 Key = tuple[str, str, str]  # (kind, namespace, name)
 
 
@@ -100,6 +99,7 @@ class Report:
     """What one render found; `ok` decides the exit code of `--once`."""
 
     errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # accepted, but worth a look
     lines: list[str] = field(default_factory=list)
     written: list[Path] = field(default_factory=list)
     refused_quotas: int = 0
@@ -122,7 +122,11 @@ def _yaml_files(root: Path, skip: Path | None) -> list[Path]:
 
 
 def load(inputs: Snapshot, report: Report) -> list[Document]:
-    """Every kvquota.dev object of the snapshot in file order (other kinds are skipped)."""
+    """Every kvquota.dev object of the snapshot in file order. Objects of other APIs are
+    skipped; one meant for ours with a kind or version our CRDs do not serve (a typo
+    such as `TenantQuotas`, `kvquota.io/...`) is an error, as `kubectl apply` says."""
+    from kvquota.validation import is_ours, kind_error
+
     for path, why in inputs.unreadable:
         report.errors.append(f"{path}: cannot read YAML: {why}")
     documents = []
@@ -133,10 +137,16 @@ def load(inputs: Snapshot, report: Report) -> list[Document]:
             report.errors.append(f"{path}: cannot read YAML: {error}")
             continue
         for index, body in enumerate(bodies):
-            if isinstance(body, dict) and body.get("kind") in KINDS and str(
-                body.get("apiVersion", "")
-            ).startswith("kvquota.dev/"):
-                documents.append(Document(path, index, body))
+            if not isinstance(body, dict) or not is_ours(body.get("apiVersion"),
+                                                         body.get("kind")):
+                continue
+            document = Document(path, index, body)
+            unknown = kind_error(body.get("apiVersion"), body.get("kind"))
+            if unknown:
+                report.errors.append(f"{document.where()}: {document.key[1]}/"
+                                     f"{document.key[2]}: {unknown}")
+                continue
+            documents.append(document)
     return documents
 
 
@@ -264,6 +274,9 @@ def _write_pool(output: Path, plan: PoolPlan, pool: Mapping[str, Any] | None,
                                generation=meta.get("generation"), now=now)
         _write_if_changed(status_path, _status_document(body, status), report)
         written.add(status_path)
+        if tenant.accepted.reason in WARNING_REASONS:
+            report.warnings.append(f"TenantQuota {ns}/{meta.get('name')} "
+                                   f"({tenant.accepted.reason}): {tenant.accepted.message}")
         if tenant.accepted.status == "False":
             report.refused_quotas += 1
             report.errors.append(f"TenantQuota {ns}/{meta.get('name')} not accepted "
@@ -278,6 +291,8 @@ def _write_pool(output: Path, plan: PoolPlan, pool: Mapping[str, Any] | None,
 def _print(report: Report, stdout: TextIO, stderr: TextIO) -> None:
     for line in report.lines:
         print(line, file=stdout)
+    for warning in report.warnings:
+        print(f"warning: {warning}", file=stderr)
     for error in report.errors:
         print(f"error: {error}", file=stderr)
 
