@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
 from pydantic.alias_generators import to_camel
 
 from engine_sidecar.policy import (
@@ -35,9 +35,9 @@ def _rules(*rules: tuple[str, str] | tuple[str, str, str]) -> ConfigDict:
     """Config for a model whose object carries CEL rules: (rule, message) or (rule,
     message, messageExpression). The API server shows the messageExpression's value
     (so it can quote the bad value), and the static message if that fails."""
-    validations = []
+    validations: list[JsonValue] = []
     for rule, message, *expression in rules:
-        validation = {"rule": rule, "message": message}
+        validation: dict[str, JsonValue] = {"rule": rule, "message": message}
         if expression:
             validation["messageExpression"] = expression[0]
         validations.append(validation)

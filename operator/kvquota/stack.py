@@ -18,7 +18,6 @@ from kvquota.paths import user_cache
 from kvquota.processes import EngineOptions, ManagedProcess, free_port, vllm_engine
 
 
-
 def tiny_model() -> Path:
     """The tiny model, generated once into the user's cache (`kvquota.paths`)."""
     from kvquota.tinymodel import generate

@@ -15,7 +15,8 @@ CRDS = Path(__file__).resolve().parents[2] / "crds"
 
 
 def test_committed_crds_match_the_models() -> None:
-    assert main(["crds", "--check", "--out", str(CRDS)]) == 0, "models changed: run `kvquota crds` and commit"
+    assert main(["crds", "--check", "--out", str(CRDS)]) == 0, (
+        "models changed: run `kvquota crds` and commit")
 
 
 def test_check_reports_drift_after_a_hand_edit(tmp_path: Path, capsys: Any) -> None:
