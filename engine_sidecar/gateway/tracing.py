@@ -242,8 +242,8 @@ def _wrap_upstream(gateway: Gateway, tracer: Tracer) -> None:
                     body: bytes) -> Any:
         state = _CURRENT.get()
         span = tracer.start_span("kvquota.upstream", kind=trace.SpanKind.CLIENT,
-                                 attributes={"http.request.method": method, "url.path": path,
-                                             "server.address": str(upstream.client.base_url)})
+                                 attributes={"http.request.method": method,
+                                             "url.full": f"{upstream.client.base_url}{path}"})
         carrier: dict[str, str] = {}
         propagate.inject(carrier, context=trace.set_span_in_context(span))
         sent = [(k, v) for k, v in headers if k.lower() not in TRACE_HEADERS]
