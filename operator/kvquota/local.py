@@ -12,7 +12,9 @@ is `--out`, by default a cache directory of its own per input directory
 changes (a sidecar hot-loading a policy sees no spurious reloads).
 
 `--once` renders and exits non-zero if any object is invalid or any quota is not
-accepted: an offline check of a GitOps repository before Argo CD syncs it. Without
+accepted: an offline check of a GitOps repository before Argo CD syncs it. A quota
+that is accepted but worth a look (maxBlocks above the pool's capacity) is printed
+as a warning and does not fail it. Without
 it, files are re-rendered whenever the input changes. The watcher compares file
 content, not mtimes (an edit within the mtime resolution that keeps the size would go
 unseen), and renders exactly the snapshot it compared, so an edit that lands while a
