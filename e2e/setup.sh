@@ -95,6 +95,7 @@ docker build -f "${REPO}/Dockerfile.sidecar" -t "${SIDECAR_IMAGE}" "${REPO}"
 kind load docker-image --name "${CLUSTER}" "${OPERATOR_IMAGE}" "${SIDECAR_IMAGE}"
 
 say "deploying the operator and CRDs"
+kubectl apply --server-side -k "${REPO}/manifests/crds"
 kubectl apply --server-side -k "${REPO}/manifests/base"
 kubectl wait --for=condition=Established --timeout=60s \
   crd/inferencepools.kvquota.dev crd/tenantquotas.kvquota.dev

@@ -20,5 +20,6 @@ ports; request-head deadline, connection limit), `request_body` (body cap and de
 poll, ConfigMap watch), `openai_request` (parse/rewrite bodies), `tokens` (prompt
 counting), `admission` (pure decisions), `ledger` (reservations), `forward` +
 `upstream_http` (streaming proxy), `engine_monitor`, `engine_stats`, `metrics`,
-`status`, `errors`; `bench` is the latency benchmark (a command, not a test).
+`status`, `errors`, `tracing` (OpenTelemetry spans, only with an OTLP endpoint set);
+`bench` is the latency benchmark (a command, not a test).
 """

@@ -34,7 +34,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from engine_sidecar.gateway import errors
+from engine_sidecar.gateway import errors, tracing
 from engine_sidecar.gateway.active_policy import ActivePolicy, PolicyHolder
 from engine_sidecar.gateway.admission import Decision, PoolView, RequestShape
 from engine_sidecar.gateway.admission_queue import AdmissionQueue, Ticket
@@ -164,6 +164,7 @@ class Gateway:
         self._tier_children: dict[str, tuple[Any, Any, Any]] = {}
         self.app: ASGIHandler = _GatewayApp(self.dispatch)
         self.admin_app: ASGIHandler = _GatewayApp(self.dispatch_admin)
+        tracing.instrument_from_env(self)  # spans only with OTEL_EXPORTER_OTLP_ENDPOINT set
 
     async def dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and (route := self._proxied.get(scope["path"])):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
 from pydantic.alias_generators import to_camel
 
 from engine_sidecar.policy import (
@@ -31,15 +31,21 @@ CONDITION_TYPE_PATTERN = (
 CONDITION_REASON_PATTERN = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
 
 
-def _rules(*pairs: tuple[str, str]) -> ConfigDict:
-    """Config for a model whose object carries CEL rules (rule, message)."""
+def _rules(*rules: tuple[str, str] | tuple[str, str, str]) -> ConfigDict:
+    """Config for a model whose object carries CEL rules: (rule, message) or (rule,
+    message, messageExpression). The API server shows the messageExpression's value
+    (so it can quote the bad value), and the static message if that fails."""
+    validations: list[JsonValue] = []
+    for rule, message, *expression in rules:
+        validation: dict[str, JsonValue] = {"rule": rule, "message": message}
+        if expression:
+            validation["messageExpression"] = expression[0]
+        validations.append(validation)
     return ConfigDict(
         alias_generator=to_camel,
         populate_by_name=True,
         extra="forbid",
-        json_schema_extra={
-            "x-kubernetes-validations": [{"rule": r, "message": m} for r, m in pairs]
-        },
+        json_schema_extra={"x-kubernetes-validations": validations},
     )
 
 
@@ -109,14 +115,25 @@ class LabelSelector(BaseModel):
 # ---------------------------------------------------------------- InferencePool
 
 
+# vLLM's own config takes any positive --block-size; its attention kernels need a
+# multiple of 16 (FlashAttention, Triton: MultipleOf(16)) or 32 (the CPU backend).
+BLOCK_SIZE_MULTIPLE = 16
+MAX_BLOCK_SIZE = 2048  # vLLM sets no maximum: this one catches a typo such as 16384
+
+
 class KVCacheSpec(BaseModel):
     model_config = _rules(
         (
             "self.watermark >= 0.0 && self.watermark < 0.5",
             "kvCache.watermark must be >= 0 and < 0.5",
-        )
+            "'kvCache.watermark must be >= 0 and < 0.5, got ' + string(self.watermark)",
+        ),
     )
-    block_size: int = Field(16, ge=1, le=1024, description="vLLM --block-size (tokens).")
+    block_size: int = Field(
+        16, ge=BLOCK_SIZE_MULTIPLE, le=MAX_BLOCK_SIZE, multiple_of=BLOCK_SIZE_MULTIPLE,
+        description="vLLM --block-size (tokens): the same value as the engines' flag, a "
+        f"multiple of {BLOCK_SIZE_MULTIPLE} (32 on CPU).",
+    )
     capacity_blocks: int | None = Field(
         None, ge=1, le=100_000_000,
         description="KV blocks per engine; when unset, the minimum the engines report.",
@@ -270,7 +287,18 @@ class LeaseSpec(_Model):
 
 class TenantKVCacheSpec(BaseModel):
     model_config = _rules(
-        ("self.maxBlocks >= self.guaranteedBlocks", "maxBlocks must be >= guaranteedBlocks")
+        (
+            "self.maxBlocks >= self.guaranteedBlocks",
+            "maxBlocks must be >= guaranteedBlocks",
+            "'maxBlocks (' + string(self.maxBlocks) + ') must be >= guaranteedBlocks (' "
+            "+ string(self.guaranteedBlocks) + ')'",
+        ),
+        (
+            "!has(self.lease.maxBlocks) || self.lease.maxBlocks <= self.maxBlocks",
+            "lease.maxBlocks must be <= maxBlocks",
+            "'lease.maxBlocks (' + string(self.lease.maxBlocks) + ') must be <= maxBlocks (' "
+            "+ string(self.maxBlocks) + ')'",
+        ),
     )
     guaranteed_blocks: int = Field(0, ge=0, le=100_000_000)
     max_blocks: int = Field(ge=0, le=100_000_000)

@@ -11,6 +11,9 @@ import argparse
 import importlib
 import sys
 
+from kvquota import API_VERSION, __version__
+from kvquota.extras import MissingExtra, missing_extra
+
 # (module, ...) in the order `--help` lists them.
 COMMAND_MODULES = (
     "kvquota.demo",
@@ -26,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvquota", description="Per-tenant KV-cache quotas for vLLM."
     )
+    parser.add_argument("--version", action="version",
+                        version=f"kvquota {__version__} (API {API_VERSION})")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         try:
@@ -42,6 +47,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
+    except ModuleNotFoundError as error:  # an extra's module, imported late
+        missing = missing_extra(f"kvquota {args.command}", error)
+        if missing is None:
+            raise
+        print(f"error: {missing}", file=sys.stderr)
+        return 2
+    except MissingExtra as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

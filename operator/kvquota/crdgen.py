@@ -1,7 +1,8 @@
 """`kvquota crds`: generate the CustomResourceDefinitions from the pydantic API models.
 
 The models in `kvquota.api` are the single source of truth; `crds/` is generated and
-`kvquota crds --check` (run by the tests) fails when it drifts.
+`kvquota crds --check` (run by the tests) fails when it drifts. Both write and check
+`./crds` by default (run them from the repository root) or `--out DIR`.
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ from kvquota.api import (
     TenantQuotaStatus,
 )
 
-DEFAULT_OUT = Path(__file__).resolve().parents[2] / "crds"
+DEFAULT_OUT = Path("crds")  # relative: run from the repository root, or pass --out
 _DROP_KEYS = {"title", "additionalProperties"}  # additionalProperties re-added for maps
 _KEEP_KEYS = {
     "type", "description", "properties", "required", "items", "enum", "default",
     "format", "pattern", "minimum", "maximum", "minLength", "maxLength", "minItems",
-    "maxItems", "maxProperties", "nullable",
+    "maxItems", "maxProperties", "multipleOf", "nullable",
     "x-kubernetes-validations", "x-kubernetes-list-type", "x-kubernetes-list-map-keys",
     "x-kubernetes-preserve-unknown-fields",
 }
@@ -261,6 +262,10 @@ def register(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.check and not args.out.is_dir():
+        print(f"kvquota crds --check: no directory {args.out}: run it from the repository "
+              "root or pass --out DIR", file=sys.stderr)
+        return 2
     drift = write_or_check(args.out, args.check)
     if drift:
         print("\n".join(drift))

@@ -33,21 +33,22 @@ import yaml
 from engine_sidecar.policy import EnginePolicy
 from engine_sidecar.stats import STATS_PATH_ENV
 from kvquota.engine_state import QuotaGauge, StockGauge
+from kvquota.extras import require
 from kvquota.loadgen import NoisyNeighbour, Result, Target
+from kvquota.paths import copy_samples, user_cache
 from kvquota.processes import ManagedProcess, free_port
 from kvquota.stack import (
     Processes,
     engine_process,
     sidecar_process,
     terminate_as_interrupt,
+    tiny_model,
     wait_for_file,
 )
 from kvquota.summary import FREE, PREMIUM, PREMIUM_FIRST, TierSummary, summarise
 from kvquota.verdict import POLICY_RUN, STOCK_RUN, Verdict, judge
 from kvquota.workload import run_noisy_neighbour
 
-REPO = Path(__file__).resolve().parents[2]
-SAMPLES = REPO / "manifests" / "samples"
 KV_CACHE_BYTES = 10 * 1024 * 1024  # 640 blocks of 32 tokens: the samples' capacityBlocks
 ENGINE_START_TIMEOUT = 300.0
 
@@ -88,7 +89,7 @@ def _prepare(run: Path) -> tuple[Path, Path, Auth]:
 
     manifests, secrets_dir = run / "manifests", run / "secrets"
     shutil.rmtree(run, ignore_errors=True)
-    shutil.copytree(SAMPLES, manifests, ignore=shutil.ignore_patterns("kustomization.yaml"))
+    copy_samples(manifests, skip=("kustomization.yaml",))
     pool = next(
         doc for path in sorted(manifests.glob("*.yaml"))
         for doc in yaml.safe_load_all(path.read_text())
@@ -233,14 +234,12 @@ def _as_json(runs: dict[str, dict[str, TierSummary]], verdict: Verdict,
 
 
 def run_demo(run: Path, workload: NoisyNeighbour, json_out: Path | None) -> int:
-    from kvquota.tinymodel import generate
-
     say = _Progress()
     procs = Processes()
     try:
         with terminate_as_interrupt():
             say("generating the tiny model (cached after the first run)")
-            model = generate(REPO / ".cache" / "tiny-model")
+            model = tiny_model()
             # Generating the model imported torch: a full collection would walk its
             # ~350,000 objects and stall the load generator mid-measurement.
             gc.collect()
@@ -271,8 +270,9 @@ def register(subparsers: Any) -> None:
         "demo", help="run the noisy-neighbour demo on this machine (CPU, tiny model)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--run-dir", type=Path, default=REPO / ".cache" / "demo",
-                        help="where logs, policies and generated keys go")
+    parser.add_argument("--run-dir", type=Path, default=None,
+                        help="where logs, policies and generated keys go (default: "
+                        "$XDG_CACHE_HOME/kvquota/demo)")
     parser.add_argument("--json", type=Path, help="also write the results as JSON")
     parser.add_argument("--sessions", type=int, default=NoisyNeighbour.premium_sessions,
                         help="premium conversations")
@@ -283,7 +283,8 @@ def register(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    require("kvquota demo", "vllm", "torch", "tokenizers", "safetensors")
     workload = NoisyNeighbour(
         premium_sessions=args.sessions, turns=args.turns, burst_requests=args.burst
     )
-    return run_demo(args.run_dir, workload, args.json)
+    return run_demo(args.run_dir or user_cache() / "demo", workload, args.json)

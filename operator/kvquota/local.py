@@ -12,7 +12,9 @@ is `--out`, by default a cache directory of its own per input directory
 changes (a sidecar hot-loading a policy sees no spurious reloads).
 
 `--once` renders and exits non-zero if any object is invalid or any quota is not
-accepted: an offline check of a GitOps repository before Argo CD syncs it. Without
+accepted: an offline check of a GitOps repository before Argo CD syncs it. A quota
+that is accepted but worth a look (maxBlocks above the pool's capacity) is printed
+as a warning and does not fail it. Without
 it, files are re-rendered whenever the input changes. The watcher compares file
 content, not mtimes (an edit within the mtime resolution that keeps the size would go
 unseen), and renders exactly the snapshot it compared, so an edit that lands while a
@@ -40,21 +42,19 @@ import yaml
 from engine_sidecar.policy import write_atomically
 from kvquota import API_VERSION
 from kvquota.conditions import find
+from kvquota.paths import user_cache
 from kvquota.plan import PoolPlan, plan_pool
-from kvquota.status import pool_status, tenant_status
+from kvquota.status import WARNING_REASONS, pool_status, tenant_status
 
 POLICIES, STATUSES = "policies", "status"  # subdirectories of the output directory
-KINDS = ("InferencePool", "TenantQuota")
 Key = tuple[str, str, str]  # (kind, namespace, name)
 
 
 def default_output(root: Path) -> Path:
     """`$XDG_CACHE_HOME/kvquota/local/<name>-<hash of the resolved input path>`: one
     directory per input, stable across runs, outside the input."""
-    cache = os.environ.get("XDG_CACHE_HOME", "")
-    base = Path(cache) if os.path.isabs(cache) else Path.home() / ".cache"
     digest = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:12]
-    return base / "kvquota" / "local" / f"{root.resolve().name or 'root'}-{digest}"
+    return user_cache() / "local" / f"{root.resolve().name or 'root'}-{digest}"
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,7 @@ class Report:
     """What one render found; `ok` decides the exit code of `--once`."""
 
     errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # accepted, but worth a look
     lines: list[str] = field(default_factory=list)
     written: list[Path] = field(default_factory=list)
     refused_quotas: int = 0
@@ -123,7 +124,11 @@ def _yaml_files(root: Path, skip: Path | None) -> list[Path]:
 
 
 def load(inputs: Snapshot, report: Report) -> list[Document]:
-    """Every kvquota.dev object of the snapshot in file order (other kinds are skipped)."""
+    """Every kvquota.dev object of the snapshot in file order. Objects of other APIs are
+    skipped; one meant for ours with a kind or version our CRDs do not serve (a typo
+    such as `TenantQuotas`, `kvquota.io/...`) is an error, as `kubectl apply` says."""
+    from kvquota.validation import is_ours, kind_error
+
     for path, why in inputs.unreadable:
         report.errors.append(f"{path}: cannot read YAML: {why}")
     documents = []
@@ -134,10 +139,16 @@ def load(inputs: Snapshot, report: Report) -> list[Document]:
             report.errors.append(f"{path}: cannot read YAML: {error}")
             continue
         for index, body in enumerate(bodies):
-            if isinstance(body, dict) and body.get("kind") in KINDS and str(
-                body.get("apiVersion", "")
-            ).startswith("kvquota.dev/"):
-                documents.append(Document(path, index, body))
+            if not isinstance(body, dict) or not is_ours(body.get("apiVersion"),
+                                                         body.get("kind")):
+                continue
+            document = Document(path, index, body)
+            unknown = kind_error(body.get("apiVersion"), body.get("kind"))
+            if unknown:
+                report.errors.append(f"{document.where()}: {document.key[1]}/"
+                                     f"{document.key[2]}: {unknown}")
+                continue
+            documents.append(document)
     return documents
 
 
@@ -265,6 +276,9 @@ def _write_pool(output: Path, plan: PoolPlan, pool: Mapping[str, Any] | None,
                                generation=meta.get("generation"), now=now)
         _write_if_changed(status_path, _status_document(body, status), report)
         written.add(status_path)
+        if tenant.accepted.reason in WARNING_REASONS:
+            report.warnings.append(f"TenantQuota {ns}/{meta.get('name')} "
+                                   f"({tenant.accepted.reason}): {tenant.accepted.message}")
         if tenant.accepted.status == "False":
             report.refused_quotas += 1
             report.errors.append(f"TenantQuota {ns}/{meta.get('name')} not accepted "
@@ -279,6 +293,8 @@ def _write_pool(output: Path, plan: PoolPlan, pool: Mapping[str, Any] | None,
 def _print(report: Report, stdout: TextIO, stderr: TextIO) -> None:
     for line in report.lines:
         print(line, file=stdout)
+    for warning in report.warnings:
+        print(f"warning: {warning}", file=stderr)
     for error in report.errors:
         print(f"error: {error}", file=stderr)
 

@@ -23,6 +23,8 @@ from kvquota.render import render_policy, tenant_digest
 from kvquota.resolve import effective_settings, tenant_policy
 
 ObjKey = tuple[str, str]  # (namespace, name)
+# Accepted, but a user should look: posted as a Warning event, printed by local mode.
+MAX_BLOCKS_ABOVE_CAPACITY = "MaxBlocksAboveCapacity"
 
 
 def describe_errors(error: ValidationError, prefix: str = "spec") -> str:
@@ -190,11 +192,16 @@ def _admission_want(
             f"or wait for ready engines); guaranteedBlocks {blocks} applied provisionally",
         )
     if accepted:
-        if blocks == 0:
-            return Want("Accepted", "True", "Accepted",
-                        "no guaranteed blocks requested (borrowing only)")
-        return Want("Accepted", "True", "Accepted",
-                    f"guaranteedBlocks {blocks} reserved in pool {pool_ref}")
+        text = (f"guaranteedBlocks {blocks} reserved in pool {pool_ref}" if blocks
+                else "no guaranteed blocks requested (borrowing only)")
+        ceiling = quota.spec.kv_cache.max_blocks
+        if capacity is not None and ceiling > capacity:
+            return Want(
+                "Accepted", "True", MAX_BLOCKS_ABOVE_CAPACITY,
+                f"{text}; maxBlocks {ceiling} is above the pool's capacity of {capacity} "
+                "blocks, so the capacity, not maxBlocks, is the tenant's limit",
+            )
+        return Want("Accepted", "True", "Accepted", text)
     if waiting_behind is not None:
         detail = (f"it waits behind the older TenantQuota {waiting_behind[0]}/"
                   f"{waiting_behind[1]}, which does not fit either")

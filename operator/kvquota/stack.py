@@ -14,17 +14,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from kvquota.paths import user_cache
 from kvquota.processes import EngineOptions, ManagedProcess, free_port, vllm_engine
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def tiny_model() -> Path:
-    """The tiny model, generated once into the checkout's `.cache/` (as the demo and the
-    tests use it)."""
+    """The tiny model, generated once into the user's cache (`kvquota.paths`)."""
     from kvquota.tinymodel import generate
 
-    return generate(REPO / ".cache" / "tiny-model")
+    return generate(user_cache() / "tiny-model")
 
 
 class Processes:

@@ -17,7 +17,7 @@ from engine_sidecar.policy import Tier
 from engine_sidecar.stats import TenantStatus
 from kvquota.api import Counters, Usage
 from kvquota.conditions import Want, find, merge_conditions, timestamp
-from kvquota.plan import PoolPlan, TenantPlan
+from kvquota.plan import MAX_BLOCKS_ABOVE_CAPACITY, PoolPlan, TenantPlan
 from kvquota.sync import PolicyHistory
 from kvquota.usage import Disruptions, PoolUsage
 
@@ -31,6 +31,7 @@ _NOT_REPORTED = TenantStatus()
 # Condition states a user should look at: posted as Warning events.
 BAD_STATES = {("Accepted", "False"), ("Degraded", "True"), ("Ready", "False"),
               ("Oversubscribed", "True"), ("Synced", "False")}
+WARNING_REASONS = {MAX_BLOCKS_ABOVE_CAPACITY}  # in a good state, but worth a Warning
 
 
 @dataclass(frozen=True)
@@ -281,10 +282,13 @@ def event_worthy(kind: str, old: Mapping[str, Any] | None,
         if type_ not in EVENT_CONDITIONS.get(kind, ()):
             continue
         before = find((old or {}).get("conditions"), str(type_))
-        bad = (type_, state) in BAD_STATES
+        warned = condition.get("reason") in WARNING_REASONS
+        bad = (type_, state) in BAD_STATES or warned
         if before is None and not bad:
             continue
-        if before is not None and before.get("status") == state:
+        if before is not None and before.get("status") == state and not (
+            warned and before.get("reason") != condition.get("reason")
+        ):
             continue
         events.append(("Warning" if bad else "Normal", str(condition.get("reason")),
                        f"{type_}={state}: {condition.get('message')}"))

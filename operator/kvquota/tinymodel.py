@@ -128,6 +128,9 @@ def register(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from kvquota.extras import require
+
+    require("kvquota tiny-model", "torch", "tokenizers", "safetensors")
     path = generate(args.out)
     print(path)
     return 0

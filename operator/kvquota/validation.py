@@ -15,7 +15,7 @@ from typing import Any
 
 import celpy
 
-from kvquota import API_VERSION
+from kvquota import API_VERSION, GROUP, VERSION
 from kvquota.crdgen import KINDS, load_crd_schema
 
 _TYPES: dict[str, tuple[type, ...]] = {
@@ -82,6 +82,20 @@ def _cel_map(value: dict[str, Any]) -> Any:
     )
 
 
+def _message(rule: dict[str, Any], activation: dict[str, Any]) -> str:
+    """The rule's messageExpression evaluated, as the API server shows it; its static
+    message when there is none, or when it fails or is not a non-empty string."""
+    expression = rule.get("messageExpression")
+    if expression:
+        try:
+            text = _program(expression).evaluate(activation)
+        except celpy.CELEvalError:
+            text = None
+        if isinstance(text, str) and text.strip():
+            return str(text)
+    return str(rule["message"])
+
+
 def _is_type(value: Any, expected: str) -> bool:
     if isinstance(value, bool) and expected in ("integer", "number"):
         return False
@@ -138,6 +152,11 @@ class _Validator:
                 self.errors.append(
                     f"{path}: Invalid value: {value}: {path} in body should be greater than "
                     f"or equal to {schema['minimum']}"
+                )
+            if "multipleOf" in schema and value % schema["multipleOf"]:
+                self.errors.append(
+                    f"{path}: Invalid value: {value}: {path} in body should be a multiple of "
+                    f"{schema['multipleOf']}"
                 )
             if "maximum" in schema and value > schema["maximum"]:
                 self.errors.append(
@@ -208,7 +227,41 @@ class _Validator:
             if ok is not True and not (
                 isinstance(ok, celpy.celtypes.BoolType) and bool(ok)
             ):
-                self.errors.append(f"{path}: Invalid value: {_quote(value)}: {rule['message']}")
+                message = _message(rule, activation)
+                self.errors.append(f"{path}: Invalid value: {_quote(value)}: {message}")
+
+
+def _normalised(kind: Any) -> str:
+    return str(kind).lower().removesuffix("s")
+
+
+def kind_error(api_version: Any, kind: Any) -> str | None:
+    """What `kubectl apply` says for a kind or version our CRDs do not serve (None: one
+    they serve), with the kind or group that was probably meant."""
+    if api_version == API_VERSION and kind in KINDS:
+        return None
+    hints = []
+    meant = next((k for k in KINDS if _normalised(k) == _normalised(kind)), None)
+    if meant and meant != kind:
+        hints.append(f"kind {meant}")
+    group = str(api_version).rpartition("/")[0]
+    if group != GROUP:
+        hints.append(f"group {GROUP}")
+    elif api_version != API_VERSION:
+        hints.append(f"version {VERSION}, the only one served")
+    hint = f" (did you mean {' and '.join(hints)}?)" if hints else ""
+    return (f"no matches for kind {_quote(kind)} in version {_quote(api_version)}: "
+            f"expected apiVersion {API_VERSION} and kind one of {', '.join(KINDS)}{hint}")
+
+
+def is_ours(api_version: Any, kind: Any) -> bool:
+    """Meant for our CRDs (served or not): our group or one naming kvquota, or one of
+    our kind names in any group except another API's InferencePool (the Gateway API
+    inference extension has one)."""
+    group = str(api_version).rpartition("/")[0]
+    if group == GROUP or "kvquota" in group:
+        return True
+    return _normalised(kind) == _normalised("TenantQuota")
 
 
 def validate_object(obj: dict[str, Any], old: dict[str, Any] | None = None) -> list[str]:
@@ -216,12 +269,10 @@ def validate_object(obj: dict[str, Any], old: dict[str, Any] | None = None) -> l
 
     `obj` is defaulted in place first, as the API server does before validating.
     """
-    kind, api_version = obj.get("kind"), obj.get("apiVersion")
-    if api_version != API_VERSION or kind not in KINDS:
-        return [
-            f"no matches for kind {_quote(kind)} in version {_quote(api_version)}: "
-            f"expected apiVersion {API_VERSION} and kind one of {', '.join(KINDS)}"
-        ]
+    kind = obj.get("kind")
+    unknown = kind_error(obj.get("apiVersion"), kind)
+    if unknown:
+        return [unknown]
     metadata = obj.get("metadata") or {}
     if not metadata.get("name"):
         return ["metadata.name: Required value: name or generateName is required"]

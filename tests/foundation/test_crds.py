@@ -9,11 +9,14 @@ import pytest
 import yaml
 
 from kvquota.cli import main
-from kvquota.crdgen import DEFAULT_OUT, KINDS, build_crd, crd_path, write_or_check
+from kvquota.crdgen import KINDS, build_crd, crd_path, write_or_check
+
+CRDS = Path(__file__).resolve().parents[2] / "crds"
 
 
 def test_committed_crds_match_the_models() -> None:
-    assert main(["crds", "--check"]) == 0, "models changed: run `kvquota crds` and commit"
+    assert main(["crds", "--check", "--out", str(CRDS)]) == 0, (
+        "models changed: run `kvquota crds` and commit")
 
 
 def test_check_reports_drift_after_a_hand_edit(tmp_path: Path, capsys: Any) -> None:
@@ -26,7 +29,7 @@ def test_check_reports_drift_after_a_hand_edit(tmp_path: Path, capsys: Any) -> N
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_crd_shape(kind: str) -> None:
-    crd = yaml.safe_load(crd_path(DEFAULT_OUT, kind).read_text())
+    crd = yaml.safe_load(crd_path(CRDS, kind).read_text())
     spec = crd["spec"]
     assert crd["metadata"]["name"] == f"{KINDS[kind]['plural']}.kvquota.dev"
     assert spec["group"] == "kvquota.dev" and spec["scope"] == "Namespaced"

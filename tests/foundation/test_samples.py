@@ -61,11 +61,12 @@ def _kv(**kv: Any) -> dict[str, Any]:
 
 PLANTED: list[tuple[str, dict[str, Any], str]] = [
     ("max below guaranteed", _tenant(kvCache=_kv(guaranteedBlocks=30)),
-     'spec.kvCache: Invalid value: "object": maxBlocks must be >= guaranteedBlocks'),
+     'spec.kvCache: Invalid value: "object": maxBlocks (20) must be >= guaranteedBlocks (30)'),
     ("watermark too high", _pool(kvCache={"watermark": 0.5}),
-     "spec.kvCache: Invalid value: \"object\": kvCache.watermark must be >= 0 and < 0.5"),
+     "spec.kvCache: Invalid value: \"object\": kvCache.watermark must be >= 0 and < 0.5, "
+     "got 0.5"),
     ("watermark negative", _pool(kvCache={"watermark": -0.1}),
-     "kvCache.watermark must be >= 0 and < 0.5"),
+     "kvCache.watermark must be >= 0 and < 0.5, got -0.1"),
     ("unknown tier", _tenant(tier="gold"),
      'spec.tier: Unsupported value: "gold": supported values: "premium", "standard", "free"'),
     ("bad tenantId", _tenant(tenantId="Acme Corp"),

@@ -261,7 +261,51 @@ def test_sync_waves_create_api_then_operator_then_quotas() -> None:
     waves: dict[str, set[int]] = {}
     for obj in build(app["spec"]["source"]["path"]):
         group = obj["apiVersion"].split("/")[0] if "/" in obj["apiVersion"] else ""
-        stage = ("api" if obj["kind"] in {"CustomResourceDefinition", "Namespace"}
+        stage = ("namespace" if obj["kind"] == "Namespace"
                  else "quotas" if group == "kvquota.dev" else "operator")
         waves.setdefault(stage, set()).add(_wave(obj))
-    assert waves == {"api": {-1}, "operator": {0}, "quotas": {1}}
+    assert waves == {"namespace": {-1}, "operator": {0}, "quotas": {1}}
+
+
+# -------------------------------------------- the API apart from the operator
+
+
+CRDS = {"inferencepools.kvquota.dev", "tenantquotas.kvquota.dev"}
+KEEP = "argocd.argoproj.io/sync-options"
+
+
+def _crds(objects: list[dict[str, Any]]) -> set[str]:
+    return {o["metadata"]["name"] for o in objects
+            if o["kind"] == "CustomResourceDefinition" and o["metadata"]["name"] in CRDS}
+
+
+def test_the_operator_ships_without_the_crds() -> None:
+    """`kubectl delete -k manifests/base`, or deleting the `kvquota` Application with its
+    resources finalizer, removes only what these build: never a CRD, whose deletion
+    would delete every pool and quota."""
+    assert _crds(build("manifests/base")) == set()
+    app = one(build("manifests/argocd"), "Application", "kvquota")
+    assert _crds(build(app["spec"]["source"]["path"])) == set()
+
+
+def test_the_crds_application_never_prunes_or_deletes_them() -> None:
+    app = one(build("manifests/argocd"), "Application", "kvquota-crds")
+    assert "finalizers" not in app["metadata"]  # deleting the app cascades to nothing
+    assert app["spec"]["syncPolicy"]["automated"]["prune"] is False
+    assert _wave(app) < _wave(one(build("manifests/argocd"), "Application", "kvquota"))
+    objects = build(app["spec"]["source"]["path"])
+    assert _crds(objects) == CRDS and len(objects) == len(CRDS)  # the API, nothing else
+    for crd in objects:
+        options = crd["metadata"]["annotations"][KEEP].split(",")
+        assert {"Prune=false", "Delete=false"} <= set(options)
+    # What Argo CD applies is exactly what `kvquota crds` generates.
+    generated = {o["metadata"]["name"]: o["spec"] for o in build("crds")}
+    assert {o["metadata"]["name"]: o["spec"] for o in objects} == generated
+
+
+def test_quotas_wait_for_the_crds_of_the_other_application() -> None:
+    app = one(build("manifests/argocd"), "Application", "kvquota")
+    for obj in build(app["spec"]["source"]["path"]):
+        if obj["apiVersion"].startswith("kvquota.dev/"):
+            options = obj["metadata"]["annotations"][KEEP].split(",")
+            assert "SkipDryRunOnMissingResource=true" in options

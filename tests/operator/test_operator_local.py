@@ -167,7 +167,7 @@ def test_invalid_object_is_refused_with_the_crd_message(repo: Path, out: Path) -
     stderr = io.StringIO()
     assert run_local(repo, once=True, output=out, stdout=io.StringIO(), stderr=stderr) == 1
     expected = describe(bad, validate_object(dict(bad)))
-    assert "maxBlocks must be >= guaranteedBlocks" in expected
+    assert "maxBlocks (5) must be >= guaranteedBlocks (10)" in expected
     assert expected in stderr.getvalue()
     assert "bad" not in _tenants(out)
     assert not (out / "status/default.tenantquota.bad.yaml").exists()
@@ -299,3 +299,104 @@ def test_cli_check_of_a_gitops_directory(
     assert "typo" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="need --local"):
         kvquota_main(["operator", "--out", str(out)])
+
+
+# ------------------------------------------ what `kubectl apply` would say (#15.6)
+
+
+@pytest.mark.parametrize(("api_version", "kind", "hint"), [
+    ("kvquota.dev/v1alpha1", "TenantQuotas", "did you mean kind TenantQuota?"),
+    ("kvquota.io/v1alpha1", "TenantQuota", "did you mean group kvquota.dev?"),
+    ("kvquota.dev/v1", "TenantQuota", "did you mean version v1alpha1"),
+    ("v1", "TenantQuota", "did you mean group kvquota.dev?"),
+    ("kvquota.dev/v1alpha1", "Quota", "expected apiVersion kvquota.dev/v1alpha1"),
+])
+def test_an_unknown_kind_or_group_of_ours_is_an_error(
+    repo: Path, out: Path, api_version: str, kind: str, hint: str
+) -> None:
+    typo = {**quota("typo"), "apiVersion": api_version, "kind": kind}
+    _add(repo, "typo.yaml", typo)
+    stderr = io.StringIO()
+    assert run_local(repo, once=True, output=out, stdout=io.StringIO(), stderr=stderr) == 1
+    message = stderr.getvalue()
+    assert f'typo.yaml#0: default/typo: no matches for kind "{kind}" in version ' \
+           f'"{api_version}"' in message
+    assert hint in message
+    assert sorted(_tenants(out)) == ["acme", "globex", "hobbyist"]  # the rest still renders
+
+
+def test_objects_of_other_apis_are_not_ours_to_judge(repo: Path, out: Path) -> None:
+    """A GitOps directory holds Deployments, kustomizations and the Gateway API inference
+    extension's own InferencePool: none of them is an error here."""
+    gateway_pool = {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+                    "metadata": {"name": "gw"}, "spec": {"targetPorts": [{"number": 8000}]}}
+    config = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c"}}
+    _add(repo, "others.yaml", gateway_pool, config)
+    stderr = io.StringIO()
+    assert run_local(repo, once=True, output=out, stdout=io.StringIO(), stderr=stderr) == 0
+    assert stderr.getvalue() == ""
+
+
+def _samples_with(repo: Path, name: str, edit: Callable[[dict[str, Any]], None]) -> None:
+    path = next(p for p in sorted(repo.glob("*.yaml"))
+                if yaml.safe_load(p.read_text()).get("metadata", {}).get("name") == name)
+    body = yaml.safe_load(path.read_text())
+    edit(body["spec"])
+    path.write_text(yaml.safe_dump(body))
+
+
+def _refusal(repo: Path, out: Path) -> str:
+    stderr = io.StringIO()
+    assert run_local(repo, once=True, output=out, stdout=io.StringIO(), stderr=stderr) == 1
+    return stderr.getvalue()
+
+
+def test_lease_max_blocks_above_the_tenants_max_blocks_is_refused(repo: Path, out: Path) -> None:
+    _samples_with(repo, "acme", lambda spec: spec["kvCache"]["lease"].update(maxBlocks=500))
+    message = _refusal(repo, out)
+    assert ('tenantquotas.kvquota.dev "acme" is invalid: spec.kvCache: Invalid value: '
+            '"object": lease.maxBlocks (500) must be <= maxBlocks (448)') in message
+    assert "acme" not in _tenants(out)
+
+
+def test_lease_max_blocks_equal_to_max_blocks_is_fine(repo: Path, out: Path) -> None:
+    _samples_with(repo, "acme", lambda spec: spec["kvCache"]["lease"].update(maxBlocks=448))
+    assert run_local(repo, once=True, output=out, stdout=io.StringIO()) == 0
+
+
+@pytest.mark.parametrize(("block_size", "expected"), [
+    (24, "spec.kvCache.blockSize: Invalid value: 24: spec.kvCache.blockSize in body should "
+         "be a multiple of 16"),
+    (8, "spec.kvCache.blockSize: Invalid value: 8: spec.kvCache.blockSize in body should be "
+        "greater than or equal to 16"),
+    (4096, "spec.kvCache.blockSize: Invalid value: 4096: spec.kvCache.blockSize in body "
+           "should be less than or equal to 2048"),
+])
+def test_block_size_is_bounded_to_what_vllm_kernels_take(
+    repo: Path, out: Path, block_size: int, expected: str
+) -> None:
+    _samples_with(repo, "demo-pool",
+                  lambda spec: spec["kvCache"].update(blockSize=block_size))
+    assert expected in _refusal(repo, out)
+
+
+def test_watermark_message_shows_the_bad_value(repo: Path, out: Path) -> None:
+    _samples_with(repo, "demo-pool", lambda spec: spec["kvCache"].update(watermark=0.55))
+    assert "kvCache.watermark must be >= 0 and < 0.5, got 0.55" in _refusal(repo, out)
+
+
+def test_max_blocks_above_pool_capacity_gets_a_condition_and_a_warning(
+    repo: Path, out: Path
+) -> None:
+    """The samples' pool holds 640 blocks per engine; 2 replicas make 1280."""
+    _samples_with(repo, "globex", lambda spec: spec["kvCache"].update(maxBlocks=5000))
+    stderr = io.StringIO()
+    assert run_local(repo, once=True, output=out, replicas=2, stdout=io.StringIO(),
+                     stderr=stderr) == 0  # accepted: a warning, not an error
+    accepted = _condition(_status(out, "tenantquota", "globex"), "Accepted")
+    assert (accepted["status"], accepted["reason"]) == ("True", "MaxBlocksAboveCapacity")
+    assert "maxBlocks 5000 is above the pool's capacity of 1280 blocks" in accepted["message"]
+    assert stderr.getvalue().startswith("warning: TenantQuota default/globex "
+                                        "(MaxBlocksAboveCapacity): ")
+    acme = _condition(_status(out, "tenantquota", "acme"), "Accepted")
+    assert acme["reason"] == "Accepted"  # 448 fits: no warning for the others

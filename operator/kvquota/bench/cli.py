@@ -70,6 +70,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         if args.action == "list":
             return _list()
+        _require_extras(args)
         if args.action == "calibrate":
             from kvquota.bench.calibrate import calibrate_command
 
@@ -87,6 +88,17 @@ def _run(args: argparse.Namespace) -> int:
     except RuntimeError as exc:  # a process of the engine backend failed (log tail inside)
         print(f"kvquota bench: {exc}", file=sys.stderr)
         return 1
+
+
+def _require_extras(args: argparse.Namespace) -> None:
+    """Before any work: the twin and the engine backend both run vLLM's own code; the
+    plot is drawn at the end of a long run, so check for matplotlib first."""
+    from kvquota.extras import require
+
+    command = f"kvquota bench {args.action}" if args.action != "run" else "kvquota bench"
+    require(command, "vllm")
+    if args.plot:
+        require(f"{command} --plot", "matplotlib")
 
 
 def _list() -> int:
