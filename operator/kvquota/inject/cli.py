@@ -38,7 +38,11 @@ def main(args: argparse.Namespace) -> int:
                                                  ("secret", args.secret)) if v}
     options = dataclasses.replace(InjectionOptions(), **changes)
     try:
-        text = sys.stdin.read() if args.filename == "-" else open(args.filename).read()
+        if args.filename == "-":
+            text = sys.stdin.read()
+        else:
+            with open(args.filename) as handle:
+                text = handle.read()
         docs = [d for d in yaml.safe_load_all(text) if d is not None]
     except (OSError, yaml.YAMLError) as exc:
         print(f"kvquota inject: cannot read {args.filename}: {exc}", file=sys.stderr)

@@ -54,5 +54,6 @@ def inject_object(
     if kind != "Pod":
         # The workload too, so the engine-sidecar component's selectors and the
         # PodMonitor find it the same way.
-        out.setdefault("metadata", {}).setdefault("labels", {})[POOL_LABEL] = injected.labels[POOL_LABEL]
+        labels = out.setdefault("metadata", {}).setdefault("labels", {})
+        labels[POOL_LABEL] = injected.labels[POOL_LABEL]
     return out
