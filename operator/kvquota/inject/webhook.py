@@ -129,7 +129,9 @@ def _free_port() -> int:
 
 
 def ca_publisher(api_server: str | None, configuration: str = CONFIGURATION) -> CaPublisher:
-    """Patch the caBundle of our webhook in its MutatingWebhookConfiguration."""
+    """Set the caBundle of our webhook in its MutatingWebhookConfiguration: a JSON patch
+    at the webhook's index, guarded by a `test` of its name (a merge patch would
+    replace the whole `webhooks` list)."""
 
     async def publish(bundle: bytes) -> None:
         import kubernetes.client
@@ -137,10 +139,21 @@ def ca_publisher(api_server: str | None, configuration: str = CONFIGURATION) -> 
         from kvquota.kube import api_client
 
         api = kubernetes.client.AdmissionregistrationV1Api(api_client(api_server))
-        patch = {"webhooks": [{"name": WEBHOOK_NAME, "clientConfig": {
-            "caBundle": base64.b64encode(bundle).decode("ascii")}}]}
-        await asyncio.to_thread(api.patch_mutating_webhook_configuration, configuration, patch,
-                                _request_timeout=(5.0, 30.0))
+        timeout = (5.0, 30.0)
+        current = await asyncio.to_thread(
+            api.read_mutating_webhook_configuration, configuration, _request_timeout=timeout)
+        names = [w.name for w in current.webhooks or []]
+        if WEBHOOK_NAME not in names:
+            raise RuntimeError(f"MutatingWebhookConfiguration {configuration} has no webhook "
+                               f"{WEBHOOK_NAME} (apply manifests/base)")
+        at = names.index(WEBHOOK_NAME)
+        patch = [
+            {"op": "test", "path": f"/webhooks/{at}/name", "value": WEBHOOK_NAME},
+            {"op": "add", "path": f"/webhooks/{at}/clientConfig/caBundle",
+             "value": base64.b64encode(bundle).decode("ascii")},
+        ]
+        await asyncio.to_thread(api.patch_mutating_webhook_configuration, configuration,
+                                patch, _request_timeout=timeout)
 
     return publish
 
