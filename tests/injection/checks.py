@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Any
 
 from manifests.schemas import schema_errors
 
+from kvquota.cli import build_parser
 from kvquota.inject.pod import SIDECAR
 from kvquota.inject.vllm_argv import PLUGIN_CLASS, VllmCommand
 
@@ -40,4 +42,7 @@ def check_injected_pod(
     (sidecar,) = [c for c in pod["spec"]["containers"] if c["name"] == SIDECAR]
     upstream = sidecar["command"][sidecar["command"].index("--upstream") + 1]
     assert upstream == f"http://127.0.0.1:{parsed.port}"  # the sidecar reaches vLLM
+    # `kvquota sidecar` accepts its command line (the kubelet expands $(VAR) first).
+    expanded = [re.sub(r"\$\((\w+)\)", "x", arg) for arg in sidecar["command"][1:]]
+    build_parser().parse_args(expanded)
     return parsed

@@ -57,7 +57,10 @@ def test_stdin_and_a_pool_override(vllm_parser: argparse.ArgumentParser) -> None
     check_injected_pod(pod, vllm_parser)
     assert pod["metadata"]["labels"][POOL_LABEL] == "other-pool"
     (sidecar,) = [c for c in pod["spec"]["containers"] if c["name"] == "kvquota-sidecar"]
-    assert "$(POD_NAMESPACE)/other-pool-kvquota-policy" in sidecar["command"]
+    # The sidecar loads `<pool>-kvquota-policy`, the pool read from that label.
+    assert "$(POD_NAMESPACE)/$(KVQUOTA_POOL)-kvquota-policy" in sidecar["command"]
+    (pool_env,) = [e for e in sidecar["env"] if e["name"] == "KVQUOTA_POOL"]
+    assert pool_env["valueFrom"]["fieldRef"]["fieldPath"] == f"metadata.labels['{POOL_LABEL}']"
 
 
 def test_injecting_an_injected_file_changes_nothing() -> None:

@@ -31,7 +31,7 @@ def test_every_namespaced_object_has_a_namespace() -> None:
     """`kubectl apply -k` would otherwise drop them into the caller's current namespace,
     away from the pool they belong to."""
     cluster_scoped = {"Namespace", "CustomResourceDefinition", "ClusterRole",
-                      "ClusterRoleBinding"}
+                      "ClusterRoleBinding", "MutatingWebhookConfiguration"}
     missing = [
         f"{_rel(d)}: {o['kind']}/{o['metadata']['name']}"
         for d in kustomizations() for o in build(d)

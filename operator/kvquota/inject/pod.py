@@ -103,7 +103,7 @@ def inject_pod(
     moved = _take_port(vllm, serve_port)
     replaced += _retarget_probes(vllm, serve_port, moved)
     _add_plugin_env(vllm)
-    containers.append(_sidecar(options, pool, serve_port, engine_port, admin_port, moved))
+    containers.append(_sidecar(options, serve_port, engine_port, admin_port, moved))
     spec.setdefault("initContainers", []).append(_init_container(options))
     spec.setdefault("volumes", []).extend(_volumes(options))
     if spec.get("serviceAccountName") in (None, "", "default"):
@@ -113,6 +113,12 @@ def inject_pod(
     labels[ENGINE_LABEL] = "true"
     annotations[INJECTED_ANNOTATION] = options.image
     annotations[STATUS_PORT_ANNOTATION] = str(admin_port)
+    if not any(key.startswith("prometheus.io/") for key in annotations):
+        # For a Prometheus that scrapes annotated pods; a pod that already names a port
+        # (KServe: vLLM's metrics) keeps it, and the sidecar forwards vLLM's /metrics.
+        annotations.update({"prometheus.io/scrape": "true",
+                            "prometheus.io/port": str(admin_port),
+                            "prometheus.io/path": "/metrics"})
     if replaced:
         annotations[REPLACED_ANNOTATION] = "; ".join(replaced)
     return Injected(spec, labels, annotations, changed=True)
@@ -246,7 +252,7 @@ def _field(path: str) -> dict[str, Any]:
     return {"fieldRef": {"fieldPath": path}}
 
 
-def _sidecar(options: InjectionOptions, pool: str, serve_port: int, engine_port: int,
+def _sidecar(options: InjectionOptions, serve_port: int, engine_port: int,
              admin_port: int, client_port: dict[str, Any]) -> dict[str, Any]:
     return {
         "name": SIDECAR,
@@ -257,14 +263,16 @@ def _sidecar(options: InjectionOptions, pool: str, serve_port: int, engine_port:
             "--listen", f"0.0.0.0:{serve_port}",
             "--admin-listen", f"$(POD_IP):{admin_port}",
             "--upstream", f"http://127.0.0.1:{engine_port}",
-            "--policy-configmap", f"$(POD_NAMESPACE)/{pool}-kvquota-policy",
+            "--policy-configmap", "$(POD_NAMESPACE)/$(KVQUOTA_POOL)-kvquota-policy",
             "--secrets-dir", SECRETS_DIR,
         ],
         "env": [
             {"name": "POD_NAMESPACE", "valueFrom": _field("metadata.namespace")},
             {"name": "POD_IP", "valueFrom": _field("status.podIP")},
             {"name": "POD_NAME", "valueFrom": _field("metadata.name")},
-            {"name": "KVQUOTA_POOL", "value": pool},
+            # The pool this engine serves: its label (set above to `pool`).
+            {"name": "KVQUOTA_POOL",
+             "valueFrom": _field(f"metadata.labels['{POOL_LABEL}']")},
             {"name": POLICY_PATH_ENV, "value": f"{RUN_DIR}/policy.json"},
             {"name": STATS_PATH_ENV, "value": f"{RUN_DIR}/stats.json"},
         ],

@@ -77,7 +77,8 @@ class InjectionServer:
         ca = cert_dir / CA_FILE
         return kopf.WebhookServer(
             certfile=cert_dir / CERT_FILE, pkeyfile=cert_dir / KEY_FILE,
-            cafile=ca if ca.exists() else None, file_check_interval=10.0, **common)
+            cafile=ca if ca.exists() else None,
+            file_check_interval=min(10.0, config.renew_check_seconds), **common)
 
     async def __call__(self, fn: Any) -> AsyncIterator[Any]:
         config = self.config
