@@ -60,12 +60,18 @@ def issue(dns_names: list[str], *, lifetime: datetime.timedelta = DEFAULT_LIFETI
     now = now or datetime.datetime.now(datetime.UTC)
     start = now - datetime.timedelta(minutes=5)  # clock skew between nodes
     ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvquota-webhook-ca")])
+    # A name of its own per CA: while the bundle holds the previous CA too, a client
+    # must find the issuer of the certificate it is shown, not its successor.
+    ca_serial = x509.random_serial_number()
+    ca_name = x509.Name([x509.NameAttribute(
+        NameOID.COMMON_NAME, f"kvquota-webhook-ca-{ca_serial:x}"[:64])])
+    ca_key_id = x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key())
     ca = (
         x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
-        .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+        .public_key(ca_key.public_key()).serial_number(ca_serial)
         .not_valid_before(start).not_valid_after(now + lifetime)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(ca_key_id, critical=False)
         .add_extension(x509.KeyUsage(
             digital_signature=False, content_commitment=False, key_encipherment=False,
             data_encipherment=False, key_agreement=False, key_cert_sign=True,
@@ -83,6 +89,8 @@ def issue(dns_names: list[str], *, lifetime: datetime.timedelta = DEFAULT_LIFETI
                        critical=False)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]),
                        critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(
+            ca_key_id), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
     pem = serialization.Encoding.PEM
