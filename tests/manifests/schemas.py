@@ -18,6 +18,9 @@ KUBERNETES_VERSION = "1.30"
 THIRD_PARTY_REQUIRED: dict[tuple[str, str], list[str]] = {
     ("monitoring.coreos.com/v1", "PodMonitor"): ["spec.selector", "spec.podMetricsEndpoints"],
     ("monitoring.coreos.com/v1", "PrometheusRule"): ["spec.groups"],
+    ("cert-manager.io/v1", "Issuer"): ["spec"],
+    ("cert-manager.io/v1", "Certificate"): ["spec.secretName", "spec.dnsNames",
+                                            "spec.issuerRef.name"],
     ("argoproj.io/v1alpha1", "Application"): [
         "spec.project", "spec.source.repoURL", "spec.source.path", "spec.destination.server",
     ],
