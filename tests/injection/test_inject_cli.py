@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
+from manifests.schemas import schema_errors
 
 from kvquota.inject.pod import POOL_LABEL
 
@@ -43,6 +44,7 @@ def test_a_multi_document_file_of_every_install_method_is_injected(
     out = list(yaml.safe_load_all(result.stdout))
     assert [o["kind"] for o in out] == [load(n)["kind"] for n in INJECTED] + ["Service"]
     for obj in out[:-1]:
+        assert schema_errors(obj) == []  # the workload itself, not only its pod
         check_injected_pod(_pod(obj), vllm_parser)
     assert out[-1] == SERVICE  # not a pod template: passed through
 
@@ -61,6 +63,13 @@ def test_stdin_and_a_pool_override(vllm_parser: argparse.ArgumentParser) -> None
     assert "$(POD_NAMESPACE)/$(KVQUOTA_POOL)-kvquota-policy" in sidecar["command"]
     (pool_env,) = [e for e in sidecar["env"] if e["name"] == "KVQUOTA_POOL"]
     assert pool_env["valueFrom"]["fieldRef"]["fieldPath"] == f"metadata.labels['{POOL_LABEL}']"
+
+
+def test_a_pod_that_opted_out_is_left_alone() -> None:
+    pod = load("kserve-predictor-pod.yaml")
+    pod["metadata"]["labels"]["kvquota.dev/injection"] = "disabled"
+    result = _inject("-f", "-", stdin=yaml.safe_dump(pod))
+    assert result.returncode == 0 and yaml.safe_load(result.stdout) == pod
 
 
 def test_injecting_an_injected_file_changes_nothing() -> None:

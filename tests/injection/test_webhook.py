@@ -10,6 +10,7 @@ and equal what `kvquota inject` makes of the same pod.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import json
 import socket
@@ -54,8 +55,6 @@ async def webhook_url() -> AsyncIterator[str]:
 
 async def _review(url: str, pod: dict[str, Any]) -> dict[str, Any]:
     """POST an AdmissionReview; retried only while kopf's server is not listening yet."""
-    import asyncio
-
     loop = asyncio.get_running_loop()
     deadline = loop.time() + WAIT
     async with aiohttp.ClientSession() as session:

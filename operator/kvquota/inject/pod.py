@@ -29,6 +29,7 @@ ENGINE_LABEL = f"{GROUP}/engine"
 INJECTED_ANNOTATION = f"{GROUP}/injected"
 REPLACED_ANNOTATION = f"{GROUP}/replaced"
 STATUS_PORT_ANNOTATION = f"{GROUP}/status-port"  # what kvquota.engines polls
+OPT_OUT_LABEL = f"{GROUP}/injection"  # "disabled": left alone (as the webhook's selectors)
 SIDECAR = "kvquota-sidecar"
 INIT = "kvquota-install-plugin"
 PLUGIN_DIR = "/opt/kvquota/python"
@@ -75,6 +76,8 @@ def inject_pod(
     options = options or InjectionOptions()
     labels = dict(metadata.get("labels") or {})
     annotations = dict(metadata.get("annotations") or {})
+    if labels.get(OPT_OUT_LABEL) == "disabled":
+        return Injected(copy.deepcopy(spec), labels, annotations, changed=False)
     pool = pool or labels.get(POOL_LABEL)
     if not pool:
         raise InjectionRefused(f"it has no {POOL_LABEL} label naming its InferencePool")
