@@ -15,7 +15,7 @@ import yaml
 FIXTURES = Path(__file__).parent / "fixtures"
 # Injected: the four install methods. Refused: what cannot be injected, and why.
 INJECTED = ["production-stack.yaml", "llm-d-decode.yaml", "kserve-predictor-pod.yaml",
-            "plain-deployment.yaml"]
+            "vllm-docs-deployment.yaml", "plain-deployment.yaml"]
 REFUSED = {
     "refused-custom-scheduler.yaml": "already sets --scheduler-cls",
     "refused-not-vllm.yaml": "no container runs vLLM's OpenAI server",

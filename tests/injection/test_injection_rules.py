@@ -9,7 +9,7 @@ import pytest
 
 from kvquota.inject.objects import inject_object
 from kvquota.inject.pod import PROBE_PATHS, SIDECAR, InjectionRefused
-from kvquota.inject.vllm_argv import VllmCommand
+from kvquota.inject.vllm_argv import VllmCommand, unwrap_shell
 
 from .checks import vllm_container
 from .conftest import INJECTED, load, pod_of
@@ -49,7 +49,9 @@ def test_the_sidecar_takes_over_vllms_serving_port_under_the_same_name(name: str
 
 
 def _flag(pod: dict[str, Any], name: str) -> str | None:
-    flags = VllmCommand.parse(vllm_container(pod)).find(name)
+    container = copy.deepcopy(vllm_container(pod))
+    unwrap_shell(container)  # the spec as written may start vLLM through `sh -c`
+    flags = VllmCommand.parse(container).find(name)
     return flags[-1].value if flags else None
 
 
@@ -80,12 +82,27 @@ def test_the_users_pythonpath_keeps_its_entries_after_the_plugin() -> None:
     assert env["PYTHONPATH"]["value"] == "/opt/kvquota/python:/app/lib"
 
 
-def test_a_shell_wrapped_vllm_is_refused_with_what_to_change() -> None:
+def test_a_shell_that_only_runs_vllm_becomes_the_exec_form() -> None:
+    _before, after = _injected("vllm-docs-deployment.yaml")
+    vllm = vllm_container(after)
+    assert vllm["command"] == ["vllm", "serve"]
+    assert vllm["args"][:5] == ["mistralai/Mistral-7B-Instruct-v0.3", "--trust-remote-code",
+                                "--enable-chunked-prefill", "--max_num_batched_tokens", "1024"]
+    assert "exec form" in after["metadata"]["annotations"]["kvquota.dev/replaced"]
+
+
+@pytest.mark.parametrize("script", [
+    "vllm serve $MODEL --port 8000",  # the shell expands it
+    "pip install foo && vllm serve m",  # two commands
+    "vllm serve m > /tmp/log",  # a redirection
+    "vllm serve m\nsleep 1",  # two lines
+])
+def test_a_shell_script_that_does_more_is_refused_with_what_to_change(script: str) -> None:
     pod = load("refused-not-vllm.yaml")
-    pod["spec"]["containers"][0].update(
-        image="vllm/vllm-openai:v0.32.0", command=["/bin/sh", "-c"],
-        args=["python3 -m vllm.entrypoints.openai.api_server --model /mnt/models"])
-    with pytest.raises(InjectionRefused, match=r"Pod default/tgi: .*shell script \(`sh -c`\)"):
+    pod["spec"]["containers"][0].update(image="vllm/vllm-openai:v0.32.0",
+                                        command=["/bin/sh", "-c"], args=[script])
+    with pytest.raises(InjectionRefused, match=r"Pod default/tgi: .*shell script that does "
+                       r"more than run one command"):
         inject_object(pod)
 
 

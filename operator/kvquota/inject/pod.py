@@ -22,7 +22,13 @@ from typing import Any
 
 from engine_sidecar.stats import POLICY_PATH_ENV, STATS_PATH_ENV
 from kvquota import GROUP
-from kvquota.inject.vllm_argv import DEFAULT_PORT, PLUGIN_CLASS, NotVllm, VllmCommand
+from kvquota.inject.vllm_argv import (
+    DEFAULT_PORT,
+    PLUGIN_CLASS,
+    NotVllm,
+    VllmCommand,
+    unwrap_shell,
+)
 
 POOL_LABEL = f"{GROUP}/pool"
 ENGINE_LABEL = f"{GROUP}/engine"
@@ -85,7 +91,7 @@ def inject_pod(
     containers: list[dict[str, Any]] = spec.get("containers") or []
     if any(c.get("name") == SIDECAR for c in containers):
         return Injected(spec, labels, annotations, changed=False)
-    vllm, command = _vllm_container(containers)
+    vllm, command, unwrapped = _vllm_container(containers)
     if command.find("scheduler-cls"):
         raise InjectionRefused(
             f"container {vllm['name']!r} already sets --scheduler-cls "
@@ -100,7 +106,8 @@ def inject_pod(
     serve_port = _port_flag(command)
     engine_port = _free(used | {serve_port}, ENGINE_PORT)
     admin_port = _free(used | {serve_port, engine_port}, ADMIN_PORT)
-    replaced = _edit_flags(command, engine_port)
+    replaced = [unwrapped] if unwrapped else []
+    replaced += _edit_flags(command, engine_port)
     command.write_back()
 
     moved = _take_port(vllm, serve_port)
@@ -127,19 +134,22 @@ def inject_pod(
     return Injected(spec, labels, annotations, changed=True)
 
 
-def _vllm_container(containers: list[dict[str, Any]]) -> tuple[dict[str, Any], VllmCommand]:
-    found: list[tuple[dict[str, Any], VllmCommand]] = []
+def _vllm_container(
+    containers: list[dict[str, Any]],
+) -> tuple[dict[str, Any], VllmCommand, str | None]:
+    found: list[tuple[dict[str, Any], VllmCommand, str | None]] = []
     reasons: list[str] = []
     for container in containers:
         try:
-            found.append((container, VllmCommand.parse(container)))
+            unwrapped = unwrap_shell(container)
+            found.append((container, VllmCommand.parse(container), unwrapped))
         except NotVllm as exc:
             reasons.append(f"{container.get('name')!r}: {exc}")
     if not found:
         raise InjectionRefused("no container runs vLLM's OpenAI server (" + "; ".join(reasons)
                                + ")" if reasons else "it has no containers")
     if len(found) > 1:
-        names = ", ".join(repr(c.get("name")) for c, _ in found)
+        names = ", ".join(repr(c.get("name")) for c, _, _ in found)
         raise InjectionRefused(f"several containers run vLLM ({names}); KVQuota puts one "
                                "sidecar in front of one vLLM server per pod")
     return found[0]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,6 +144,40 @@ def _serves(argv: list[str], start: int) -> int:
             if not token.startswith("-"):
                 return 0
     return 0
+
+
+def unwrap_shell(container: dict[str, Any]) -> str | None:
+    """Turn `sh -c "<one vLLM command line>"` into the exec form, in place; what was done,
+    or None when the container does not start through a shell.
+
+    vLLM's own Kubernetes guide starts the server this way. A script that is one simple
+    command needs no shell, and only the exec form can be edited token by token. A
+    script the shell does more with (expansions, several commands, redirections) is
+    refused: rewriting it would change what it does.
+    """
+    argv = [str(t) for t in (container.get("command") or []) + (container.get("args") or [])]
+    if len(argv) < 3 or os.path.basename(argv[0]) not in _SHELLS or argv[1] != "-c":
+        return None
+    script = argv[2]
+    shell_work = ("$" in script or "`" in script or "\n" in script.strip() or argv[3:])
+    lexer = shlex.shlex(script, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    try:
+        tokens = list(lexer)
+    except ValueError:  # unbalanced quotes
+        tokens = []
+    if shell_work or not tokens or any(set(t) <= set("();<>|&") for t in tokens):
+        raise NotVllm("it starts vLLM through a shell script that does more than run one "
+                      "command (expansions, several commands or redirections); put vLLM's "
+                      "command line in `command`/`args` so its flags can be edited")
+    if tokens[0] == "exec":
+        tokens = tokens[1:]
+    entry = _serves(tokens, 0)
+    if not entry:
+        raise NotVllm("its shell script does not start vLLM's OpenAI server (`vllm serve` "
+                      f"or `python -m {SERVER_MODULE}`)")
+    container["command"], container["args"] = tokens[:entry], tokens[entry:]
+    return f"{argv[0]} -c '<vLLM command line>' -> exec form (the same command, no shell)"
 
 
 def is_vllm(container: dict[str, Any]) -> bool:
