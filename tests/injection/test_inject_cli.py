@@ -65,6 +65,20 @@ def test_stdin_and_a_pool_override(vllm_parser: argparse.ArgumentParser) -> None
     assert pool_env["valueFrom"]["fieldRef"]["fieldPath"] == f"metadata.labels['{POOL_LABEL}']"
 
 
+def test_a_statefulset_is_injected_like_a_deployment(
+    vllm_parser: argparse.ArgumentParser,
+) -> None:
+    workload = load("plain-deployment.yaml")
+    workload.update(kind="StatefulSet")
+    workload["spec"].pop("strategy", None)
+    workload["spec"]["serviceName"] = "mistral-7b"
+    result = _inject("-f", "-", stdin=yaml.safe_dump(workload))
+    assert result.returncode == 0, result.stderr
+    (out,) = yaml.safe_load_all(result.stdout)
+    assert out["kind"] == "StatefulSet" and schema_errors(out) == []
+    check_injected_pod(pod_of(out), vllm_parser)
+
+
 def test_a_pod_that_opted_out_is_left_alone() -> None:
     pod = load("kserve-predictor-pod.yaml")
     pod["metadata"]["labels"]["kvquota.dev/injection"] = "disabled"

@@ -6,7 +6,8 @@ Secret: the operator may not read Secrets), and renews them when a third of the
 serving certificate's life is left. On every renewal it first publishes the new CA
 next to the previous one in the MutatingWebhookConfiguration's `caBundle`, then
 switches the server to the new certificate (kopf's server re-reads changed files), so
-the API server trusts the webhook across the switch.
+the API server trusts the webhook across the switch. One replica only: replicas would
+each publish a CA of their own; HA installs use cert-manager.
 """
 
 from __future__ import annotations
