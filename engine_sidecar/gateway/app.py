@@ -53,6 +53,7 @@ from engine_sidecar.gateway.ledger import Ledger, Reservation
 from engine_sidecar.gateway.metrics import GatewayMetrics, StateSources
 from engine_sidecar.gateway.model_names import engine_name, public_cards
 from engine_sidecar.gateway.openai_request import Kind, parse, rewrite, session_id
+from engine_sidecar.gateway.passthrough import Passthrough, supported_routes
 from engine_sidecar.gateway.policy_source import PolicySource
 from engine_sidecar.gateway.prefix import prompt_fingerprints
 from engine_sidecar.gateway.request_body import (
@@ -162,6 +163,7 @@ class Gateway:
             exception_handlers={HTTPException: _http_exception},
         )
         self._tier_children: dict[str, tuple[Any, Any, Any]] = {}
+        self.passthrough = Passthrough(self)  # vLLM's other routes (passthrough.py)
         self.app: ASGIHandler = _GatewayApp(self.dispatch)
         self.admin_app: ASGIHandler = _GatewayApp(self.dispatch_admin)
         tracing.instrument_from_env(self)  # spans only with OTEL_EXPORTER_OTLP_ENDPOINT set
@@ -180,6 +182,9 @@ class Gateway:
                 with contextlib.suppress(Exception):
                     await send_error(send, _unread(scope, ApiError(
                         500, errors.INTERNAL_ERROR, "the sidecar failed on this request")))
+            return
+        if scope["type"] == "http" and (other := self.passthrough.route(scope["path"])):
+            await self.passthrough.handle(scope, receive, send, other)
             return
         await self.starlette(scope, receive, _closing(scope, send))
 
@@ -575,7 +580,8 @@ async def _http_exception(_request: Request, exc: Exception) -> Response:
     status = getattr(exc, "status_code", 500)
     codes = {404: errors.NOT_FOUND, 405: errors.METHOD_NOT_ALLOWED}
     code = codes.get(status, errors.INVALID_REQUEST)
-    message = {404: "no such route on the KVQuota sidecar",
+    message = {404: "no such route on the KVQuota sidecar; its client port serves "
+                    + supported_routes(),
                405: "method not allowed on this route"}.get(status, "invalid request")
     error = ApiError(status, code, message)
     return Response(error.body(), status_code=status, media_type="application/json")

@@ -19,6 +19,7 @@ COMMAND_MODULES = (
     "kvquota.demo",
     "kvquota.bench.cli",
     "kvquota.run_operator",
+    "kvquota.inject.cli",
     "engine_sidecar.cli",
     "kvquota.crdgen",
     "kvquota.tinymodel",

@@ -33,6 +33,7 @@ from kvquota import GROUP
 if TYPE_CHECKING:
     import kopf
 
+    from kvquota.inject.webhook import WebhookConfig
     from kvquota.runtime import OperatorConfig
 
 PEERING_NAME = "kvquota"
@@ -101,6 +102,18 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                          help="timeout of one sidecar status request (default: 2)")
     cluster.add_argument("--degraded-window", type=float, default=300.0, metavar="SECONDS",
                          help="Degraded reports disruptions this recent (default: 300)")
+    webhook = parser.add_argument_group(
+        "sidecar injection webhook (pods labelled kvquota.dev/pool; see kvquota.inject)")
+    webhook.add_argument("--webhook-listen", default="0.0.0.0:9443", metavar="HOST:PORT",
+                         help="where the HTTPS webhook listens (default: 0.0.0.0:9443)")
+    webhook.add_argument("--webhook-cert-dir", metavar="DIR", help="tls.crt/tls.key (and "
+                         "ca.crt) from cert-manager; default: self-signed, renewed by the "
+                         "operator, its CA published in the webhook configuration")
+    webhook.add_argument("--webhook-service", default="kvquota-webhook.kvquota-system",
+                         metavar="NAME.NAMESPACE", help="the Service the API server calls "
+                         "(the self-signed certificate's names)")
+    webhook.add_argument("--sidecar-image", help="the image injected pods run the sidecar "
+                         "and plugin installer from (default: this release's)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.set_defaults(func=main)
 
@@ -121,6 +134,7 @@ def main(args: argparse.Namespace) -> int:
         poll_interval=args.poll_interval,
         engine_timeout=args.engine_timeout,
         degraded_window=args.degraded_window,
+        webhook=webhook_config(args),
     )
     run_cluster(
         config,
@@ -132,6 +146,25 @@ def main(args: argparse.Namespace) -> int:
         priority=args.priority,
     )
     return 0
+
+
+def webhook_config(args: argparse.Namespace) -> WebhookConfig:
+    from pathlib import Path
+
+    from engine_sidecar.cli import parse_listen
+    from kvquota.inject.pod import InjectionOptions
+    from kvquota.inject.webhook import WebhookConfig
+
+    addr, port = parse_listen(args.webhook_listen, "--webhook-listen")
+    service, dot, namespace = args.webhook_service.partition(".")
+    if not dot or not service or not namespace:
+        raise SystemExit(f"kvquota operator: --webhook-service must be NAME.NAMESPACE, got "
+                         f"{args.webhook_service!r}")
+    options = InjectionOptions(image=args.sidecar_image) if args.sidecar_image else (
+        InjectionOptions())
+    return WebhookConfig(addr=addr, port=port, service=service, namespace=namespace,
+                         cert_dir=Path(args.webhook_cert_dir) if args.webhook_cert_dir
+                         else None, options=options)
 
 
 def run_cluster(

@@ -16,6 +16,7 @@ from kvquota.kube import Timeouts
 if TYPE_CHECKING:
     import httpx
 
+    from kvquota.inject.webhook import WebhookConfig
     from kvquota.kube import KubeApi
     from kvquota.reconciler import PoolReconciler
 
@@ -30,6 +31,8 @@ class OperatorConfig:
     # Clock (seconds) of the disruption window; tests substitute one they advance.
     clock: Callable[[], float] = time.monotonic
     timeouts: Timeouts = field(default_factory=Timeouts)
+    # The sidecar injection webhook; None: plain HTTP on loopback (embedding only).
+    webhook: WebhookConfig | None = None
 
 
 @dataclass

@@ -1,4 +1,6 @@
-"""The engine-sidecar component turns a stock vLLM Deployment into a KVQuota engine."""
+"""A stock vLLM Deployment becomes a KVQuota engine: the GPU example through the
+injection webhook (its pod as admitted, `kvquota.inject`), and any labelled Deployment
+through the engine-sidecar component."""
 
 from __future__ import annotations
 
@@ -13,8 +15,16 @@ from .conftest import MANIFESTS, build, one
 EXAMPLE = "manifests/examples/gpu-engine"
 
 
-def _pod(objects: list[dict[str, Any]], name: str = "vllm-engine") -> dict[str, Any]:
-    spec: dict[str, Any] = one(objects, "Deployment", name)["spec"]["template"]
+def _pod(objects: list[dict[str, Any]], name: str = "vllm-engine", *,
+         admitted: bool = True) -> dict[str, Any]:
+    """The Deployment's pod template; `admitted`: as the injection webhook admits its
+    pods (the same code as `kvquota inject`)."""
+    from kvquota.inject.objects import inject_object
+
+    deployment = one(objects, "Deployment", name)
+    if admitted:
+        deployment = inject_object(deployment)
+    spec: dict[str, Any] = deployment["spec"]["template"]
     return spec
 
 
@@ -39,6 +49,7 @@ def test_vllm_keeps_its_model_and_loads_the_plugin_behind_the_sidecar() -> None:
         "--scheduler-cls=engine_sidecar.scheduler.TenantAwareScheduler",
         "--scheduling-policy=priority",
         "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
         "--port=8001",
         "--host=127.0.0.1",  # clients cannot bypass the sidecar's admission
     ):
@@ -217,8 +228,8 @@ def test_component_patches_labelled_deployments_only(tmp_path: Path) -> None:
         "components": [component],
     }))
     objects = build(tmp_path)
-    assert _pod(objects, "web")["spec"] == web["spec"]["template"]["spec"]
-    patched = _pod(objects, "engine")
+    assert _pod(objects, "web", admitted=False)["spec"] == web["spec"]["template"]["spec"]
+    patched = _pod(objects, "engine", admitted=False)
     assert {c["name"] for c in patched["spec"]["containers"]} == {"vllm", "kvquota-sidecar"}
     assert _container(patched, "vllm")["args"][0] == "m"
     # Scraped by the engines' PodMonitor even though the template did not carry the label.

@@ -202,7 +202,11 @@ def test_dashboard_is_loaded_by_the_grafana_sidecar() -> None:
 
 def test_engine_podmonitor_scrapes_the_sidecar_of_every_engine() -> None:
     monitor = one(_monitoring(), "PodMonitor", "kvquota-engines")
-    engine = one(build("manifests/examples/gpu-engine"), "Deployment", "vllm-engine")
+    from kvquota.inject.objects import inject_object
+
+    # Its pods as the injection webhook admits them.
+    engine = inject_object(one(build("manifests/examples/gpu-engine"), "Deployment",
+                               "vllm-engine"))
     pod = engine["spec"]["template"]
     assert monitor["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
     assert monitor["spec"]["namespaceSelector"] == {"any": True}

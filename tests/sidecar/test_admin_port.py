@@ -17,10 +17,12 @@ def test_status_and_metrics_are_on_the_admin_port_only(
 ) -> None:
     harness, _ = stub_sidecar()
     harness.apply(make_policy(tenant("acme")))
+    hidden = httpx.get(harness.url + "/kvquota/status")
+    assert hidden.status_code == 404
+    assert hidden.json()["error"]["code"] == "NOT_FOUND"
+    # /metrics on the client port is vLLM's own (forwarded), never the sidecar's.
+    assert "kvquota_" not in httpx.get(harness.url + "/metrics").text
     for route in ("/kvquota/status", "/metrics"):
-        hidden = httpx.get(harness.url + route)
-        assert hidden.status_code == 404, route
-        assert hidden.json()["error"]["code"] == "NOT_FOUND"
         assert httpx.get(harness.admin_url + route).status_code == 200, route
     assert "acme" not in httpx.get(harness.url + "/kvquota/status").text
     for url in (harness.url, harness.admin_url):

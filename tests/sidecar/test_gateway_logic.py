@@ -196,9 +196,10 @@ def test_policy_needing_a_missing_secret_is_refused(
 
 def test_unknown_routes_and_methods_answer_openai_errors(stub_sidecar: StubFactory) -> None:
     harness, _ = stub_sidecar()
-    missing = httpx.get(harness.url + "/v1/embeddings")
+    missing = httpx.get(harness.url + "/v1/audio/transcriptions")
     wrong_method = httpx.get(harness.url + "/v1/completions")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "NOT_FOUND"
+    assert "/v1/chat/completions" in missing.json()["error"]["message"]  # what exists
     assert wrong_method.status_code == 405
     assert wrong_method.json()["error"]["code"] == "METHOD_NOT_ALLOWED"
 

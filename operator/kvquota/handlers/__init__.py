@@ -1,6 +1,6 @@
 """kopf handlers, one module per kind; importing this package registers them all with
 kopf's default registry. They stay thin: work is done by `kvquota.reconciler`."""
 
-from kvquota.handlers import lifecycle, pools, tenants
+from kvquota.handlers import injection, lifecycle, pools, tenants
 
-__all__ = ["lifecycle", "pools", "tenants"]
+__all__ = ["injection", "lifecycle", "pools", "tenants"]

@@ -1,0 +1,152 @@
+"""vLLM's other routes through the sidecar, each handled as its cost warrants.
+
+The sidecar takes over the port clients, routers and scrapers already use, so every
+route vLLM serves there must keep working. Generation that holds KV blocks while it
+decodes (/v1/completions, /v1/chat/completions) is admitted in `app.py`. Here:
+
+- `/health`, `/ping`, `/version`: no credentials, not admitted. Probes and routers;
+  no body, no engine work.
+- `/metrics` (vLLM's `vllm:*`): no credentials, not admitted. Scraped by the
+  production-stack router and dashboards; it holds no tenant's data.
+- `/tokenize`, `/detokenize`: a tenant's credentials, not admitted. CPU work in the
+  API server; no KV blocks.
+- `/v1/embeddings`: a tenant's credentials, tagged, not admitted. One forward pass, no
+  decode, no lease: its blocks live for one step.
+- `/v1/responses`: a tenant's credentials, tagged and clamped, not admitted. Its input
+  items only vLLM can render into a prompt, so it cannot be counted exactly here.
+
+"Tagged": the sidecar sets the tenant's `priority` and `cache_salt` (and, for
+/v1/responses, its `vllm_xargs` tenant, so the plugin counts the request as the
+tenant's usage and ranks it as the tenant's class) and drops `request_id` and
+`kv_transfer_params`, exactly as on admitted routes; /v1/responses also has its
+`max_output_tokens` clamped to the tenant's ceiling (the default when absent) and
+`background` refused (work that outlives the connection could not be released).
+Bodies are capped like the tenant's generation bodies. Anything else gets a 404
+that names the supported routes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from starlette.types import Receive, Scope, Send
+
+from engine_sidecar.gateway import errors
+from engine_sidecar.gateway.body_checks import invalid
+from engine_sidecar.gateway.errors import ApiError
+from engine_sidecar.gateway.forward import exchange, request_headers, send_error
+from engine_sidecar.gateway.openai_request import XARG_TENANT
+from engine_sidecar.gateway.request_body import body_limit, declared_length, read_body
+
+if TYPE_CHECKING:
+    from engine_sidecar.gateway.app import Gateway
+
+# Fields only the sidecar sets (clients' values are dropped or overwritten).
+OWNED_FIELDS = ("priority", "cache_salt", "vllm_xargs", "request_id", "kv_transfer_params")
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+HEALTH_ROUTES = ("/healthz", "/readyz")
+
+
+@dataclass(frozen=True)
+class Route:
+    methods: frozenset[str]
+    credentials: bool
+    tag: Callable[[dict[str, Any], Any, str, str | None], None] | None = None
+
+
+def _tag(body: dict[str, Any], tenant: Any, tenant_id: str, salt: str | None) -> None:
+    for name in OWNED_FIELDS:
+        body.pop(name, None)
+    body["priority"] = tenant.priority
+    if salt is not None:
+        body["cache_salt"] = salt
+
+
+def _tag_response(body: dict[str, Any], tenant: Any, tenant_id: str, salt: str | None) -> None:
+    if body.get("background"):
+        raise invalid("`background` responses are not supported through KVQuota: "
+                             "their work would outlive the request that admitted it")
+    _tag(body, tenant, tenant_id, salt)
+    body["vllm_xargs"] = {XARG_TENANT: tenant_id}
+    asked = body.get("max_output_tokens")
+    if asked is not None and (not isinstance(asked, int) or isinstance(asked, bool)
+                              or asked < 1):
+        raise invalid("max_output_tokens must be a positive integer")
+    body["max_output_tokens"] = min(asked or tenant.default_max_tokens, tenant.max_tokens)
+
+
+GET = frozenset({"GET"})
+POST = frozenset({"POST"})
+ROUTES: dict[str, Route] = {
+    "/health": Route(GET, credentials=False),
+    "/ping": Route(GET | POST, credentials=False),
+    "/version": Route(GET, credentials=False),
+    "/metrics": Route(GET, credentials=False),
+    "/tokenize": Route(POST, credentials=True),
+    "/detokenize": Route(POST, credentials=True),
+    "/v1/embeddings": Route(POST, credentials=True, tag=_tag),
+    "/v1/responses": Route(POST, credentials=True, tag=_tag_response),
+}
+
+
+def supported_routes() -> str:
+    return ", ".join(sorted({*GENERATION_ROUTES, *ROUTES, *HEALTH_ROUTES}))
+
+
+class Passthrough:
+    """The routes above, for one gateway (its policy, credentials and upstream)."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    def route(self, path: str) -> Route | None:
+        return ROUTES.get(path)
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send, route: Route) -> None:
+        from engine_sidecar.gateway.app import _unread
+
+        gateway = self.gateway
+        body = b""
+        body_read = False
+        try:
+            if scope["method"] not in route.methods:
+                raise ApiError(405, errors.METHOD_NOT_ALLOWED,
+                               f"use {' or '.join(sorted(route.methods))} on this route")
+            if route.credentials:
+                active = gateway._active()
+                tenant_id = gateway._authenticate(active, scope["headers"])
+                tenant = active.policy.tenants[tenant_id]
+                limit = body_limit(tenant, block_size=active.policy.block_size, chat=False,
+                                   cap=gateway.config.max_body_bytes,
+                                   bytes_per_token=gateway.config.body_bytes_per_token)
+                raw = await read_body(receive, limit, gateway.config.body_timeout,
+                                      declared_length(scope))
+                if raw is None:
+                    return
+                body_read = True
+                body = raw if route.tag is None else _tagged(
+                    raw, route, tenant, tenant_id, active.cache_salts.get(tenant_id))
+        except ApiError as error:
+            await send_error(send, error if body_read else _unread(scope, error))
+            return
+        method, path = scope["method"], scope["path"]
+        query = scope.get("query_string") or b""
+        target = path + ("?" + query.decode("latin-1") if query else "")
+        headers = request_headers(scope["headers"])
+        await exchange(receive, send, gateway.upstream,
+                       lambda: gateway.upstream.open(method, target, headers, body))
+
+
+def _tagged(raw: bytes, route: Route, tenant: Any, tenant_id: str, salt: str | None) -> bytes:
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise invalid("the request body is not JSON") from None
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    assert route.tag is not None
+    route.tag(body, tenant, tenant_id, salt)
+    return json.dumps(body, separators=(",", ":")).encode()

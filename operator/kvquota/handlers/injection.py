@@ -1,0 +1,52 @@
+"""The sidecar injection webhook: pods labelled `kvquota.dev/pool` get the sidecar.
+
+Thin: `kvquota.inject` does the work (the same code as `kvquota inject`). A pod that
+cannot be injected is refused with the reason; kopf answers the AdmissionReview with
+the JSON patch from the pod as admitted to the pod as injected.
+"""
+
+# kopf types callbacks as protocols naming every kwarg; ours name only what they use.
+# mypy: disable-error-code="arg-type"
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import kopf
+
+from kvquota.inject.objects import inject_object
+from kvquota.inject.pod import POOL_LABEL, REPLACED_ANNOTATION, InjectionRefused
+from kvquota.inject.webhook import HANDLER_ID, WebhookConfig, configure_admission
+
+
+@kopf.on.startup()
+async def serve_webhook(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    config = memo.get("config")
+    webhook: WebhookConfig | None = getattr(config, "webhook", None)
+    memo.webhook = configure_admission(settings, webhook, getattr(config, "api_server", None))
+
+
+@kopf.on.mutate("v1", "pods", id=HANDLER_ID, operations=["CREATE"], persistent=True,
+                labels={POOL_LABEL: kopf.PRESENT})
+def inject_sidecar(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, warnings: list[str],
+                   logger: kopf.Logger, **_: Any) -> None:
+    server = memo.get("webhook")
+    options = server.config.options if server is not None else None
+    pod = copy.deepcopy(dict(body))
+    try:
+        injected = inject_object(pod, options=options)
+    except InjectionRefused as exc:
+        logger.warning("%s", exc)
+        raise kopf.AdmissionError(str(exc), code=400) from None
+    if injected is pod:
+        return  # already injected: nothing to change
+    replaced = injected["metadata"]["annotations"].get(REPLACED_ANNOTATION)
+    if replaced:
+        warnings.append(f"KVQuota replaced: {replaced}")
+
+    def become_injected(raw: dict[str, Any]) -> None:
+        raw.clear()
+        raw.update(copy.deepcopy(injected))
+
+    patch.fns.append(become_injected)

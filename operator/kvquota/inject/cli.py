@@ -1,0 +1,62 @@
+"""`kvquota inject -f FILE [--pool NAME]`: the webhook's injection, offline.
+
+Like `istioctl kube-inject`: reads Pods, Deployments, StatefulSets (any pod-template
+workload) from multi-document YAML (`-` for stdin) and prints them injected; other
+objects pass through unchanged. The same code as the operator's webhook.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "inject", help="add the KVQuota sidecar and plugin to vLLM pods in YAML (offline)",
+        description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("-f", "--filename", required=True, metavar="FILE",
+                        help="YAML file (multi-document); - reads stdin")
+    parser.add_argument("--pool", metavar="NAME", help="the InferencePool the engines serve "
+                        "(default: each pod template's kvquota.dev/pool label)")
+    parser.add_argument("--image", help="sidecar image (default: the release's)")
+    parser.add_argument("--secret", help="the Secret the pool's spec.auth names "
+                        "(default: kvquota-auth)")
+    parser.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    import yaml
+
+    from kvquota.inject.objects import inject_object
+    from kvquota.inject.pod import InjectionOptions, InjectionRefused
+
+    changes: dict[str, Any] = {k: v for k, v in (("image", args.image),
+                                                 ("secret", args.secret)) if v}
+    options = dataclasses.replace(InjectionOptions(), **changes)
+    try:
+        if args.filename == "-":
+            text = sys.stdin.read()
+        else:
+            with open(args.filename) as handle:
+                text = handle.read()
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except (OSError, yaml.YAMLError) as exc:
+        print(f"kvquota inject: cannot read {args.filename}: {exc}", file=sys.stderr)
+        return 2
+    out = []
+    for doc in docs:
+        if not isinstance(doc, dict):
+            print(f"kvquota inject: {args.filename}: a document is not a Kubernetes object",
+                  file=sys.stderr)
+            return 2
+        try:
+            out.append(inject_object(doc, args.pool, options))
+        except InjectionRefused as exc:
+            print(f"kvquota inject: {exc}", file=sys.stderr)
+            return 1
+    sys.stdout.write(yaml.safe_dump_all(out, sort_keys=False))
+    return 0

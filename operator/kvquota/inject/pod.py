@@ -1,0 +1,330 @@
+"""What injection adds to a pod spec, as one pure function of the spec.
+
+The sidecar takes over the port vLLM served clients on (its `--port`, 8000 by
+default), so Services, routers and scrapers that pointed there reach the sidecar; vLLM
+moves to a free loopback port. The container port entry moves with it (same name, so
+a Service's named `targetPort` still resolves). Probes of the vLLM container that hit
+that port keep hitting it: the sidecar forwards `/health`, `/ping`, `/version` and
+`/metrics` without credentials; a probe of any other path (e.g. `/v1/models`, which
+needs a tenant's token through the sidecar) is pointed at `/health`, which vLLM only
+answers once its engine is up, and recorded.
+
+Flags the plugin needs are added; a conflicting `--scheduling-policy` or
+`--no-enable-prefix-caching` is replaced and recorded in the annotation
+`kvquota.dev/replaced`. A pod already injected comes back unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from engine_sidecar.stats import POLICY_PATH_ENV, STATS_PATH_ENV
+from kvquota import GROUP
+from kvquota.inject.vllm_argv import (
+    DEFAULT_PORT,
+    PLUGIN_CLASS,
+    NotVllm,
+    VllmCommand,
+    unwrap_shell,
+)
+
+POOL_LABEL = f"{GROUP}/pool"
+ENGINE_LABEL = f"{GROUP}/engine"
+INJECTED_ANNOTATION = f"{GROUP}/injected"
+REPLACED_ANNOTATION = f"{GROUP}/replaced"
+STATUS_PORT_ANNOTATION = f"{GROUP}/status-port"  # what kvquota.engines polls
+OPT_OUT_LABEL = f"{GROUP}/injection"  # "disabled": left alone (as the webhook's selectors)
+SIDECAR = "kvquota-sidecar"
+INIT = "kvquota-install-plugin"
+PLUGIN_DIR = "/opt/kvquota/python"
+RUN_DIR = "/var/run/kvquota"
+SECRETS_DIR = "/etc/kvquota/secrets"
+# Paths the sidecar forwards without credentials (engine_sidecar.gateway.passthrough).
+PROBE_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
+ENGINE_PORT = 8001  # vLLM's loopback port, or the next free one
+ADMIN_PORT = 9100  # the sidecar's admin port, or the next free one
+_RESTRICTED = {
+    "runAsNonRoot": True, "runAsUser": 10001, "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
+class InjectionRefused(ValueError):
+    """The pod cannot be injected; the message says why and what to change."""
+
+
+@dataclass(frozen=True)
+class InjectionOptions:
+    image: str = "ghcr.io/kvquota/sidecar:v0.1.0"
+    secret: str = "kvquota-auth"  # the Secret the pool's spec.auth names
+    service_account: str = "kvquota-engine"  # set when the pod names none
+
+
+@dataclass(frozen=True)
+class Injected:
+    spec: dict[str, Any]
+    labels: dict[str, str]
+    annotations: dict[str, str]
+    changed: bool
+
+
+def inject_pod(
+    metadata: dict[str, Any], spec: dict[str, Any], pool: str | None = None,
+    options: InjectionOptions | None = None,
+) -> Injected:
+    """The injected pod (metadata labels/annotations and spec; inputs are not changed).
+
+    `pool` defaults to the pod's `kvquota.dev/pool` label. Raises `InjectionRefused`.
+    """
+    options = options or InjectionOptions()
+    labels = dict(metadata.get("labels") or {})
+    annotations = dict(metadata.get("annotations") or {})
+    if labels.get(OPT_OUT_LABEL) == "disabled":
+        return Injected(copy.deepcopy(spec), labels, annotations, changed=False)
+    pool = pool or labels.get(POOL_LABEL)
+    if not pool:
+        raise InjectionRefused(f"it has no {POOL_LABEL} label naming its InferencePool")
+    spec = copy.deepcopy(spec)
+    containers: list[dict[str, Any]] = spec.get("containers") or []
+    if any(c.get("name") == SIDECAR for c in containers):
+        return Injected(spec, labels, annotations, changed=False)
+    vllm, command, unwrapped = _vllm_container(containers)
+    if command.find("scheduler-cls"):
+        raise InjectionRefused(
+            f"container {vllm['name']!r} already sets --scheduler-cls "
+            f"({command.find('scheduler-cls')[0].value}); KVQuota's scheduler "
+            f"({PLUGIN_CLASS}) would replace it: remove the flag to use KVQuota")
+    if command.find("ssl-certfile") or command.find("uds"):
+        raise InjectionRefused(
+            f"container {vllm['name']!r} serves TLS or a Unix socket (--ssl-certfile/--uds); "
+            "the sidecar terminates client connections and reaches vLLM over loopback HTTP")
+
+    used = _used_ports(spec)
+    serve_port = _port_flag(command)
+    engine_port = _free(used | {serve_port}, ENGINE_PORT)
+    admin_port = _free(used | {serve_port, engine_port}, ADMIN_PORT)
+    replaced = [unwrapped] if unwrapped else []
+    replaced += _edit_flags(command, engine_port)
+    command.write_back()
+
+    moved = _take_port(vllm, serve_port)
+    replaced += _retarget_probes(vllm, serve_port, moved)
+    _add_plugin_env(vllm)
+    containers.append(_sidecar(options, serve_port, engine_port, admin_port, moved))
+    spec.setdefault("initContainers", []).append(_init_container(options))
+    spec.setdefault("volumes", []).extend(_volumes(options))
+    if spec.get("serviceAccountName") in (None, "", "default"):
+        spec["serviceAccountName"] = options.service_account
+
+    labels[POOL_LABEL] = pool
+    labels[ENGINE_LABEL] = "true"
+    annotations[INJECTED_ANNOTATION] = options.image
+    annotations[STATUS_PORT_ANNOTATION] = str(admin_port)
+    if not any(key.startswith("prometheus.io/") for key in annotations):
+        # For a Prometheus that scrapes annotated pods; a pod that already names a port
+        # (KServe: vLLM's metrics) keeps it, and the sidecar forwards vLLM's /metrics.
+        annotations.update({"prometheus.io/scrape": "true",
+                            "prometheus.io/port": str(admin_port),
+                            "prometheus.io/path": "/metrics"})
+    if replaced:
+        annotations[REPLACED_ANNOTATION] = "; ".join(replaced)
+    return Injected(spec, labels, annotations, changed=True)
+
+
+def _vllm_container(
+    containers: list[dict[str, Any]],
+) -> tuple[dict[str, Any], VllmCommand, str | None]:
+    found: list[tuple[dict[str, Any], VllmCommand, str | None]] = []
+    reasons: list[str] = []
+    for container in containers:
+        try:
+            unwrapped = unwrap_shell(container)
+            found.append((container, VllmCommand.parse(container), unwrapped))
+        except NotVllm as exc:
+            reasons.append(f"{container.get('name')!r}: {exc}")
+    if not found:
+        raise InjectionRefused("no container runs vLLM's OpenAI server (" + "; ".join(reasons)
+                               + ")" if reasons else "it has no containers")
+    if len(found) > 1:
+        names = ", ".join(repr(c.get("name")) for c, _, _ in found)
+        raise InjectionRefused(f"several containers run vLLM ({names}); KVQuota puts one "
+                               "sidecar in front of one vLLM server per pod")
+    return found[0]
+
+
+def _port_flag(command: VllmCommand) -> int:
+    ports = command.find("port")
+    value = ports[-1].value if ports else None  # argparse: the last one wins
+    if value is None:
+        return DEFAULT_PORT
+    try:
+        return int(value)
+    except ValueError:
+        raise InjectionRefused(f"vLLM's --port is {value!r}, not a number") from None
+
+
+def _edit_flags(command: VllmCommand, engine_port: int) -> list[str]:
+    """Set every flag the plugin needs exactly once; the replacements, for the record."""
+    replaced: list[str] = []
+    for flag in command.find("scheduling-policy"):
+        if flag.value != "priority":
+            replaced.append(f"--scheduling-policy {flag.value} -> priority")
+            command.set_value(flag, "priority")
+    if not command.find("scheduling-policy"):
+        command.append("--scheduling-policy=priority")
+    for flag in command.find("no-enable-prefix-caching"):
+        replaced.append("--no-enable-prefix-caching -> --enable-prefix-caching (leases "
+                        "pin prefix-cached blocks)")
+        command.replace_token(flag.at, "--enable-prefix-caching")
+    if not command.find("enable-prefix-caching"):
+        command.append("--enable-prefix-caching")
+    for name, value in (("port", str(engine_port)), ("host", "127.0.0.1")):
+        flags = command.find(name)
+        for flag in flags:
+            command.set_value(flag, value)
+        if not flags:
+            command.append(f"--{name}={value}")
+    if not command.find("enable-prompt-tokens-details"):
+        command.append("--enable-prompt-tokens-details")
+    command.append(f"--scheduler-cls={PLUGIN_CLASS}")
+    return replaced
+
+
+def _used_ports(spec: dict[str, Any]) -> set[int]:
+    return {int(p["containerPort"])
+            for c in [*spec.get("containers", []), *spec.get("initContainers", [])]
+            for p in c.get("ports") or [] if "containerPort" in p}
+
+
+def _free(used: set[int], start: int) -> int:
+    port = start
+    while port in used:
+        port += 1
+    return port
+
+
+def _take_port(vllm: dict[str, Any], serve_port: int) -> dict[str, Any]:
+    """Remove vLLM's serving port entry; the sidecar declares it (its name kept)."""
+    ports = vllm.get("ports") or []
+    mine = [p for p in ports if int(p.get("containerPort", -1)) == serve_port]
+    if mine:
+        vllm["ports"] = [p for p in ports if p not in mine]
+        if not vllm["ports"]:
+            del vllm["ports"]
+        return {**mine[0], "name": mine[0].get("name", "http")}
+    return {"name": "http", "containerPort": serve_port, "protocol": "TCP"}
+
+
+def _retarget_probes(vllm: dict[str, Any], serve_port: int, moved: dict[str, Any]) -> list[str]:
+    """Probes on the serving port now reach the sidecar: by number (a named port must be
+    the probing container's own), on a path it forwards without credentials."""
+    notes: list[str] = []
+    for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+        probe = vllm.get(kind)
+        if not probe:
+            continue
+        handler = probe.get("httpGet") or probe.get("tcpSocket")
+        if handler is None or handler.get("port") not in (serve_port, str(serve_port),
+                                                          moved.get("name")):
+            continue
+        handler["port"] = serve_port
+        if "httpGet" in probe and probe["httpGet"].get("path", "/") not in PROBE_PATHS:
+            notes.append(f"{kind} {probe['httpGet'].get('path', '/')} -> /health (the "
+                         "sidecar asks for a tenant's token there)")
+            probe["httpGet"]["path"] = "/health"
+    return notes
+
+
+def _add_plugin_env(vllm: dict[str, Any]) -> None:
+    env: list[dict[str, Any]] = vllm.setdefault("env", [])
+    by_name = {e.get("name"): e for e in env}
+    current = by_name.get("PYTHONPATH")
+    if current is None:
+        env.append({"name": "PYTHONPATH", "value": PLUGIN_DIR})
+    elif "value" in current:
+        current["value"] = f"{PLUGIN_DIR}:{current['value']}" if current["value"] else PLUGIN_DIR
+    else:
+        raise InjectionRefused(f"container {vllm['name']!r} takes PYTHONPATH from a "
+                               "reference; the plugin must be prepended to it")
+    for name, value in ((POLICY_PATH_ENV, f"{RUN_DIR}/policy.json"),
+                        (STATS_PATH_ENV, f"{RUN_DIR}/stats.json")):
+        if name in by_name:
+            by_name[name].clear()
+            by_name[name].update(name=name, value=value)
+        else:
+            env.append({"name": name, "value": value})
+    mounts: list[dict[str, Any]] = vllm.setdefault("volumeMounts", [])
+    mounts.append({"name": "kvquota-python", "mountPath": PLUGIN_DIR, "readOnly": True})
+    mounts.append({"name": "kvquota-run", "mountPath": RUN_DIR})
+
+
+def _field(path: str) -> dict[str, Any]:
+    return {"fieldRef": {"fieldPath": path}}
+
+
+def _sidecar(options: InjectionOptions, serve_port: int, engine_port: int,
+             admin_port: int, client_port: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "name": SIDECAR,
+        "image": options.image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": [
+            "kvquota", "sidecar",
+            "--listen", f"0.0.0.0:{serve_port}",
+            "--admin-listen", f"$(POD_IP):{admin_port}",
+            "--upstream", f"http://127.0.0.1:{engine_port}",
+            "--policy-configmap", "$(POD_NAMESPACE)/$(KVQUOTA_POOL)-kvquota-policy",
+            "--secrets-dir", SECRETS_DIR,
+        ],
+        "env": [
+            {"name": "POD_NAMESPACE", "valueFrom": _field("metadata.namespace")},
+            {"name": "POD_IP", "valueFrom": _field("status.podIP")},
+            {"name": "POD_NAME", "valueFrom": _field("metadata.name")},
+            # The pool this engine serves: its label (set above to `pool`).
+            {"name": "KVQUOTA_POOL",
+             "valueFrom": _field(f"metadata.labels['{POOL_LABEL}']")},
+            {"name": POLICY_PATH_ENV, "value": f"{RUN_DIR}/policy.json"},
+            {"name": STATS_PATH_ENV, "value": f"{RUN_DIR}/stats.json"},
+        ],
+        "ports": [client_port, {"name": "admin", "containerPort": admin_port,
+                                "protocol": "TCP"}],
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "admin"},
+                           "periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 3},
+        "livenessProbe": {"httpGet": {"path": "/healthz", "port": "admin"},
+                          "initialDelaySeconds": 10, "periodSeconds": 15,
+                          "timeoutSeconds": 5, "failureThreshold": 4},
+        "resources": {"requests": {"cpu": "250m", "memory": "256Mi"},
+                      "limits": {"memory": "1Gi"}},
+        "securityContext": copy.deepcopy(_RESTRICTED),
+        "volumeMounts": [
+            {"name": "kvquota-run", "mountPath": RUN_DIR},
+            {"name": "kvquota-secrets", "mountPath": SECRETS_DIR, "readOnly": True},
+            {"name": "kvquota-tmp", "mountPath": "/tmp"},
+        ],
+    }
+
+
+def _init_container(options: InjectionOptions) -> dict[str, Any]:
+    return {
+        "name": INIT,
+        "image": options.image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["kvquota", "install-plugin", PLUGIN_DIR],
+        "resources": {"requests": {"cpu": "10m", "memory": "32Mi"},
+                      "limits": {"memory": "128Mi"}},
+        "securityContext": copy.deepcopy(_RESTRICTED),
+        "volumeMounts": [{"name": "kvquota-python", "mountPath": PLUGIN_DIR}],
+    }
+
+
+def _volumes(options: InjectionOptions) -> list[dict[str, Any]]:
+    return [
+        {"name": "kvquota-python", "emptyDir": {"sizeLimit": "64Mi"}},
+        {"name": "kvquota-run", "emptyDir": {"medium": "Memory", "sizeLimit": "16Mi"}},
+        {"name": "kvquota-secrets", "secret": {"secretName": options.secret,
+                                                "defaultMode": 0o444}},
+        {"name": "kvquota-tmp", "emptyDir": {"sizeLimit": "64Mi"}},
+    ]

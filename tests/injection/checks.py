@@ -1,0 +1,48 @@
+"""What an injected pod must satisfy, whichever path injected it (webhook or CLI)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Any
+
+from manifests.schemas import schema_errors
+
+from kvquota.cli import build_parser
+from kvquota.inject.pod import SIDECAR
+from kvquota.inject.vllm_argv import PLUGIN_CLASS, VllmCommand
+
+# Each flag the plugin needs, once, with its value (parsed by vLLM's own parser).
+PLUGIN_FLAGS = ("--scheduler-cls", "--scheduling-policy", "--enable-prompt-tokens-details",
+                "--enable-prefix-caching", "--host", "--port")
+
+
+def vllm_container(pod: dict[str, Any]) -> dict[str, Any]:
+    (container,) = [c for c in pod["spec"]["containers"] if c["name"] != SIDECAR]
+    return container
+
+
+def check_injected_pod(
+    pod: dict[str, Any], parser: argparse.ArgumentParser
+) -> argparse.Namespace:
+    """Schema-valid, vLLM's argv parses, the plugin flags appear exactly once; returns
+    vLLM's parsed arguments for further checks."""
+    assert schema_errors(pod) == []
+    command = VllmCommand.parse(vllm_container(pod))
+    argv = command.server_argv()
+    names = [t.split("=", 1)[0].replace("_", "-") for t in argv if t.startswith("--")]
+    for flag in PLUGIN_FLAGS:
+        assert names.count(flag) == 1, (flag, argv)
+    parsed = parser.parse_args(argv)
+    assert parsed.scheduler_cls == PLUGIN_CLASS
+    assert parsed.scheduling_policy == "priority"
+    assert parsed.enable_prompt_tokens_details is True
+    assert parsed.enable_prefix_caching is True
+    assert parsed.host == "127.0.0.1"
+    (sidecar,) = [c for c in pod["spec"]["containers"] if c["name"] == SIDECAR]
+    upstream = sidecar["command"][sidecar["command"].index("--upstream") + 1]
+    assert upstream == f"http://127.0.0.1:{parsed.port}"  # the sidecar reaches vLLM
+    # `kvquota sidecar` accepts its command line (the kubelet expands $(VAR) first).
+    expanded = [re.sub(r"\$\((\w+)\)", "x", arg) for arg in sidecar["command"][1:]]
+    build_parser().parse_args(expanded)
+    return parsed
