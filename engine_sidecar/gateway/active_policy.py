@@ -18,6 +18,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from engine_sidecar.gateway.auth import Authenticator, KeyFileError
+from engine_sidecar.gateway.secret_bytes import secret_bytes
 from engine_sidecar.policy import EnginePolicy, Isolation, write_atomically
 
 logger = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ def _read_salt_secret(secrets_dir: Path | None) -> bytes:
     if secrets_dir is None:
         raise PolicyRejected(hint + "; no --secrets-dir was given")
     try:
-        secret = (secrets_dir / CACHE_SALT_FILE).read_bytes().rstrip(b"\r\n")
+        secret = secret_bytes((secrets_dir / CACHE_SALT_FILE).read_bytes())
     except OSError:
         raise PolicyRejected(hint + "; the file is missing") from None
     if len(secret) < MIN_SALT_SECRET_BYTES:

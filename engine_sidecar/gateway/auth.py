@@ -29,6 +29,7 @@ from engine_sidecar.gateway.errors import (
     UNKNOWN_TENANT,
     ApiError,
 )
+from engine_sidecar.gateway.secret_bytes import secret_bytes
 from engine_sidecar.policy import AuthPolicy, JwtPolicy
 
 logger = logging.getLogger(__name__)
@@ -143,7 +144,7 @@ class VerificationKeys:
 
 
 def _hmac_secret(data: bytes, where: str) -> bytes:
-    secret = data.rstrip(b"\r\n")  # files written with `echo` end in a newline
+    secret = secret_bytes(data)
     if b"-----BEGIN" in secret:
         raise KeyFileError(
             f"{where} holds a PEM key but the pinned algorithms are HMAC (HS*); pin the "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -256,3 +257,21 @@ def test_a_caller_named_twice_is_a_bad_request(keys: Keys) -> None:
         {"trusted_tenant_header": "X-Fairness-Id"}), None, TENANTS)
     assert gateway_only.authenticate(
         [(b"authorization", b"Bearer sk-anything"), (b"x-fairness-id", b"gw")]) == "gw"
+
+
+@pytest.mark.parametrize("ending", [b"\n", b"\r\n"])
+def test_a_binary_secret_ending_in_a_newline_byte_is_used_whole(
+    tmp_path: Path, ending: bytes
+) -> None:
+    """`head -c 32 /dev/urandom` ends in a newline byte about once in 128 files; the
+    secret must stay whole, or every token signed with it is refused (and a 32-byte
+    secret read as 31 is refused as too short)."""
+    keys = Keys(tmp_path, hs_secret=b"\x00\xff" + secrets.token_bytes(30) + ending).write()
+    assert _tenant(_auth(keys), keys.hs("acme")) == "acme"
+
+
+def test_a_text_secret_written_with_echo_loses_its_newline(tmp_path: Path) -> None:
+    text = secrets.token_hex(32).encode()
+    keys = Keys(tmp_path, hs_secret=text).write()
+    (keys.dir / "jwt-hs").write_bytes(text + b"\n")
+    assert _tenant(_auth(keys), keys.hs("acme")) == "acme"
