@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvquota-installed
 
-.PHONY: test demo lint typecheck crds install clean
+.PHONY: test demo lint typecheck crds install clean cross-version
 
 $(STAMP): pyproject.toml
 	@echo "Setting up $(VENV): kvquota with its test and engine extras (vLLM's CPU build,"
@@ -31,7 +31,14 @@ typecheck: $(STAMP)
 crds: $(STAMP)
 	$(VENV)/bin/kvquota crds
 
-test: $(STAMP) lint typecheck
+# Into .cache, once (each step checks its pinned sha256 and is skipped when done):
+# vLLM 0.32.0's own tests/v1/core suite plus offline model configs, for the conformance
+# run (tests/conformance), and vLLM 0.33.0's Python code, for tests/plugin on 0.33.
+cross-version: $(STAMP)
+	$(PY) tests/conformance/prepare.py vllm-tests
+	$(PY) tests/conformance/prepare.py vllm-0.33
+
+test: $(STAMP) lint typecheck cross-version
 	$(VENV)/bin/kvquota crds --check
 	$(PY) -m pytest
 

@@ -720,6 +720,12 @@ class TenantAwareScheduler(compat.Scheduler):
             counters.prompt_tokens += compat.num_prompt_tokens(request)
 
     def _kvq_maybe_idle(self) -> None:
+        # Work only when going idle changes something: an open degraded episode or a
+        # stats file to refresh. So an instance without plugin state (vLLM's own tests
+        # build bare schedulers with object.__new__) behaves exactly like vLLM's.
+        degraded = getattr(self, "_kvq_degraded", None)
+        if degraded is None or not (degraded.active or self._kvq_publisher is not None):
+            return
         if self.has_unfinished_requests():
             return
         self._kvq_degraded.end_step(allocation_failed=False)

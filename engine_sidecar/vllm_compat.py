@@ -73,8 +73,8 @@ __all__ = [
 ]
 
 # vLLM minor series whose private scheduler API this module was verified against
-# (tested: 0.32.0).
-SUPPORTED_VLLM: tuple[str, ...] = ("0.32",)
+# (tested: 0.32.0, 0.33.0; `make test` runs the scheduler-level tests on both).
+SUPPORTED_VLLM: tuple[str, ...] = ("0.32", "0.33")
 ALLOW_UNSUPPORTED_ENV = "KVQUOTA_ALLOW_UNSUPPORTED_VLLM"
 
 HOOKED_SCHEDULER_METHODS = (
@@ -335,10 +335,11 @@ def count_unshared_blocks(blocks: list[KVCacheBlock], shared_ids: set[int]) -> i
     a common prefix) go into `shared_ids` instead, to be counted once."""
     num_shared = 0
     for block in blocks:
+        if block.is_null:  # counted below; vLLM 0.33 no longer maintains its ref_cnt
+            continue
         if block.ref_cnt <= 1:
             break
-        if not block.is_null:
-            shared_ids.add(block.block_id)
+        shared_ids.add(block.block_id)
         num_shared += 1
     num_null = sum(1 for block in blocks if block.is_null) if blocks and blocks[0].is_null else 0
     return len(blocks) - num_shared - num_null
@@ -401,10 +402,10 @@ def allocation_shortfall(
 ) -> int:
     """How many more free blocks the `allocate_slots` call that just failed needed.
 
-    Mirrors `KVCacheManager.allocate_slots` (vLLM 0.32): the blocks its coordinator
-    would allocate, plus vLLM's own admission watermark and the caller's reserve,
-    minus the free blocks. A layout this does not understand falls back to the blocks
-    the new tokens fill."""
+    Mirrors `KVCacheManager.allocate_slots` (the same in vLLM 0.32 and 0.33): the
+    blocks its coordinator would allocate, plus vLLM's own admission watermark and the
+    caller's reserve, minus the free blocks. A layout this does not understand falls
+    back to the blocks the new tokens fill."""
     pool = manager.block_pool
     try:
         computed = kwargs.get("new_computed_blocks")

@@ -12,30 +12,44 @@ from engine_sidecar import vllm_compat
 from engine_sidecar.vllm_compat import UnsupportedVllmError, check_supported_vllm
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.4", "0.32.0+cpu"])
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.4", "0.32.0+cpu", "0.33.0", "0.33.1"])
 def test_supported_versions_pass(version):
     check_supported_vllm(version)
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "0.320.1", "1.0.0"])
+@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "0.330.1", "1.0.0"])
 def test_unsupported_versions_are_refused_by_name(version):
     with pytest.raises(UnsupportedVllmError) as error:
         check_supported_vllm(version)
     assert f"vLLM {version}" in str(error.value)
-    assert "0.32.x" in str(error.value)
+    assert "supported: 0.32.x, 0.33.x" in str(error.value)
 
 
 def test_unsupported_version_can_be_tried_on_purpose(monkeypatch, caplog):
     monkeypatch.setenv(vllm_compat.ALLOW_UNSUPPORTED_ENV, "1")
     caplog.set_level(logging.WARNING)
-    check_supported_vllm("0.33.0")
-    assert "0.33.0" in caplog.text
+    check_supported_vllm("0.34.0")
+    assert "0.34.0" in caplog.text
 
 
 def test_the_plugin_fails_at_construction_on_an_unsupported_vllm(make_harness, monkeypatch):
     monkeypatch.setattr(vllm_compat, "installed_vllm_version", lambda: "0.99.1")
     with pytest.raises(UnsupportedVllmError, match=r"vLLM 0\.99\.1"):
         make_harness(num_blocks=64, scheduler="kvquota")
+
+
+@pytest.mark.parametrize("null_ref_cnt", [0, 3], ids=["vllm-0.33", "vllm-0.32"])
+def test_usage_counts_shared_prefix_blocks_once_behind_null_blocks(null_ref_cnt):
+    """Sliding-window layouts lead with null blocks; vLLM 0.32 counts a reference on
+    them per holder, 0.33 none. Either way the shared prefix behind them is shared."""
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    null = KVCacheBlock(block_id=0, ref_cnt=null_ref_cnt, is_null=True)
+    prefix = KVCacheBlock(block_id=7, ref_cnt=2)
+    own = KVCacheBlock(block_id=8, ref_cnt=1)
+    shared: set[int] = set()
+    assert vllm_compat.count_unshared_blocks([null, null, prefix, own], shared) == 1
+    assert shared == {7}
 
 
 @pytest.mark.parametrize(("cache", "transfer", "expected"), [
