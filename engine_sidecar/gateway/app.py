@@ -52,9 +52,11 @@ from engine_sidecar.gateway.forward import (
 from engine_sidecar.gateway.ledger import Ledger, Reservation
 from engine_sidecar.gateway.metrics import GatewayMetrics, StateSources
 from engine_sidecar.gateway.model_names import engine_name, public_cards
-from engine_sidecar.gateway.openai_request import Kind, parse, rewrite, session_id
+from engine_sidecar.gateway.openai_request import Kind, rewrite, session_id
 from engine_sidecar.gateway.policy_source import PolicySource
 from engine_sidecar.gateway.prefix import prompt_fingerprints
+from engine_sidecar.gateway.prompt_bounds import PromptLimit
+from engine_sidecar.gateway.prompt_count import PromptCounting
 from engine_sidecar.gateway.request_body import (
     BODY_BYTES_PER_TOKEN,
     CLOSE,
@@ -129,6 +131,7 @@ class Gateway:
             data_plane=config.data_plane,
         )
         self.token_counter = token_counter
+        self.prompts = PromptCounting()  # size floor, worker pool, token cache
         self.metrics.attach_state(StateSources(
             ledger=self.ledger,
             active=lambda: self.holder.active,
@@ -378,22 +381,24 @@ class Gateway:
     ) -> tuple[Reservation, bytes, str, float] | None:
         """Count an authenticated request, then wait in the tenant's queue until admitted
         (or refused); None if the client went away meanwhile."""
-        try:
-            request = parse(kind, raw)
-        except ApiError as error:
-            raise self._reject(error, "invalid_request") from None
-        if "model" in request.body:  # the public name /v1/models shows -> the engine's
-            request.body["model"] = engine_name(request.body["model"], self.monitor.model,
-                                                active.policy.model)
         counter = self.token_counter
         if counter is None:
             raise self._reject(ApiError(
                 503, errors.SIDECAR_NOT_READY, "the sidecar is still loading the tokenizer",
                 retry_after=self.config.retry_after_seconds), "not_ready")
-        try:
-            prompts = await counter.tokenize(request)
+        tenant = active.policy.tenants[tenant_id]
+        try:  # cheap checks first, then the cache, then tokenizing (`prompt_count`)
+            request = await self.prompts.parse(kind, raw, counter, PromptLimit(
+                tenant_id, tenant.max_prompt_tokens, self.monitor.max_model_len))
+            if "model" in request.body:  # the public name /v1/models shows -> the engine's
+                request.body["model"] = engine_name(request.body["model"], self.monitor.model,
+                                                    active.policy.model)
+            prompts = await self.prompts.count(counter, request, self.monitor.model)
         except ApiError as error:
-            raise self._reject(error, "invalid_request") from None
+            if error.code == errors.PROMPT_TOO_LONG:
+                self._count_decision(tenant_id, tenant.tier.value, Decision.REJECTED_PROMPT)
+            raise self._reject(error, "tokenizer_busy" if error.code == errors.TOKENIZER_BUSY
+                               else "invalid_request") from None
         active = self.holder.active or active  # a policy swap during counting wins
         if tenant_id not in active.policy.tenants:
             raise self._reject(ApiError(
@@ -414,10 +419,9 @@ class Gateway:
         verdict = ticket.verdict
         assert verdict is not None
         decision = Decision.ADMITTED if ticket.admitted else verdict.decision
-        self.metrics.admissions.labels(self._tenant_label(tenant_id), tier, decision).inc()
+        self._count_decision(tenant_id, tier, decision)
         self.metrics.queue_wait.labels(tier, "admitted" if ticket.admitted else "refused"
                                        ).observe(ticket.waited)
-        self.counters.count(tenant_id, decision)
         if ticket.error is not None:
             raise self._reject(ticket.error, decision.removeprefix("rejected_"))
         reservation = ticket.reservation
@@ -433,6 +437,10 @@ class Gateway:
             raise
         self._tier_metrics(tier)[2].inc(verdict.blocks)
         return reservation, body, tier, ticket.waited
+
+    def _count_decision(self, tenant_id: str, tier: str, decision: Decision) -> None:
+        self.metrics.admissions.labels(self._tenant_label(tenant_id), tier, decision).inc()
+        self.counters.count(tenant_id, decision)
 
     async def _wait_in_queue(self, ticket: Ticket, receive: Receive) -> bool:
         """Wait until the queue settles the ticket; False if the client left first (the
