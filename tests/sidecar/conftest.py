@@ -60,16 +60,30 @@ CounterFactory = Callable[[Gateway], RecordingCounter]
 
 
 @pytest.fixture(scope="session")
-def token_counter(tiny_model: Path) -> Iterator[CounterFactory]:
-    """The counter `kvquota sidecar` builds: the model's tokenizer (loaded once), chat
-    prompts through the gateway's engine."""
+def tiny_tokenizer(tiny_model: Path) -> Any:
+    """The tiny model's tokenizer, as transformers loads it (loaded once)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
-    pool = TokenizerPool.for_tokenizer(tokenizer.backend_tokenizer)  # one for the session
-    yield lambda gateway: RecordingCounter(HfTokenCounter(
-        tokenizer, str(tiny_model), EngineTokenCounter(gateway.upstream.client, None), pool))
+    return AutoTokenizer.from_pretrained(str(tiny_model))
+
+
+@pytest.fixture(scope="session")
+def tokenizer_pool(tiny_tokenizer: Any) -> Iterator[TokenizerPool]:
+    """The sidecar's tokenizer worker processes, started once for the session."""
+    pool = TokenizerPool.for_tokenizer(tiny_tokenizer.backend_tokenizer)
+    yield pool
     pool.close()
+
+
+@pytest.fixture(scope="session")
+def token_counter(
+    tiny_model: Path, tiny_tokenizer: Any, tokenizer_pool: TokenizerPool
+) -> CounterFactory:
+    """The counter `kvquota sidecar` builds: the model's tokenizer, its worker pool,
+    chat prompts through the gateway's engine."""
+    return lambda gateway: RecordingCounter(HfTokenCounter(
+        tiny_tokenizer, str(tiny_model), EngineTokenCounter(gateway.upstream.client, None),
+        tokenizer_pool))
 
 
 @dataclass
