@@ -240,12 +240,13 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _spawn(name: str, argv: list[str], workdir: Path, env: dict[str, str] | None = None
-           ) -> Proc:
+def _spawn(name: str, argv: list[str], workdir: Path, env: dict[str, str] | None = None,
+           cwd: Path | None = None) -> Proc:
     log = workdir / f"{name}.log"
     with log.open("wb") as out:
         popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                 env={**os.environ, **(env or {})}, start_new_session=True)
+                                 env={**os.environ, **(env or {})}, start_new_session=True,
+                                 cwd=cwd)
     return Proc(name, popen, log)
 
 
@@ -274,11 +275,20 @@ class Setup:
             proc.stop()
 
 
-def _write_policy(workdir: Path, model: str) -> tuple[Path, Path, str]:
+BENCH_TENANT: dict[str, Any] = {
+    "tier": "premium", "priority": 0, "guaranteed_blocks": 1_000_000,
+    "max_blocks": 1_000_000, "max_tokens": 4096, "default_max_tokens": 16,
+}
+
+
+def _write_policy(workdir: Path, model: str, tenants: dict[str, dict[str, Any]] | None = None
+                  ) -> tuple[Path, Path, dict[str, str]]:
+    """Policy file, secrets dir and a JWT per tenant (default: one premium "bench")."""
     import jwt
 
     from engine_sidecar.policy import EnginePolicy
 
+    tenants = tenants or {"bench": BENCH_TENANT}
     secrets_dir = workdir / "secrets"
     secrets_dir.mkdir()
     hs_secret = secrets.token_bytes(32)  # generated per run, never stored in code
@@ -288,35 +298,37 @@ def _write_policy(workdir: Path, model: str) -> tuple[Path, Path, str]:
         "pool": "bench/pool", "model": model, "block_size": 32, "watermark": 0.1,
         "auth": {"jwt": {"key_file": "jwt-hs", "algorithms": ["HS256"],
                          "audience": "bench", "issuer": "bench"}},
-        "tenants": {"bench": {
-            "tenant_id": "bench", "tier": "premium", "priority": 0,
-            "guaranteed_blocks": 1_000_000, "max_blocks": 1_000_000,
-            "max_tokens": 4096, "default_max_tokens": 16,
-        }},
+        "tenants": {name: {"tenant_id": name, **fields} for name, fields in tenants.items()},
     }).with_version()
     policy_file = workdir / "policy.json"
     policy_file.write_text(policy.to_json())
-    token = jwt.encode({"tenant_id": "bench", "aud": "bench", "iss": "bench",
-                        "exp": int(time.time()) + 86_400}, hs_secret, algorithm="HS256")
-    return policy_file, secrets_dir, token
+    tokens = {name: jwt.encode({"tenant_id": name, "aud": "bench", "iss": "bench",
+                                "exp": int(time.time()) + 86_400}, hs_secret, algorithm="HS256")
+              for name in tenants}
+    return policy_file, secrets_dir, tokens
 
 
-def _start_sidecar(setup: Setup, upstream: str, model: str, tokenizer: str | None
-                   ) -> tuple[str, str]:
+def _start_sidecar(setup: Setup, upstream: str, model: str, tokenizer: str | None,
+                   tenants: dict[str, dict[str, Any]] | None = None,
+                   code: Path | None = None) -> tuple[str, dict[str, str], Proc]:
+    """A `kvquota sidecar` process; `code`: run the sidecar of another source tree
+    (e.g. `git archive` of an older commit)."""
     port = _free_port()
     home = setup.workdir / f"sidecar-{port}"
     home.mkdir()
-    policy_file, secrets_dir, token = _write_policy(home, model)
+    policy_file, secrets_dir, tokens = _write_policy(home, model, tenants)
     argv = [sys.executable, "-m", "engine_sidecar.cli", "sidecar",
             "--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{_free_port()}",
             "--upstream", upstream,
             "--policy-file", str(policy_file), "--secrets-dir", str(secrets_dir),
             "--log-level", "warning"]
     argv += ["--tokenizer", tokenizer] if tokenizer else ["--engine-tokenizer"]
-    proc = _spawn(f"sidecar-{port}", argv, setup.workdir)
+    env = {"PYTHONPATH": os.pathsep.join([str(code), os.environ.get("PYTHONPATH", "")])
+           } if code else None
+    proc = _spawn(f"sidecar-{port}", argv, setup.workdir, env, cwd=code)  # `-m`: cwd first
     setup.procs.append(proc)
     _wait_ready(proc, f"http://127.0.0.1:{port}/readyz", timeout=180)
-    return f"http://127.0.0.1:{port}", token
+    return f"http://127.0.0.1:{port}", tokens, proc
 
 
 def _start_stub(setup: Setup, args: argparse.Namespace) -> str:
@@ -413,7 +425,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         if not args.no_stub:
             stub = _start_stub(setup, args)
-            sidecar, token = _start_sidecar(setup, stub, "stub", args.tokenizer)
+            sidecar, tokens, _ = _start_sidecar(setup, stub, "stub", args.tokenizer)
+            token = tokens["bench"]
             body = {"model": "stub", "prompt": args.prompt, "max_tokens": 16, "stream": True}
             rows = _bench(
                 f"stub upstream (TTFT {args.stub_ttft_ms:g} ms, {args.stub_chunks} chunks "
@@ -428,7 +441,8 @@ def _run(args: argparse.Namespace) -> int:
             import httpx
 
             model = httpx.get(engine + "/v1/models").json()["data"][0]["id"]
-            sidecar, token = _start_sidecar(setup, engine, model, args.tokenizer or model)
+            sidecar, tokens, _ = _start_sidecar(setup, engine, model, args.tokenizer or model)
+            token = tokens["bench"]
             body = {"model": model, "prompt": args.prompt, "max_tokens": args.max_tokens,
                     "stream": True, "ignore_eos": True, "temperature": 0}
             rows = _bench(f"vLLM at {engine} (max_tokens {args.max_tokens})",
@@ -454,6 +468,9 @@ def build_parser() -> argparse.ArgumentParser:
     stub.add_argument("--interval-ms", type=float, default=2.0)
     stub.add_argument("--jitter", type=float, default=0.0)
     stub.set_defaults(func=_serve_stub)
+    from engine_sidecar.gateway import bench_huge
+
+    bench_huge.add_parser(sub)
 
     parser.add_argument("--engine-url", help="an already running vLLM OpenAI server")
     parser.add_argument("--model", help="start a vLLM CPU engine with this model directory")

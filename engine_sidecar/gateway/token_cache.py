@@ -47,6 +47,10 @@ class TokenCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def clear(self) -> None:
+        self._entries.clear()
+        self.tokens = 0
+
     async def get_or_count(self, key: bytes, count: Callable[[], Awaitable[Counted]]
                            ) -> Counted:
         """The cached ids for `key`, else `count()`'s (stored). Errors are not stored."""
