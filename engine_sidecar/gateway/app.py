@@ -86,6 +86,7 @@ class GatewayConfig:
     stats_path: Path | None = None  # KVQUOTA_STATS_PATH: the plugin writes it
     tokenizer: str | None = None  # None: the engine's model, then the policy's model
     engine_tokenizer: bool = False  # count with the engine's /tokenize only
+    tokenizer_workers: int = 1  # processes tokenizing long prompts (`token_pool`)
     request_timeout: float = 600.0
     connect_timeout: float = 5.0
     retry_after_seconds: int = 1
@@ -132,6 +133,7 @@ class Gateway:
         )
         self.token_counter = token_counter
         self.prompts = PromptCounting()  # size floor, worker pool, token cache
+        self.tokenizer_error: str | None = None
         self.metrics.attach_state(StateSources(
             ledger=self.ledger,
             active=lambda: self.holder.active,
@@ -216,11 +218,25 @@ class Gateway:
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.upstream.aclose()
 
+    def load_tokenizer(self, name: str) -> HfTokenCounter:
+        """The local tokenizer `name`, its worker pool started (blocking; raises what the
+        loader raises)."""
+        counter = HfTokenCounter.load(name, EngineTokenCounter(self.upstream.client, None),
+                                      workers=self.config.tokenizer_workers,
+                                      retry_after=self.config.retry_after_seconds)
+        if counter.pool is not None:
+            counter.pool.start()
+        _freeze_startup_objects()
+        return counter
+
     async def _load_tokenizer(self) -> None:
+        """The engine's /tokenize when asked for; else the tokenizer named, or found (the
+        engine's model, the policy's). None loadable is an error the readiness shows,
+        never a silent fall-back to a round trip per request (issue #18)."""
         if self.config.engine_tokenizer:
             self.token_counter = EngineTokenCounter(self.upstream.client, None)
             return
-        tried: set[str] = set()
+        tried: dict[str, str] = {}
         while True:
             candidates = [self.config.tokenizer] if self.config.tokenizer else [
                 self.monitor.model_root, self.monitor.model,
@@ -229,21 +245,22 @@ class Gateway:
             for name in candidates:
                 if not name or name in tried:
                     continue
-                tried.add(name)
                 try:
-                    self.token_counter = await asyncio.to_thread(
-                        HfTokenCounter.load, name, EngineTokenCounter(self.upstream.client, None))
+                    self.token_counter = await asyncio.to_thread(self.load_tokenizer, name)
                     logger.info("counting prompt tokens with %s", self.token_counter.description)
-                    _freeze_startup_objects()
                     return
                 except Exception as exc:  # any loader failure: try the next candidate
-                    logger.warning("tokenizer %r not loadable here (%s)", name, type(exc).__name__)
+                    tried[name] = type(exc).__name__
+                    logger.warning("tokenizer %r not loadable here (%s)", name, tried[name])
             if self.config.tokenizer or (self.monitor.model and self.holder.active):
                 break
             await asyncio.sleep(1.0)
-        self.token_counter = EngineTokenCounter(self.upstream.client, None)
-        logger.warning("no local tokenizer: counting prompt tokens with the engine's /tokenize "
-                       "(exact, one extra round trip per request); pass --tokenizer to avoid it")
+        self.tokenizer_error = (
+            "no tokenizer could be loaded (tried " + ", ".join(
+                f"{hide_paths(name)}: {error}" for name, error in tried.items())
+            + "); pass --tokenizer with the model's tokenizer, or --engine-tokenizer to count "
+            "every prompt with the engine's /tokenize (one round trip per request)")
+        logger.error("%s", self.tokenizer_error)
 
     def _upstream_failed(self, kind: str) -> None:
         self.metrics.upstream_errors.labels(kind).inc()
@@ -290,7 +307,7 @@ class Gateway:
         if self.holder.active is None:
             reasons.append(self.holder.error or "no policy loaded yet")
         if self.token_counter is None:
-            reasons.append("tokenizer still loading")
+            reasons.append(self.tokenizer_error or "tokenizer still loading")
         return reasons
 
     async def _read_body(
