@@ -221,7 +221,7 @@ class Gateway:
     def load_tokenizer(self, name: str) -> HfTokenCounter:
         """The local tokenizer `name`, its worker pool started (blocking; raises what the
         loader raises)."""
-        counter = HfTokenCounter.load(name, EngineTokenCounter(self.upstream.client, None),
+        counter = HfTokenCounter.load(name, EngineTokenCounter(self.upstream, None),
                                       workers=self.config.tokenizer_workers,
                                       retry_after=self.config.retry_after_seconds)
         if counter.pool is not None:
@@ -234,7 +234,7 @@ class Gateway:
         engine's model, the policy's). None loadable is an error the readiness shows,
         never a silent fall-back to a round trip per request (issue #18)."""
         if self.config.engine_tokenizer:
-            self.token_counter = EngineTokenCounter(self.upstream.client, None)
+            self.token_counter = EngineTokenCounter(self.upstream, None)
             return
         tried: dict[str, str] = {}
         while True:

@@ -29,8 +29,9 @@ MAX_TOKENS = 4_000_000  # 16 MB of ids
 
 
 def digest(*parts: Any) -> bytes:
-    """A key for JSON-shaped `parts` (strings may hold lone surrogates)."""
-    text = json.dumps(parts, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+    """A key for JSON-shaped `parts` (strings may hold lone surrogates). Keys keep the
+    client's order (a retry sends the same body; sorting cost more than the hash)."""
+    text = json.dumps(parts, ensure_ascii=False, separators=(",", ":"))
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 

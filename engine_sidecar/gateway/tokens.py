@@ -27,18 +27,20 @@ the engine container, no hub access), completions are counted by /tokenize too.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
-
-import httpx
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine_sidecar.gateway import errors
 from engine_sidecar.gateway.errors import ApiError
 from engine_sidecar.gateway.openai_request import Kind, ParsedRequest
 from engine_sidecar.gateway.prompt_bounds import longest_token_bytes
 from engine_sidecar.gateway.token_pool import TokenizerPool, encode
+
+if TYPE_CHECKING:
+    from engine_sidecar.gateway.forward import Upstream
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,8 @@ TOKENIZE_CHAT_FIELDS = ("messages", "add_generation_prompt", "continue_final_mes
 
 
 TokenIds = Sequence[int]
+TOKENIZE_HEADERS = [(b"content-type", b"application/json")]
+MAX_TOKENIZE_ANSWER_BYTES = 64 * 1024 * 1024
 
 
 class TokenCounter(Protocol):
@@ -157,33 +161,54 @@ class HfTokenCounter:
 
 
 class EngineTokenCounter:
-    """vLLM's POST /tokenize: exact (same tokenizer, same template), but a round trip."""
+    """vLLM's POST /tokenize: exact (same tokenizer, same template), but a round trip.
+
+    Sent over the sidecar's one upstream connection pool (the data plane that streams
+    completions: httptools, keep-alive), not a second HTTP client: a fraction of the
+    CPU per call of httpx."""
 
     description = "engine /tokenize endpoint"
     longest_token_bytes: int | None = None  # the engine's vocabulary is not known here
     pool: TokenizerPool | None = None
 
-    def __init__(self, client: httpx.AsyncClient, model: str | None) -> None:
-        self._client = client
+    def __init__(self, upstream: Upstream, model: str | None) -> None:
+        self._upstream = upstream
         self._model = model
+
+    async def _post(self, payload: dict[str, Any]) -> tuple[int, bytes]:
+        body = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode(
+            "utf-8", "surrogatepass")
+        response = await self._upstream.open("POST", "/tokenize", TOKENIZE_HEADERS, body)
+        try:
+            chunks, size = [], 0
+            async for chunk in response.aiter_raw():
+                size += len(chunk)
+                if size > MAX_TOKENIZE_ANSWER_BYTES:
+                    raise ApiError(502, errors.UPSTREAM_ERROR,
+                                   "the inference engine's /tokenize answer is too large")
+                chunks.append(chunk)
+        except OSError as exc:
+            raise self._upstream.failure(exc) from None
+        finally:
+            await response.aclose()
+        return response.status_code, b"".join(chunks)
 
     async def _tokenize(self, payload: dict[str, Any], request: ParsedRequest) -> TokenIds:
         if self._model:
             payload["model"] = self._model
+        status, raw = await self._post(payload)
         try:
-            response = await self._client.post("/tokenize", json=payload)
-        except httpx.HTTPError:
-            raise ApiError(503, errors.ENGINE_UNAVAILABLE,
-                           "the inference engine is not reachable; retry later",
-                           retry_after=1) from None
-        if response.status_code == 200:
-            tokens = response.json().get("tokens")
+            answer = json.loads(raw)
+        except ValueError:
+            answer = None
+        if status == 200 and isinstance(answer, dict):
+            tokens = answer.get("tokens")
             if isinstance(tokens, list):
                 return tokens
-        if 400 <= response.status_code < 500:
+        if 400 <= status < 500:
             try:
-                message = str(response.json()["error"]["message"])[:300]
-            except (ValueError, KeyError, TypeError):
+                message = str(answer["error"]["message"])[:300]
+            except (KeyError, TypeError):
                 message = "the engine could not tokenize the prompt"
             raise _bad_prompt(message, request)
         raise ApiError(502, errors.UPSTREAM_ERROR,

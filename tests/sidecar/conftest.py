@@ -82,7 +82,7 @@ def token_counter(
     """The counter `kvquota sidecar` builds: the model's tokenizer, its worker pool,
     chat prompts through the gateway's engine."""
     return lambda gateway: RecordingCounter(HfTokenCounter(
-        tiny_tokenizer, str(tiny_model), EngineTokenCounter(gateway.upstream.client, None),
+        tiny_tokenizer, str(tiny_model), EngineTokenCounter(gateway.upstream, None),
         tokenizer_pool))
 
 
