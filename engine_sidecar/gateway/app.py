@@ -7,7 +7,8 @@ the policy's errors or a server path.
 
 Request path for POST /v1/completions and /v1/chat/completions:
 policy loaded? -> authenticate (headers only) -> read the body (capped for the tenant,
-with a deadline) -> parse -> count prompt tokens -> decide + reserve (synchronously, so
+with a deadline) -> parse, and refuse a prompt too long by its size alone -> count
+prompt tokens (cached; long ones in worker processes) -> decide + reserve (synchronously, so
 atomic) -> rewrite -> stream to the engine -> release the reservation whatever
 happened. A refusal sent before the body was read closes the connection.
 """

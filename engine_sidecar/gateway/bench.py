@@ -210,6 +210,19 @@ class Connection:
         self.writer: asyncio.StreamWriter | None = None
 
     async def request(self, path: str, body: bytes, headers: dict[str, str]) -> Sample:
+        """One request; once more on a new connection if the server had just closed the
+        kept-alive one (its keep-alive timeout racing this request)."""
+        reused = self.writer is not None
+        try:
+            return await self._request(path, body, headers)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            if not reused:
+                raise
+            self.close()
+            self.reader = self.writer = None
+            return await self._request(path, body, headers)
+
+    async def _request(self, path: str, body: bytes, headers: dict[str, str]) -> Sample:
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
             sock = self.writer.get_extra_info("socket")

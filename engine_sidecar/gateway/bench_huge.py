@@ -123,16 +123,9 @@ async def _victim(url: str, token: str, rate: float, seconds: float) -> list[Sam
     rng = random.Random(int(rate))
 
     async def one(scheduled: float) -> None:
-        def fresh() -> Connection:
-            return Connection(parts.hostname or "127.0.0.1", parts.port or 80)
-
-        connection = idle.pop() if idle else fresh()
-        try:
-            sample = await connection.request("/v1/completions", body, headers)
-        except (ConnectionError, asyncio.IncompleteReadError):  # the server closed an idle one
-            connection.close()
-            connection = fresh()
-            sample = await connection.request("/v1/completions", body, headers)
+        connection = idle.pop() if idle else Connection(parts.hostname or "127.0.0.1",
+                                                        parts.port or 80)
+        sample = await connection.request("/v1/completions", body, headers)
         late = time.perf_counter() - sample.total - scheduled  # sent after its moment
         samples.append(Sample(sample.ttft + late, sample.total + late))
         idle.append(connection)

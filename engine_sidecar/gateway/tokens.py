@@ -20,8 +20,9 @@ Not covered (vLLM renders these chat requests differently from /tokenize): gpt-o
 models (Harmony rendering) and Kimi K3's template arguments `tool_choice` and
 `response_format`.
 
-When the local tokenizer cannot be loaded in the sidecar container (model files only in
-the engine container, no hub access), completions are counted by /tokenize too.
+With `--engine-tokenizer` (model files only in the engine container, no hub access),
+completions are counted by /tokenize too; a local tokenizer that was asked for but
+cannot be loaded is an error, not a fall-back (`app.Gateway._load_tokenizer`).
 """
 
 from __future__ import annotations
