@@ -49,12 +49,19 @@ def register(subparsers: Any) -> None:
     sidecar.add_argument("--secrets-dir", type=Path, metavar="DIR",
                          help="mounted Secret: the JWT key file named by the policy and the "
                               "'cache-salt' pool secret")
-    sidecar.add_argument("--tokenizer", metavar="PATH_OR_NAME",
-                         help="tokenizer counting completion prompts (default: the engine's "
-                              "model, then the policy's; else the engine's /tokenize); chat "
-                              "prompts are always counted by the engine's /tokenize")
-    sidecar.add_argument("--engine-tokenizer", action="store_true",
-                         help="count prompt tokens with the engine's /tokenize endpoint only")
+    counting = sidecar.add_mutually_exclusive_group()
+    counting.add_argument("--tokenizer", metavar="PATH_OR_NAME",
+                          help="tokenizer counting completion prompts, loaded at start (one "
+                               "that cannot be loaded stops the sidecar); default: the "
+                               "engine's model, then the policy's, and not ready if neither "
+                               "loads. Chat prompts are always counted by the engine's "
+                               "/tokenize")
+    counting.add_argument("--engine-tokenizer", action="store_true",
+                          help="count every prompt with the engine's /tokenize endpoint "
+                               "(one round trip per request; no local tokenizer)")
+    sidecar.add_argument("--tokenizer-workers", type=int, default=1, metavar="N",
+                         help="processes tokenizing long completion prompts and parsing huge "
+                              "bodies off the event loop (default: %(default)s)")
     sidecar.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
                          help="longest wait for the engine's response headers or next chunk "
                               "(default: %(default)s); then 504")
@@ -117,6 +124,7 @@ def check_server_flags(args: argparse.Namespace) -> tuple[tuple[str, int], tuple
                         ("--body-timeout", args.body_timeout),
                         ("--max-body-bytes", args.max_body_bytes),
                         ("--body-bytes-per-token", args.body_bytes_per_token),
+                        ("--tokenizer-workers", args.tokenizer_workers),
                         ("--max-connections", 1 if args.max_connections is None
                          else args.max_connections)):
         if value <= 0:
@@ -171,6 +179,7 @@ def _run_sidecar(args: argparse.Namespace) -> int:
         stats_path=_env_path(STATS_PATH_ENV),
         tokenizer=args.tokenizer,
         engine_tokenizer=args.engine_tokenizer,
+        tokenizer_workers=args.tokenizer_workers,
         request_timeout=args.request_timeout,
         retry_after_seconds=args.retry_after,
         tenant_label_limit=args.tenant_label_limit,
@@ -179,6 +188,14 @@ def _run_sidecar(args: argparse.Namespace) -> int:
         body_timeout=args.body_timeout,
     )
     gateway = Gateway(config, source)
+    if args.tokenizer:
+        try:
+            gateway.token_counter = gateway.load_tokenizer(args.tokenizer)
+        except Exception as exc:  # whatever the loader raises: name it, stop
+            raise SystemExit(f"--tokenizer {args.tokenizer!r} cannot be loaded "
+                             f"({type(exc).__name__}: {str(exc)[:200]}); pass the model's "
+                             "tokenizer, or --engine-tokenizer to count with the engine's "
+                             "/tokenize") from None
     client_limits = server.ConnectionLimits(head_timeout=args.header_timeout,
                                             max_connections=args.max_connections)
     admin_limits = server.ConnectionLimits(head_timeout=args.header_timeout,

@@ -7,7 +7,8 @@ the policy's errors or a server path.
 
 Request path for POST /v1/completions and /v1/chat/completions:
 policy loaded? -> authenticate (headers only) -> read the body (capped for the tenant,
-with a deadline) -> parse -> count prompt tokens -> decide + reserve (synchronously, so
+with a deadline) -> parse, and refuse a prompt too long by its size alone -> count
+prompt tokens (cached; long ones in worker processes) -> decide + reserve (synchronously, so
 atomic) -> rewrite -> stream to the engine -> release the reservation whatever
 happened. A refusal sent before the body was read closes the connection.
 """
@@ -52,10 +53,12 @@ from engine_sidecar.gateway.forward import (
 from engine_sidecar.gateway.ledger import Ledger, Reservation
 from engine_sidecar.gateway.metrics import GatewayMetrics, StateSources
 from engine_sidecar.gateway.model_names import engine_name, public_cards
-from engine_sidecar.gateway.openai_request import Kind, parse, rewrite, session_id
+from engine_sidecar.gateway.openai_request import Kind, rewrite, session_id
 from engine_sidecar.gateway.passthrough import Passthrough, supported_routes
 from engine_sidecar.gateway.policy_source import PolicySource
 from engine_sidecar.gateway.prefix import prompt_fingerprints
+from engine_sidecar.gateway.prompt_bounds import PromptLimit
+from engine_sidecar.gateway.prompt_count import PromptCounting
 from engine_sidecar.gateway.request_body import (
     BODY_BYTES_PER_TOKEN,
     CLOSE,
@@ -85,6 +88,7 @@ class GatewayConfig:
     stats_path: Path | None = None  # KVQUOTA_STATS_PATH: the plugin writes it
     tokenizer: str | None = None  # None: the engine's model, then the policy's model
     engine_tokenizer: bool = False  # count with the engine's /tokenize only
+    tokenizer_workers: int = 1  # processes tokenizing long prompts (`token_pool`)
     request_timeout: float = 600.0
     connect_timeout: float = 5.0
     retry_after_seconds: int = 1
@@ -130,6 +134,8 @@ class Gateway:
             data_plane=config.data_plane,
         )
         self.token_counter = token_counter
+        self.prompts = PromptCounting()  # size floor, worker pool, token cache
+        self.tokenizer_error: str | None = None
         self.metrics.attach_state(StateSources(
             ledger=self.ledger,
             active=lambda: self.holder.active,
@@ -219,11 +225,25 @@ class Gateway:
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.upstream.aclose()
 
+    def load_tokenizer(self, name: str) -> HfTokenCounter:
+        """The local tokenizer `name`, its worker pool started (blocking; raises what the
+        loader raises)."""
+        counter = HfTokenCounter.load(name, EngineTokenCounter(self.upstream, None),
+                                      workers=self.config.tokenizer_workers,
+                                      retry_after=self.config.retry_after_seconds)
+        if counter.pool is not None:
+            counter.pool.start()
+        _freeze_startup_objects()
+        return counter
+
     async def _load_tokenizer(self) -> None:
+        """The engine's /tokenize when asked for; else the tokenizer named, or found (the
+        engine's model, the policy's). None loadable is an error the readiness shows,
+        never a silent fall-back to a round trip per request (issue #18)."""
         if self.config.engine_tokenizer:
-            self.token_counter = EngineTokenCounter(self.upstream.client, None)
+            self.token_counter = EngineTokenCounter(self.upstream, None)
             return
-        tried: set[str] = set()
+        tried: dict[str, str] = {}
         while True:
             candidates = [self.config.tokenizer] if self.config.tokenizer else [
                 self.monitor.model_root, self.monitor.model,
@@ -232,21 +252,22 @@ class Gateway:
             for name in candidates:
                 if not name or name in tried:
                     continue
-                tried.add(name)
                 try:
-                    self.token_counter = await asyncio.to_thread(
-                        HfTokenCounter.load, name, EngineTokenCounter(self.upstream.client, None))
+                    self.token_counter = await asyncio.to_thread(self.load_tokenizer, name)
                     logger.info("counting prompt tokens with %s", self.token_counter.description)
-                    _freeze_startup_objects()
                     return
                 except Exception as exc:  # any loader failure: try the next candidate
-                    logger.warning("tokenizer %r not loadable here (%s)", name, type(exc).__name__)
+                    tried[name] = type(exc).__name__
+                    logger.warning("tokenizer %r not loadable here (%s)", name, tried[name])
             if self.config.tokenizer or (self.monitor.model and self.holder.active):
                 break
             await asyncio.sleep(1.0)
-        self.token_counter = EngineTokenCounter(self.upstream.client, None)
-        logger.warning("no local tokenizer: counting prompt tokens with the engine's /tokenize "
-                       "(exact, one extra round trip per request); pass --tokenizer to avoid it")
+        self.tokenizer_error = (
+            "no tokenizer could be loaded (tried " + ", ".join(
+                f"{hide_paths(name)}: {error}" for name, error in tried.items())
+            + "); pass --tokenizer with the model's tokenizer, or --engine-tokenizer to count "
+            "every prompt with the engine's /tokenize (one round trip per request)")
+        logger.error("%s", self.tokenizer_error)
 
     def _upstream_failed(self, kind: str) -> None:
         self.metrics.upstream_errors.labels(kind).inc()
@@ -293,7 +314,7 @@ class Gateway:
         if self.holder.active is None:
             reasons.append(self.holder.error or "no policy loaded yet")
         if self.token_counter is None:
-            reasons.append("tokenizer still loading")
+            reasons.append(self.tokenizer_error or "tokenizer still loading")
         return reasons
 
     async def _read_body(
@@ -384,22 +405,24 @@ class Gateway:
     ) -> tuple[Reservation, bytes, str, float] | None:
         """Count an authenticated request, then wait in the tenant's queue until admitted
         (or refused); None if the client went away meanwhile."""
-        try:
-            request = parse(kind, raw)
-        except ApiError as error:
-            raise self._reject(error, "invalid_request") from None
-        if "model" in request.body:  # the public name /v1/models shows -> the engine's
-            request.body["model"] = engine_name(request.body["model"], self.monitor.model,
-                                                active.policy.model)
         counter = self.token_counter
         if counter is None:
             raise self._reject(ApiError(
                 503, errors.SIDECAR_NOT_READY, "the sidecar is still loading the tokenizer",
                 retry_after=self.config.retry_after_seconds), "not_ready")
-        try:
-            prompts = await counter.tokenize(request)
+        tenant = active.policy.tenants[tenant_id]
+        try:  # cheap checks first, then the cache, then tokenizing (`prompt_count`)
+            request = await self.prompts.parse(kind, raw, counter, PromptLimit(
+                tenant_id, tenant.max_prompt_tokens, self.monitor.max_model_len))
+            if "model" in request.body:  # the public name /v1/models shows -> the engine's
+                request.body["model"] = engine_name(request.body["model"], self.monitor.model,
+                                                    active.policy.model)
+            prompts = await self.prompts.count(counter, request, self.monitor.model)
         except ApiError as error:
-            raise self._reject(error, "invalid_request") from None
+            if error.code == errors.PROMPT_TOO_LONG:
+                self._count_decision(tenant_id, tenant.tier.value, Decision.REJECTED_PROMPT)
+            raise self._reject(error, "tokenizer_busy" if error.code == errors.TOKENIZER_BUSY
+                               else "invalid_request") from None
         active = self.holder.active or active  # a policy swap during counting wins
         if tenant_id not in active.policy.tenants:
             raise self._reject(ApiError(
@@ -420,10 +443,9 @@ class Gateway:
         verdict = ticket.verdict
         assert verdict is not None
         decision = Decision.ADMITTED if ticket.admitted else verdict.decision
-        self.metrics.admissions.labels(self._tenant_label(tenant_id), tier, decision).inc()
+        self._count_decision(tenant_id, tier, decision)
         self.metrics.queue_wait.labels(tier, "admitted" if ticket.admitted else "refused"
                                        ).observe(ticket.waited)
-        self.counters.count(tenant_id, decision)
         if ticket.error is not None:
             raise self._reject(ticket.error, decision.removeprefix("rejected_"))
         reservation = ticket.reservation
@@ -439,6 +461,10 @@ class Gateway:
             raise
         self._tier_metrics(tier)[2].inc(verdict.blocks)
         return reservation, body, tier, ticket.waited
+
+    def _count_decision(self, tenant_id: str, tier: str, decision: Decision) -> None:
+        self.metrics.admissions.labels(self._tenant_label(tenant_id), tier, decision).inc()
+        self.counters.count(tenant_id, decision)
 
     async def _wait_in_queue(self, ticket: Ticket, receive: Receive) -> bool:
         """Wait until the queue settles the ticket; False if the client left first (the

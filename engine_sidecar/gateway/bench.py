@@ -37,12 +37,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-CONCURRENCY = (1, 16, 64)
+CONCURRENCY = (1, 16, 64, 256)
 
 
 # ---------------------------------------------------------------- stub engine
 
-def stub_app(ttft_ms: float, chunks: int, interval_ms: float, jitter: float = 0.0) -> Any:
+def stub_app(ttft_ms: float, chunks: int, interval_ms: float, jitter: float = 0.0,
+             tokenizer: str | None = None) -> Any:
     """A raw ASGI app answering like vLLM's streaming completions.
 
     With `jitter`, each delay is drawn from [1 - jitter, 1 + jitter] x its mean (seeded).
@@ -50,6 +51,7 @@ def stub_app(ttft_ms: float, chunks: int, interval_ms: float, jitter: float = 0.
     difference between direct and proxied runs is the sidecar's; the load generator's
     think time keeps streams out of lockstep."""
     rng = random.Random(0)
+    tokenize = _stub_tokenizer(tokenizer)
     chunk = json.dumps({"id": "cmpl-bench", "object": "text_completion", "created": 0,
                         "model": "stub", "choices": [{"index": 0, "text": " token",
                                                       "logprobs": None,
@@ -73,7 +75,7 @@ def stub_app(ttft_ms: float, chunks: int, interval_ms: float, jitter: float = 0.
         path = scope["path"]
         if path in ("/health", "/v1/models", "/tokenize"):
             payload = models if path == "/v1/models" else (
-                json.dumps({"count": len(body) // 4}).encode() if path == "/tokenize" else b"{}")
+                tokenize(body) if path == "/tokenize" else b"{}")
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"application/json")]})
             await send({"type": "http.response.body", "body": payload})
@@ -90,13 +92,71 @@ def stub_app(ttft_ms: float, chunks: int, interval_ms: float, jitter: float = 0.
     return app
 
 
+def _stub_tokenizer(name: str | None) -> Any:
+    """The stub's /tokenize: vLLM's answer ({count, tokens, max_model_len}); with a
+    tokenizer, its real ids (chat: rendered with its chat template)."""
+    def rough(body: bytes) -> bytes:
+        count = max(1, len(body) // 4)
+        return json.dumps({"count": count, "tokens": [7] * count,
+                           "max_model_len": 4096}).encode()
+
+    if name is None:
+        return rough
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name)
+
+    def real(body: bytes) -> bytes:
+        request = json.loads(body)
+        if "messages" in request:
+            ids = render_chat(tokenizer, request["messages"],
+                              request.get("add_generation_prompt", True))
+        else:
+            ids = tokenizer.backend_tokenizer.encode(request["prompt"]).ids
+        return json.dumps({"count": len(ids), "tokens": list(ids),
+                           "max_model_len": 4096}).encode()
+
+    return real
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], generation: bool
+                ) -> list[int]:
+    """A chat prompt's ids as vLLM renders them: the template's text, then encoded."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation,
+                                         tokenize=False)
+    ids: list[int] = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
+    return ids
+
+
 def _serve_stub(args: argparse.Namespace) -> int:
     import uvicorn
 
-    uvicorn.run(stub_app(args.ttft_ms, args.chunks, args.interval_ms, args.jitter),
+    uvicorn.run(stub_app(args.ttft_ms, args.chunks, args.interval_ms, args.jitter,
+                         args.tokenizer),
                 host="127.0.0.1",
                 port=args.port, log_level="warning", access_log=False)
     return 0
+
+
+def chat_body(tokenizer: str, tokens: int) -> dict[str, Any]:
+    """A streaming chat request whose prompt is about `tokens` tokens of the tiny model's
+    tokenizer: a system prompt and a user turn of varied words, ending in a line that
+    `run_load` makes unique per request (so no cache serves it)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    rng = random.Random(tokens)
+    words = "tenant quota cache block lease premium standard free engine answer".split()
+    system = "You answer questions about tenant quotas of the KV cache. " * 4
+    text: list[str] = []
+    while True:
+        messages = [{"role": "system", "content": system},
+                    {"role": "user", "content": " ".join(text) + "\nrequest #REQ#"}]
+        count = len(render_chat(tok, messages, True))
+        if count >= tokens:
+            return {"model": "stub", "messages": messages, "max_tokens": 16, "stream": True}
+        text += [f"{rng.choice(words)}{rng.randrange(1000)}" for _ in range(
+            max(1, (tokens - count) // 3))]
 
 
 # ---------------------------------------------------------------- load generator
@@ -150,6 +210,19 @@ class Connection:
         self.writer: asyncio.StreamWriter | None = None
 
     async def request(self, path: str, body: bytes, headers: dict[str, str]) -> Sample:
+        """One request; once more on a new connection if the server had just closed the
+        kept-alive one (its keep-alive timeout racing this request)."""
+        reused = self.writer is not None
+        try:
+            return await self._request(path, body, headers)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            if not reused:
+                raise
+            self.close()
+            self.reader = self.writer = None
+            return await self._request(path, body, headers)
+
+    async def _request(self, path: str, body: bytes, headers: dict[str, str]) -> Sample:
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
             sock = self.writer.get_extra_info("socket")
@@ -178,8 +251,12 @@ class Target:
     headers: dict[str, str]
 
 
+UNIQUE = b"#REQ#"  # in a body: replaced by a number of its own in every request
+
+
 async def run_load(targets: list[Target], body: bytes, concurrency: int, requests: int,
-                   think_ms: float = 0.0) -> list[list[Sample]]:
+                   think_ms: float = 0.0, path: str = "/v1/completions"
+                   ) -> list[list[Sample]]:
     """`concurrency` closed-loop streams sending `requests` requests per target.
 
     Each stream alternates between the targets request by request (one keep-alive
@@ -189,6 +266,7 @@ async def run_load(targets: list[Target], body: bytes, concurrency: int, request
     so streams do not run in lockstep."""
     samples: list[list[Sample]] = [[] for _ in targets]
     remaining = requests * len(targets)
+    unique = UNIQUE in body
     rng = random.Random(concurrency)
 
     async def worker(offset: int) -> None:
@@ -205,8 +283,9 @@ async def run_load(targets: list[Target], body: bytes, concurrency: int, request
                 turn += 1
                 if think_ms:
                     await asyncio.sleep(rng.uniform(0, think_ms) / 1000)
+                payload = body.replace(UNIQUE, str(remaining).encode()) if unique else body
                 samples[index].append(await connections[index].request(
-                    "/v1/completions", body, targets[index].headers))
+                    path, payload, targets[index].headers))
         finally:
             for connection in connections:
                 connection.close()
@@ -240,12 +319,13 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _spawn(name: str, argv: list[str], workdir: Path, env: dict[str, str] | None = None
-           ) -> Proc:
+def _spawn(name: str, argv: list[str], workdir: Path, env: dict[str, str] | None = None,
+           cwd: Path | None = None) -> Proc:
     log = workdir / f"{name}.log"
     with log.open("wb") as out:
         popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                 env={**os.environ, **(env or {})}, start_new_session=True)
+                                 env={**os.environ, **(env or {})}, start_new_session=True,
+                                 cwd=cwd)
     return Proc(name, popen, log)
 
 
@@ -274,11 +354,20 @@ class Setup:
             proc.stop()
 
 
-def _write_policy(workdir: Path, model: str) -> tuple[Path, Path, str]:
+BENCH_TENANT: dict[str, Any] = {
+    "tier": "premium", "priority": 0, "guaranteed_blocks": 1_000_000,
+    "max_blocks": 1_000_000, "max_tokens": 4096, "default_max_tokens": 16,
+}
+
+
+def _write_policy(workdir: Path, model: str, tenants: dict[str, dict[str, Any]] | None = None
+                  ) -> tuple[Path, Path, dict[str, str]]:
+    """Policy file, secrets dir and a JWT per tenant (default: one premium "bench")."""
     import jwt
 
     from engine_sidecar.policy import EnginePolicy
 
+    tenants = tenants or {"bench": BENCH_TENANT}
     secrets_dir = workdir / "secrets"
     secrets_dir.mkdir()
     hs_secret = secrets.token_bytes(32)  # generated per run, never stored in code
@@ -288,44 +377,54 @@ def _write_policy(workdir: Path, model: str) -> tuple[Path, Path, str]:
         "pool": "bench/pool", "model": model, "block_size": 32, "watermark": 0.1,
         "auth": {"jwt": {"key_file": "jwt-hs", "algorithms": ["HS256"],
                          "audience": "bench", "issuer": "bench"}},
-        "tenants": {"bench": {
-            "tenant_id": "bench", "tier": "premium", "priority": 0,
-            "guaranteed_blocks": 1_000_000, "max_blocks": 1_000_000,
-            "max_tokens": 4096, "default_max_tokens": 16,
-        }},
+        "tenants": {name: {"tenant_id": name, **fields} for name, fields in tenants.items()},
     }).with_version()
     policy_file = workdir / "policy.json"
     policy_file.write_text(policy.to_json())
-    token = jwt.encode({"tenant_id": "bench", "aud": "bench", "iss": "bench",
-                        "exp": int(time.time()) + 86_400}, hs_secret, algorithm="HS256")
-    return policy_file, secrets_dir, token
+    tokens = {name: jwt.encode({"tenant_id": name, "aud": "bench", "iss": "bench",
+                                "exp": int(time.time()) + 86_400}, hs_secret, algorithm="HS256")
+              for name in tenants}
+    return policy_file, secrets_dir, tokens
 
 
-def _start_sidecar(setup: Setup, upstream: str, model: str, tokenizer: str | None
-                   ) -> tuple[str, str]:
+def _start_sidecar(setup: Setup, upstream: str, model: str, tokenizer: str | None,
+                   tenants: dict[str, dict[str, Any]] | None = None,
+                   code: Path | None = None, cpu: str | None = None
+                   ) -> tuple[str, dict[str, str], Proc]:
+    """A `kvquota sidecar` process; `code`: run the sidecar of another source tree
+    (e.g. `git archive` of an older commit)."""
     port = _free_port()
     home = setup.workdir / f"sidecar-{port}"
     home.mkdir()
-    policy_file, secrets_dir, token = _write_policy(home, model)
-    argv = [sys.executable, "-m", "engine_sidecar.cli", "sidecar",
+    policy_file, secrets_dir, tokens = _write_policy(home, model, tenants)
+    argv = [*_pinned(cpu), sys.executable, "-m", "engine_sidecar.cli", "sidecar",
             "--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{_free_port()}",
             "--upstream", upstream,
             "--policy-file", str(policy_file), "--secrets-dir", str(secrets_dir),
             "--log-level", "warning"]
     argv += ["--tokenizer", tokenizer] if tokenizer else ["--engine-tokenizer"]
-    proc = _spawn(f"sidecar-{port}", argv, setup.workdir)
+    env = {"PYTHONPATH": os.pathsep.join([str(code), os.environ.get("PYTHONPATH", "")])
+           } if code else None
+    proc = _spawn(f"sidecar-{port}", argv, setup.workdir, env, cwd=code)  # `-m`: cwd first
     setup.procs.append(proc)
     _wait_ready(proc, f"http://127.0.0.1:{port}/readyz", timeout=180)
-    return f"http://127.0.0.1:{port}", token
+    return f"http://127.0.0.1:{port}", tokens, proc
+
+
+def _pinned(cpu: str | None) -> list[str]:
+    return ["taskset", "-c", cpu] if cpu is not None else []
 
 
 def _start_stub(setup: Setup, args: argparse.Namespace) -> str:
     port = _free_port()
-    proc = _spawn("stub", [sys.executable, "-m", "engine_sidecar.gateway.bench", "serve-stub",
-                           "--port", str(port), "--ttft-ms", str(args.stub_ttft_ms),
-                           "--chunks", str(args.stub_chunks),
-                           "--interval-ms", str(args.stub_interval_ms),
-                           "--jitter", str(args.stub_jitter)], setup.workdir)
+    argv = [*_pinned(getattr(args, "others_cpu", None)), sys.executable, "-m",
+            "engine_sidecar.gateway.bench", "serve-stub",
+            "--port", str(port), "--ttft-ms", str(args.stub_ttft_ms),
+            "--chunks", str(args.stub_chunks), "--interval-ms", str(args.stub_interval_ms),
+            "--jitter", str(args.stub_jitter)]
+    if getattr(args, "stub_tokenizer", None):
+        argv += ["--tokenizer", args.stub_tokenizer]
+    proc = _spawn("stub", argv, setup.workdir)
     setup.procs.append(proc)
     _wait_ready(proc, f"http://127.0.0.1:{port}/health", timeout=60)
     return f"http://127.0.0.1:{port}"
@@ -357,9 +456,10 @@ class Row:
     concurrency: int
     direct: list[Sample]
     proxied: list[Sample]
+    cpu_us: float | None = None  # sidecar CPU (user + system, with workers) per request
 
     def stats(self) -> dict[str, float]:
-        out: dict[str, float] = {}
+        out: dict[str, float] = {"cpu_us_per_request": self.cpu_us or 0.0}
         for name, samples in (("direct", self.direct), ("sidecar", self.proxied)):
             for metric in ("ttft", "total"):
                 values = [getattr(s, metric) * 1000 for s in samples]
@@ -372,19 +472,38 @@ class Row:
         return out
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process and its children (the tokenizer workers), from
+    /proc (the kernel's rusage of each)."""
+    pids = [pid]
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            pids += [int(c) for c in (task / "children").read_text().split()]
+    ticks = 0
+    for one in pids:
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{one}/stat").read_text().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 async def _measure(direct_url: str, sidecar_url: str, body: bytes, token: str,
-                   concurrency: int, requests: int, think_ms: float) -> Row:
+                   concurrency: int, requests: int, think_ms: float,
+                   sidecar_pid: int | None = None, path: str = "/v1/completions") -> Row:
     targets = [Target(direct_url, {}), Target(sidecar_url, {"Authorization": f"Bearer {token}"})]
-    await run_load(targets, body, concurrency, max(concurrency, 8), think_ms)  # warm up
-    direct, proxied = await run_load(targets, body, concurrency, requests, think_ms)
-    return Row(concurrency, direct, proxied)
+    await run_load(targets, body, concurrency, max(concurrency, 8), think_ms, path)  # warm up
+    before = cpu_seconds(sidecar_pid) if sidecar_pid else 0.0
+    direct, proxied = await run_load(targets, body, concurrency, requests, think_ms, path)
+    cpu = (cpu_seconds(sidecar_pid) - before) / len(proxied) * 1e6 if sidecar_pid else None
+    return Row(concurrency, direct, proxied, cpu)
 
 
 def _print_table(title: str, rows: list[Row]) -> None:
     print(f"\n{title}")
-    print(f"{'streams':>7} {'n':>5} | {'TTFT p50 / p99 (ms)':^35} | {'total p50 / p99 (ms)':^35}")
+    print(f"{'streams':>7} {'n':>5} | {'TTFT p50 / p99 (ms)':^35} | {'total p50 / p99 (ms)':^35}"
+          f" | sidecar CPU")
     print(f"{'':>7} {'':>5} | {'direct':>10} {'sidecar':>11} {'added':>11} | "
-          f"{'direct':>10} {'sidecar':>11} {'added':>11}")
+          f"{'direct':>10} {'sidecar':>11} {'added':>11} | us/request")
     for row in rows:
         s = row.stats()
         cells = []
@@ -393,14 +512,16 @@ def _print_table(title: str, rows: list[Row]) -> None:
                 f"{s[f'direct_{metric}_p50']:5.2f}/{s[f'direct_{metric}_p99']:<5.2f}"
                 f"{s[f'sidecar_{metric}_p50']:6.2f}/{s[f'sidecar_{metric}_p99']:<6.2f}"
                 f"{s[f'added_{metric}_p50']:+6.2f}/{s[f'added_{metric}_p99']:<+6.2f}")
-        print(f"{row.concurrency:>7} {len(row.proxied):>5} | {cells[0]} | {cells[1]}")
+        cpu = f"{row.cpu_us:9.0f}" if row.cpu_us is not None else "        -"
+        print(f"{row.concurrency:>7} {len(row.proxied):>5} | {cells[0]} | {cells[1]} | {cpu}")
 
 
 def _bench(label: str, direct_url: str, sidecar_url: str, body: dict[str, Any], token: str,
-           args: argparse.Namespace) -> list[Row]:
+           args: argparse.Namespace, sidecar_pid: int | None = None,
+           path: str = "/v1/completions") -> list[Row]:
     raw = json.dumps(body).encode()
     rows = [asyncio.run(_measure(direct_url, sidecar_url, raw, token, c,
-                                 max(args.requests, 4 * c), args.think_ms))
+                                 max(args.requests, 4 * c), args.think_ms, sidecar_pid, path))
             for c in args.concurrency]
     _print_table(label, rows)
     return rows
@@ -410,16 +531,33 @@ def _run(args: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="kvquota-bench-"))
     setup = Setup(workdir)
     results: dict[str, list[dict[str, float]]] = {}
+    if args.pin:
+        args.sidecar_cpu, args.others_cpu = args.pin.split(",")
+        os.sched_setaffinity(0, {int(args.others_cpu)})  # this load generator
+    if args.chat_tokens:
+        args.stub_tokenizer = args.stub_tokenizer or args.tokenizer
     try:
         if not args.no_stub:
             stub = _start_stub(setup, args)
-            sidecar, token = _start_sidecar(setup, stub, "stub", args.tokenizer)
-            body = {"model": "stub", "prompt": args.prompt, "max_tokens": 16, "stream": True}
+            sidecar, tokens, proc = _start_sidecar(setup, stub, "stub", args.tokenizer,
+                                                   code=args.code, cpu=args.sidecar_cpu)
+            token = tokens["bench"]
+            path = "/v1/completions"
+            if args.chat_tokens:
+                body: dict[str, Any] = chat_body(args.tokenizer, args.chat_tokens)
+                path = "/v1/chat/completions"
+            else:
+                body = {"model": "stub", "prompt": args.prompt, "max_tokens": 16,
+                        "stream": True}
             rows = _bench(
                 f"stub upstream (TTFT {args.stub_ttft_ms:g} ms, {args.stub_chunks} chunks "
                 f"every {args.stub_interval_ms:g} ms); tokenizer: "
-                f"{args.tokenizer or 'engine /tokenize'}",
-                stub, sidecar, body, token, args)
+                f"{args.tokenizer or 'engine /tokenize'}; "
+                + (f"chat of {args.chat_tokens} tokens (each unique)" if args.chat_tokens
+                   else f"prompt {args.prompt[:30]!r}")
+                + (f"; sidecar on CPU {args.sidecar_cpu}, the rest on {args.others_cpu}"
+                   if args.pin else "") + (f"; sidecar code {args.code}" if args.code else ""),
+                stub, sidecar, body, token, args, proc.popen.pid, path)
             results["stub"] = [r.stats() for r in rows]
         engine = args.engine_url
         if engine is None and args.model:
@@ -428,7 +566,8 @@ def _run(args: argparse.Namespace) -> int:
             import httpx
 
             model = httpx.get(engine + "/v1/models").json()["data"][0]["id"]
-            sidecar, token = _start_sidecar(setup, engine, model, args.tokenizer or model)
+            sidecar, tokens, _ = _start_sidecar(setup, engine, model, args.tokenizer or model)
+            token = tokens["bench"]
             body = {"model": model, "prompt": args.prompt, "max_tokens": args.max_tokens,
                     "stream": True, "ignore_eos": True, "temperature": 0}
             rows = _bench(f"vLLM at {engine} (max_tokens {args.max_tokens})",
@@ -453,7 +592,11 @@ def build_parser() -> argparse.ArgumentParser:
     stub.add_argument("--chunks", type=int, default=32)
     stub.add_argument("--interval-ms", type=float, default=2.0)
     stub.add_argument("--jitter", type=float, default=0.0)
+    stub.add_argument("--tokenizer", help="answer /tokenize with this tokenizer's ids")
     stub.set_defaults(func=_serve_stub)
+    from engine_sidecar.gateway import bench_huge
+
+    bench_huge.add_parser(sub)
 
     parser.add_argument("--engine-url", help="an already running vLLM OpenAI server")
     parser.add_argument("--model", help="start a vLLM CPU engine with this model directory")
@@ -474,7 +617,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stub-jitter", type=float, default=0.0,
                         help="stub delays vary by +-this fraction (default: %(default)s)")
     parser.add_argument("--json", help="also write the numbers to this file")
-    parser.set_defaults(func=_run)
+    parser.add_argument("--pin", metavar="SIDECAR_CPU,OTHER_CPU",
+                        help="taskset the sidecar (and its workers) to one CPU, the stub and "
+                             "this load generator to another, e.g. 0,1")
+    parser.add_argument("--chat-tokens", type=int,
+                        help="send chat requests of about this many prompt tokens (by the "
+                             "--tokenizer, which the stub's /tokenize then uses too), each "
+                             "with a unique last line")
+    parser.add_argument("--stub-tokenizer", help="the stub's /tokenize tokenizer")
+    parser.add_argument("--code", type=Path, help="run the sidecar from this source tree")
+    parser.set_defaults(func=_run, sidecar_cpu=None, others_cpu=None)
     return parser
 
 

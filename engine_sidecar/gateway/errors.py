@@ -30,6 +30,7 @@ TENANT_CONCURRENCY_EXHAUSTED = "TENANT_CONCURRENCY_EXHAUSTED"
 KV_CACHE_WATERMARK_EXCEEDED = "KV_CACHE_WATERMARK_EXCEEDED"
 POLICY_NOT_LOADED = "POLICY_NOT_LOADED"
 SIDECAR_NOT_READY = "SIDECAR_NOT_READY"
+TOKENIZER_BUSY = "TOKENIZER_BUSY"
 ENGINE_UNAVAILABLE = "ENGINE_UNAVAILABLE"
 UPSTREAM_ERROR = "UPSTREAM_ERROR"
 UPSTREAM_TIMEOUT = "UPSTREAM_TIMEOUT"
@@ -65,6 +66,11 @@ class ApiError(Exception):
 
     def __str__(self) -> str:
         return f"{self.status} {self.code}: {self.message}"
+
+    def __reduce__(self) -> tuple[type[ApiError], tuple[object, ...]]:
+        """Pickled whole (raised in a tokenizer worker process, re-raised in the app)."""
+        return (ApiError, (self.status, self.code, self.message, self.param,
+                           self.retry_after, self.headers))
 
     def body(self) -> bytes:
         error = {

@@ -19,6 +19,7 @@ from engine_sidecar.gateway.app import Gateway, GatewayConfig
 from engine_sidecar.gateway.openai_request import ParsedRequest
 from engine_sidecar.gateway.policy_source import FilePolicySource
 from engine_sidecar.gateway.server import ADMIN_MAX_CONNECTIONS, ConnectionLimits
+from engine_sidecar.gateway.token_pool import TokenizerPool
 from engine_sidecar.gateway.tokens import (
     EngineTokenCounter,
     HfTokenCounter,
@@ -45,6 +46,8 @@ class RecordingCounter:
     def __init__(self, inner: TokenCounter) -> None:
         self.inner = inner
         self.description = inner.description
+        self.longest_token_bytes = inner.longest_token_bytes
+        self.pool = inner.pool
         self.counts: list[tuple[int, ...]] = []
 
     async def tokenize(self, request: ParsedRequest) -> tuple[TokenIds, ...]:
@@ -57,14 +60,30 @@ CounterFactory = Callable[[Gateway], RecordingCounter]
 
 
 @pytest.fixture(scope="session")
-def token_counter(tiny_model: Path) -> CounterFactory:
-    """The counter `kvquota sidecar` builds: the model's tokenizer (loaded once), chat
-    prompts through the gateway's engine."""
+def tiny_tokenizer(tiny_model: Path) -> Any:
+    """The tiny model's tokenizer, as transformers loads it (loaded once)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    return AutoTokenizer.from_pretrained(str(tiny_model))
+
+
+@pytest.fixture(scope="session")
+def tokenizer_pool(tiny_tokenizer: Any) -> Iterator[TokenizerPool]:
+    """The sidecar's tokenizer worker processes, started once for the session."""
+    pool = TokenizerPool.for_tokenizer(tiny_tokenizer.backend_tokenizer)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
+def token_counter(
+    tiny_model: Path, tiny_tokenizer: Any, tokenizer_pool: TokenizerPool
+) -> CounterFactory:
+    """The counter `kvquota sidecar` builds: the model's tokenizer, its worker pool,
+    chat prompts through the gateway's engine."""
     return lambda gateway: RecordingCounter(HfTokenCounter(
-        tokenizer, str(tiny_model), EngineTokenCounter(gateway.upstream.client, None)))
+        tiny_tokenizer, str(tiny_model), EngineTokenCounter(gateway.upstream, None),
+        tokenizer_pool))
 
 
 @dataclass

@@ -30,6 +30,7 @@ class StubEngine:
     received: list[dict[str, Any]] = field(default_factory=list)
     received_headers: list[dict[str, str]] = field(default_factory=list)
     active: int = 0  # generation requests currently being served
+    max_model_len: int = MAX_MODEL_LEN  # what /v1/models says
 
     def release(self) -> None:
         """Let held streams go on (see `hold`)."""
@@ -53,7 +54,8 @@ class StubEngine:
             await _json(send, 200, {})
         elif path == "/v1/models":
             await _json(send, 200, {"object": "list", "data": [
-                {"id": self.model_id, "root": self.model_id, "max_model_len": MAX_MODEL_LEN}]})
+                {"id": self.model_id, "root": self.model_id,
+                 "max_model_len": self.max_model_len}]})
         elif path == "/tokenize":
             payload = json.loads(body)
             text = payload.get("prompt") or json.dumps(payload.get("messages"))
