@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from engine_sidecar.gateway import errors
 from engine_sidecar.gateway.admission import Decision
 from engine_sidecar.gateway.errors import ApiError
 
@@ -184,6 +185,8 @@ def _wrap_admit(gateway: Gateway, tracer: Tracer) -> None:
                 admitted = await original(*args)
             except ApiError as error:
                 _refusal(span, error)
+                if error.code == errors.PROMPT_TOO_LONG:  # refused by its size, untokenized
+                    span.set_attribute("kvquota.decision", str(Decision.REJECTED_PROMPT))
                 raise
             finally:
                 _describe_decision(span, state.ticket if state else None)
