@@ -31,6 +31,7 @@ PATHS = {
     "Event": "/api/v1/namespaces/{ns}/events",
     "GatewayInferencePool": "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools",
 }
+PEERINGS = "/apis/kopf.dev/v1/clusterkopfpeerings"
 
 
 @dataclass
@@ -64,6 +65,24 @@ class Cluster:
         self.server.resources["inference.networking.k8s.io/v1/inferencepools"] = ResourceInfo(
             kind="InferencePool", singular="inferencepool", namespaced=True,
             verbs={"get", "list", "watch", "create", "patch", "delete"})
+
+    async def install_peering(self, name: str) -> None:
+        """Serve kopf's ClusterKopfPeering (as crds/kopf.dev_clusterkopfpeerings.yaml
+        declares it: cluster-scoped, status a plain field) and create the object."""
+        from kmock import ResourceInfo
+
+        self.server.resources["kopf.dev/v1/clusterkopfpeerings"] = ResourceInfo(
+            kind="ClusterKopfPeering", singular="clusterkopfpeering", namespaced=False,
+            verbs={"get", "list", "watch", "create", "patch", "delete"})
+        body = {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering",
+                "metadata": {"name": name}}
+        async with self.session.post(self.url + PEERINGS, json=body) as response:
+            await self._json(response)
+
+    async def peers(self, name: str) -> dict[str, Any]:
+        """The peering object's status: kopf identity -> priority, lifetime, lastseen."""
+        async with self.session.get(f"{self.url}{PEERINGS}/{name}") as response:
+            return dict((await self._json(response)).get("status") or {})
 
     async def patch(self, kind: str, name: str, patch: dict[str, Any], *,
                     namespace: str = "default", sub: str = "") -> dict[str, Any]:
