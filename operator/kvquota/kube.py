@@ -48,6 +48,9 @@ def api_client(server: str | None) -> kubernetes.client.ApiClient:
     return kubernetes.client.ApiClient()
 
 
+PEERING_GROUP = "kopf.dev"  # kopf's peering CRDs (crds/kopf.dev_clusterkopfpeerings.yaml)
+
+
 class KubeApi:
     """Async facade over the sync client; every call is bounded by `timeouts`."""
 
@@ -128,3 +131,19 @@ class KubeApi:
                 raise
             return result
         return None
+
+    async def ensure_cluster_peering(self, name: str) -> bool:
+        """Create kopf's ClusterKopfPeering `name` unless it exists; False when kopf's
+        peering CRD is not installed."""
+        body = {"apiVersion": f"{PEERING_GROUP}/v1", "kind": "ClusterKopfPeering",
+                "metadata": {"name": name}}
+        try:
+            await self._call(self._custom.create_cluster_custom_object,
+                             PEERING_GROUP, "v1", "clusterkopfpeerings", body)
+        except Exception as error:
+            if self._is_missing(error):
+                return False
+            if isinstance(error, self._exception) and getattr(error, "status", None) == 409:
+                return True
+            raise
+        return True

@@ -127,11 +127,19 @@ def test_cli_accepts_the_command_line(where: str, argv: list[str]) -> None:
 
 
 def test_operator_is_not_paused_waiting_for_a_peering_crd() -> None:
-    """kopf with mandatory peering and no peering CRD starts, then does nothing."""
+    """kopf with mandatory peering and no peering CRD starts, then does nothing; peered
+    replicas that share the highest priority all pause."""
     objects = build("manifests/base")
-    (operator,) = [o for o in objects if o["kind"] == "Deployment"]
-    (container,) = operator["spec"]["template"]["spec"]["containers"]
+    operators = [o for o in objects if o["kind"] == "Deployment"]
     crds = {o["metadata"]["name"] for o in objects if o["kind"] == "CustomResourceDefinition"}
-    assert "--standalone" in container["command"] or "clusterkopfpeerings.kopf.dev" in crds
-    if "--standalone" in container["command"]:
-        assert operator["spec"]["replicas"] == 1, "standalone replicas would fight"
+    priorities = []
+    for operator in operators:
+        (container,) = operator["spec"]["template"]["spec"]["containers"]
+        command = container["command"]
+        assert "--standalone" in command or "clusterkopfpeerings.kopf.dev" in crds
+        if "--standalone" in command:
+            assert len(operators) == operator["spec"]["replicas"] == 1, "they would fight"
+        else:
+            assert operator["spec"]["replicas"] == 1, "replicas would share a priority"
+            priorities.append(int(command[command.index("--priority") + 1]))
+    assert len(set(priorities)) == len(priorities), priorities

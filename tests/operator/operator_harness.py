@@ -66,18 +66,14 @@ class Cluster:
             kind="InferencePool", singular="inferencepool", namespaced=True,
             verbs={"get", "list", "watch", "create", "patch", "delete"})
 
-    async def install_peering(self, name: str) -> None:
+    def install_peering_crd(self) -> None:
         """Serve kopf's ClusterKopfPeering (as crds/kopf.dev_clusterkopfpeerings.yaml
-        declares it: cluster-scoped, status a plain field) and create the object."""
+        declares it: cluster-scoped, status a plain field, no subresource)."""
         from kmock import ResourceInfo
 
         self.server.resources["kopf.dev/v1/clusterkopfpeerings"] = ResourceInfo(
             kind="ClusterKopfPeering", singular="clusterkopfpeering", namespaced=False,
             verbs={"get", "list", "watch", "create", "patch", "delete"})
-        body = {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering",
-                "metadata": {"name": name}}
-        async with self.session.post(self.url + PEERINGS, json=body) as response:
-            await self._json(response)
 
     async def peers(self, name: str) -> dict[str, Any]:
         """The peering object's status: kopf identity -> priority, lifetime, lastseen."""
