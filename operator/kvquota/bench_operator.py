@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import tempfile
@@ -159,6 +160,7 @@ async def bench_operator_process(tenants: int, changes: int, rss_tenants: int,
                    f"(target < {TARGET_BURST_S:.0f} s)")
 
             rng = random.Random(7)
+            cpu_before = operator.cpu_seconds()
             for n in range(changes):
                 i, value = rng.randrange(tenants), 11 + n
                 name = f"tenant-{i:05d}"
@@ -172,6 +174,11 @@ async def bench_operator_process(tenants: int, changes: int, rss_tenants: int,
                         p["tenants"][name]["guaranteedBlocks"] == value // p["replicas"]))
                 result.edits.append(time.perf_counter() - sent)
             report_edits(tenants, result.edits)
+            if changes:
+                cpu = (operator.cpu_seconds() - cpu_before) / changes
+                report(f"operator CPU per edit at {tenants} tenants: {cpu * 1000:.0f} ms "
+                       f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs: "
+                       "the latencies above include waiting for a CPU)")
 
             for first in range(tenants, rss_tenants, tenants):
                 pool, last = f"{POOL}-{first // tenants}", min(first + tenants, rss_tenants)

@@ -125,6 +125,11 @@ class OperatorProcess:
                 return int(line.split()[1]) * 1024
         raise RuntimeError("no VmRSS in /proc status")
 
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) the process has used so far (Linux /proc)."""
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def kill(self) -> None:
         """SIGKILL, like a node failure: no clean exit, no goodbye to its peers."""
         if self._proc is not None and self._proc.poll() is None:

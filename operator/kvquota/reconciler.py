@@ -15,6 +15,7 @@ unchanged quotas (`PlanMemo`): re-planning after one edit costs that edit.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import Counter
@@ -89,6 +90,19 @@ class _Planned:
     engines: EngineView | None  # None: the pool does not exist
     pool_generation: Any
     generations: Mapping[ObjKey, Any]  # tenant -> the generation the plan saw
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A status patch to send: `new` built from `old`, as of `version`."""
+
+    ident: tuple[str, str, str]  # (plural, namespace, name)
+    kind: str
+    body: Mapping[str, Any]
+    version: str | None
+    old: Mapping[str, Any]
+    new: dict[str, Any]
+    patch: dict[str, Any]
 
 
 def _tenant_inputs(
@@ -309,8 +323,8 @@ class PoolReconciler:
             now = datetime.now(UTC)
             await self._write_status(
                 POOLS, "InferencePool", pool, POOL_FIELDS,
-                lambda old: pool_status(plan, engines=engines, old=old,
-                                        generation=planned.pool_generation, now=now),
+                functools.partial(pool_status, plan, engines=engines,
+                                  generation=planned.pool_generation, now=now),
             )
         await self._write_tenants(tenants, planned, key)
 
@@ -384,37 +398,49 @@ class PoolReconciler:
         history = self._histories.get(key)
         window = self._windows.get(key)
         now, clock = datetime.now(UTC), self._config.clock()
-        limit = asyncio.Semaphore(self._config.status_concurrency)
-
-        async def write(body: Mapping[str, Any]) -> None:
+        pending: list[_Pending] = []
+        for body in tenants:
             tenant = (plan.tenants or {}).get(_key(body))
             if tenant is None:
-                return
+                continue
             disruptions = (window.disruptions(tenant.tenant_id, clock)
                            if window is not None and tenant.tenant_id else None)
             generation = planned.generations.get(tenant.key)
-            inputs = _tenant_inputs(tenant, plan, engines, history, disruptions, generation)
-            async with limit:
-                await self._write_status(
-                    TENANTS, "TenantQuota", body, TENANT_FIELDS,
-                    lambda old: tenant_status(
-                        tenant, plan, engines=engines if plan.exists else None,
-                        history=history, disruptions=disruptions, old=old,
-                        generation=generation, now=now,
-                    ),
-                    inputs,
-                )
+            write = self._prepare(
+                TENANTS, "TenantQuota", body, TENANT_FIELDS,
+                functools.partial(
+                    tenant_status, tenant, plan, engines=engines if plan.exists else None,
+                    history=history, disruptions=disruptions, generation=generation, now=now,
+                ),
+                _tenant_inputs(tenant, plan, engines, history, disruptions, generation),
+            )
+            if write is not None:
+                pending.append(write)
+        # Only the statuses that change become tasks (an edit: one, not 1,000).
+        limit = asyncio.Semaphore(self._config.status_concurrency)
 
-        await asyncio.gather(*(write(body) for body in tenants))
+        async def send(write: _Pending) -> None:
+            async with limit:
+                await self._send(write)
+
+        await asyncio.gather(*(send(write) for write in pending))
 
     async def _write_status(
         self, plural: str, kind: str, body: Mapping[str, Any], owned: tuple[str, ...],
-        build: Callable[[Mapping[str, Any]], dict[str, Any]],
-        inputs: tuple[Any, ...] | None = None,
+        build: Callable[..., dict[str, Any]],
     ) -> None:
-        """Patch what `build(old)` changes. With `inputs` (everything `build` reads
-        besides `old` and the clock), a status built from the same inputs and the same
-        old status as last time is not built again."""
+        write = self._prepare(plural, kind, body, owned, build)
+        if write is not None:
+            await self._send(write)
+
+    def _prepare(
+        self, plural: str, kind: str, body: Mapping[str, Any], owned: tuple[str, ...],
+        build: Callable[..., dict[str, Any]], inputs: tuple[Any, ...] | None = None,
+    ) -> _Pending | None:
+        """The patch `build(old=...)` makes of the status, or None when it changes
+        nothing. With `inputs` (everything `build` reads besides `old` and the clock),
+        a status built from the same inputs and the same old status as last time is
+        not built again."""
         meta = _meta(body)
         ident = (plural, str(meta.get("namespace")), str(meta.get("name")))
         version = meta.get("resourceVersion")
@@ -428,17 +454,22 @@ class PoolReconciler:
         stamp = None if inputs is None else (*inputs, version, remembered is not None
                                              and remembered[0] == version)
         if stamp is not None and self._built.get(ident) == stamp:
-            return
-        new = build(old)
+            return None
+        new = build(old=old)
         patch = status_patch(old, new, owned)
         if stamp is not None:
             self._built[ident] = stamp
         if patch is None:
-            return
-        if not await self._kube.patch_status(plural, ident[1], ident[2], patch):
+            return None
+        return _Pending(ident, kind, body, version, old, new, patch)
+
+    async def _send(self, write: _Pending) -> None:
+        plural, namespace, name = write.ident
+        if not await self._kube.patch_status(plural, namespace, name, write.patch):
             return  # deleted meanwhile
-        merged = {k: v for k, v in {**old, **patch}.items() if v is not None}
-        self._written[ident] = (version, merged)
-        self._built.pop(ident, None)  # built from the old status: the next one differs
-        for type_, reason, message in event_worthy(kind, old, new):
-            _post_event(body, type_, reason, message)
+        old = write.old
+        merged = {k: v for k, v in {**old, **write.patch}.items() if v is not None}
+        self._written[write.ident] = (write.version, merged)
+        self._built.pop(write.ident, None)  # built from the old status: the next one differs
+        for type_, reason, message in event_worthy(write.kind, old, write.new):
+            _post_event(write.body, type_, reason, message)
