@@ -457,10 +457,11 @@ class PoolReconciler:
             return None
         new = build(old=old)
         patch = status_patch(old, new, owned)
-        if stamp is not None:
-            self._built[ident] = stamp
         if patch is None:
+            if stamp is not None:
+                self._built[ident] = stamp  # up to date: skip until something changes
             return None
+        # Not stamped until sent: a patch that fails is built and sent again next time.
         return _Pending(ident, kind, body, version, old, new, patch)
 
     async def _send(self, write: _Pending) -> None:
@@ -470,6 +471,6 @@ class PoolReconciler:
         old = write.old
         merged = {k: v for k, v in {**old, **write.patch}.items() if v is not None}
         self._written[write.ident] = (write.version, merged)
-        self._built.pop(write.ident, None)  # built from the old status: the next one differs
+        self._built.pop(write.ident, None)  # stamped against an older status: void
         for type_, reason, message in event_worthy(write.kind, old, write.new):
             _post_event(write.body, type_, reason, message)
