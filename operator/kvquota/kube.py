@@ -48,6 +48,9 @@ def api_client(server: str | None) -> kubernetes.client.ApiClient:
     return kubernetes.client.ApiClient()
 
 
+PEERING_GROUP = "kopf.dev"  # kopf's peering CRDs (crds/kopf.dev_clusterkopfpeerings.yaml)
+
+
 class KubeApi:
     """Async facade over the sync client; every call is bounded by `timeouts`."""
 
@@ -59,10 +62,12 @@ class KubeApi:
         self._timeout = (timeouts.connect, timeouts.read)
         self._exception: type[Exception] = kubernetes.client.ApiException
 
-    async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    async def _call(self, fn: Any, *args: Any, parse: bool = True, **kwargs: Any) -> Any:
+        """`fn` in a thread; the response parsed unless `parse` is False (a write of a
+        large object whose echo nobody reads)."""
         kwargs.update(_request_timeout=self._timeout, _preload_content=False)
         response = await asyncio.to_thread(fn, *args, **kwargs)
-        return json.loads(response.data) if response.data else None
+        return json.loads(response.data) if parse and response.data else None
 
     def _is_missing(self, error: Exception) -> bool:
         return isinstance(error, self._exception) and getattr(error, "status", None) == 404
@@ -80,13 +85,15 @@ class KubeApi:
 
     async def create_configmap(self, body: dict[str, Any]) -> None:
         await self._call(
-            self._core.create_namespaced_config_map, body["metadata"]["namespace"], body
+            self._core.create_namespaced_config_map, body["metadata"]["namespace"], body,
+            parse=False,
         )
 
     async def patch_configmap(self, namespace: str, name: str, patch: dict[str, Any]) -> bool:
         """Strategic-merge-patch a ConfigMap; False when it does not exist."""
         try:
-            await self._call(self._core.patch_namespaced_config_map, name, namespace, patch)
+            await self._call(self._core.patch_namespaced_config_map, name, namespace, patch,
+                             parse=False)
         except Exception as error:
             if self._is_missing(error):
                 return False
@@ -128,3 +135,19 @@ class KubeApi:
                 raise
             return result
         return None
+
+    async def ensure_cluster_peering(self, name: str) -> bool:
+        """Create kopf's ClusterKopfPeering `name` unless it exists; False when kopf's
+        peering CRD is not installed."""
+        body = {"apiVersion": f"{PEERING_GROUP}/v1", "kind": "ClusterKopfPeering",
+                "metadata": {"name": name}}
+        try:
+            await self._call(self._custom.create_cluster_custom_object,
+                             PEERING_GROUP, "v1", "clusterkopfpeerings", body)
+        except Exception as error:
+            if self._is_missing(error):
+                return False
+            if isinstance(error, self._exception) and getattr(error, "status", None) == 409:
+                return True
+            raise
+        return True

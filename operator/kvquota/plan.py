@@ -8,8 +8,9 @@ from its caches after any event or restart, and local mode runs exactly the same
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, cast
 
@@ -118,14 +119,81 @@ def _created(body: Mapping[str, Any]) -> datetime | None:
     return created
 
 
-def oldest_first(tenants: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+_Entry = tuple[EffectiveSettings, TenantPolicy, str] | ValidationError
+
+
+@dataclass
+class PlanMemo:
+    """What `plan_pool` derived per object last time, reused while its inputs are
+    unchanged, so re-planning a pool after one quota's edit parses and resolves that
+    quota only. Keyed by object; an entry holds the inputs it was derived from and is
+    reused only when they compare equal (so a memo never changes a plan, only its
+    cost). Objects missing from a plan are dropped from the memo. Inputs are held by
+    reference: a caller that keeps a memo must replace bodies, not edit them in place
+    (kopf's indices hold a fresh snapshot per event)."""
+
+    _pool: tuple[Any, InferencePoolSpec | ValidationError] | None = None
+    _specs: dict[ObjKey, tuple[Any, TenantQuotaSpec | ValidationError]] = field(
+        default_factory=dict)
+    _created: dict[ObjKey, tuple[Any, datetime | None]] = field(default_factory=dict)
+    _entries: dict[ObjKey, tuple[tuple[Any, ...], _Entry]] = field(default_factory=dict)
+
+    def pool_spec(self, raw: Any) -> InferencePoolSpec:
+        if self._pool is None or self._pool[0] != raw:
+            try:
+                parsed: InferencePoolSpec | ValidationError = (
+                    InferencePoolSpec.model_validate(raw))
+            except ValidationError as error:
+                parsed = error
+            self._pool = (raw, parsed)
+        if isinstance(self._pool[1], ValidationError):
+            raise self._pool[1]
+        return self._pool[1]
+
+    def quota_spec(self, key: ObjKey, raw: Any) -> TenantQuotaSpec:
+        known = self._specs.get(key)
+        if known is None or known[0] != raw:
+            try:
+                parsed: TenantQuotaSpec | ValidationError = TenantQuotaSpec.model_validate(raw)
+            except ValidationError as error:
+                parsed = error
+            known = self._specs[key] = (raw, parsed)
+        if isinstance(known[1], ValidationError):
+            raise known[1]
+        return known[1]
+
+    def created(self, key: ObjKey, body: Mapping[str, Any]) -> datetime | None:
+        raw = (body.get("metadata") or {}).get("creationTimestamp")
+        known = self._created.get(key)
+        if known is None or known[0] != raw:
+            known = self._created[key] = (raw, _created(body))
+        return known[1]
+
+    def entry(self, key: ObjKey, inputs: tuple[Any, ...], derive: Callable[[], _Entry]
+              ) -> _Entry:
+        known = self._entries.get(key)
+        if known is None or any(
+            a is not b and a != b for a, b in zip(known[0], inputs, strict=True)
+        ):
+            known = self._entries[key] = (inputs, derive())
+        return known[1]
+
+    def keep_only(self, keys: set[ObjKey]) -> None:
+        for table in (self._specs, self._created, self._entries):
+            for gone in [k for k in table if k not in keys]:
+                del table[gone]
+
+
+def oldest_first(
+    tenants: Sequence[Mapping[str, Any]], memo: PlanMemo | None = None
+) -> list[Mapping[str, Any]]:
     """Order for admission: by creationTimestamp, objects without one after those with
     one (they are not created yet), then in the given order (file order, or name)."""
     epoch = datetime.min.replace(tzinfo=UTC)
 
     def sort_key(item: tuple[int, Mapping[str, Any]]) -> tuple[bool, datetime, int]:
         position, body = item
-        created = _created(body)
+        created = memo.created(_key(body), body) if memo is not None else _created(body)
         return (created is None, created or epoch, position)
 
     return [body for _, body in sorted(enumerate(tenants), key=sort_key)]
@@ -151,7 +219,7 @@ def plan_missing_pool(
 
 
 def _parse_quotas(
-    ordered: Sequence[Mapping[str, Any]], pool_ref: str
+    ordered: Sequence[Mapping[str, Any]], pool_ref: str, memo: PlanMemo
 ) -> tuple[list[_Quota], dict[ObjKey, TenantPlan]]:
     """Valid quotas (oldest first, one per tenant id) and plans for the refused ones."""
     quotas: list[_Quota] = []
@@ -160,7 +228,7 @@ def _parse_quotas(
     for body in ordered:
         key = _key(body)
         try:
-            spec = TenantQuotaSpec.model_validate(body.get("spec") or {})
+            spec = memo.quota_spec(key, body.get("spec") or {})
         except ValidationError as error:
             want = Want("Accepted", "False", "InvalidSpec", describe_errors(error))
             refused[key] = _not_in_pool(key, None, None, want)
@@ -223,15 +291,19 @@ def plan_pool(
     name: str,
     ready_replicas: int,
     reported_capacities: Sequence[int] = (),
+    memo: PlanMemo | None = None,
 ) -> PoolPlan:
     """Decide every quota of one pool. `tenants` come in tie-break order (file order in
-    local mode, name order in the cluster); creationTimestamp sorts first."""
-    ordered = oldest_first(tenants)
+    local mode, name order in the cluster); creationTimestamp sorts first. A `memo`
+    kept between calls for the same pool makes re-planning cost what changed."""
+    memo = memo if memo is not None else PlanMemo()
+    memo.keep_only({_key(b) for b in tenants})
+    ordered = oldest_first(tenants, memo)
     if pool is None:
         return plan_missing_pool(namespace, name, ordered)
     pool_ref = f"{namespace}/{name}"
     try:
-        spec = InferencePoolSpec.model_validate(pool.get("spec") or {})
+        spec = memo.pool_spec(pool.get("spec") or {})
     except ValidationError as error:
         return _plan_invalid_pool(namespace, name, ordered, describe_errors(error))
 
@@ -242,7 +314,7 @@ def plan_pool(
         guaranteeable_blocks(per_engine, replicas, spec.kv_cache.watermark)
         if per_engine else None
     )
-    quotas, plans = _parse_quotas(ordered, pool_ref)
+    quotas, plans = _parse_quotas(ordered, pool_ref, memo)
     decisions = admit_oldest_first(
         [(q.key, q.spec.kv_cache.guaranteed_blocks) for q in quotas],
         budget if budget is not None else 2**62,
@@ -257,19 +329,18 @@ def plan_pool(
             cast("ObjKey | None", decision.waiting_behind),
             pool_ref, capacity, spec.kv_cache.watermark,
         )
-        effective = effective_settings(
-            spec, quota.spec, tenant_id=quota.tenant_id, replicas=replicas,
-            guaranteed_blocks=granted,
+        derived = memo.entry(
+            quota.key, (spec, quota.spec, quota.tenant_id, replicas, granted),
+            functools.partial(_derive, spec, quota, replicas, granted),
         )
-        try:
-            entry = tenant_policy(effective)
-        except ValidationError as error:
-            want = Want("Accepted", "False", "InvalidSpec", describe_errors(error, "tenant"))
+        if isinstance(derived, ValidationError):
+            want = Want("Accepted", "False", "InvalidSpec", describe_errors(derived, "tenant"))
             plans[quota.key] = _not_in_pool(quota.key, quota.tenant_id, quota.spec.tier, want)
             continue
+        effective, entry, digest = derived
         plans[quota.key] = TenantPlan(
             key=quota.key, tenant_id=quota.tenant_id, tier=quota.spec.tier, accepted=want,
-            effective=effective, policy=entry, digest=tenant_digest(entry),
+            effective=effective, policy=entry, digest=digest,
         )
     try:
         policy = render_policy(
@@ -285,6 +356,19 @@ def plan_pool(
         guaranteed_blocks=granted_total, watermark=spec.kv_cache.watermark,
         policy=policy, tenants=plans,
     )
+
+
+def _derive(pool: InferencePoolSpec, quota: _Quota, replicas: int, granted: int) -> _Entry:
+    """One quota's effective settings and policy entry, or why the entry is invalid."""
+    effective = effective_settings(
+        pool, quota.spec, tenant_id=quota.tenant_id, replicas=replicas,
+        guaranteed_blocks=granted,
+    )
+    try:
+        entry = tenant_policy(effective)
+    except ValidationError as error:
+        return error
+    return effective, entry, tenant_digest(entry)
 
 
 def _plan_invalid_pool(

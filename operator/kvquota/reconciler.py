@@ -3,15 +3,22 @@
 Level-triggered: whatever changed (a pool, a quota, a deletion, an engine poll), the
 pool is recomputed from kopf's indices (the latest state of every object) and what the
 engines last reported, then only differences are written: the ConfigMap when the
-policy hash changed, each status when a field changed. Requests for the same pool are
-coalesced, so a burst of quota edits costs a couple of renders, not one per edit.
+policy hash changed, each status when a field changed.
+
+A reconcile has two stages, each coalesced per pool (requests that arrive during a
+run share the next one): the policy (plan, then the ConfigMap) and the status writes.
+They run apart, so a burst of new quotas does not hold the next policy behind the
+hundreds of status patches of the previous one, and a plan reuses what it derived for
+unchanged quotas (`PlanMemo`): re-planning after one edit costs that edit.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -20,10 +27,11 @@ from typing import TYPE_CHECKING, Any, cast
 from pydantic import ValidationError
 
 from engine_sidecar.policy import EnginePolicy
+from kvquota import metrics
 from kvquota.api import InferencePoolSpec, LabelSelector
 from kvquota.conditions import Want
 from kvquota.engines import gateway_selector
-from kvquota.plan import PoolPlan, plan_pool
+from kvquota.plan import ObjKey, PlanMemo, PoolPlan, TenantPlan, plan_pool
 from kvquota.render import HASH_ANNOTATION, POLICY_KEY, build_configmap, configmap_name
 from kvquota.status import (
     POOL_FIELDS,
@@ -35,7 +43,7 @@ from kvquota.status import (
     tenant_status,
 )
 from kvquota.sync import PolicyHistory
-from kvquota.usage import DisruptionWindow, EngineObservation, aggregate
+from kvquota.usage import Disruptions, DisruptionWindow, EngineObservation, aggregate
 
 if TYPE_CHECKING:
     from kvquota.engines import EnginePoller
@@ -74,6 +82,45 @@ class Coalescer:
             slot.done = target
 
 
+@dataclass(frozen=True)
+class _Planned:
+    """The latest plan of a pool and what its status writes need from plan time."""
+
+    plan: PoolPlan
+    engines: EngineView | None  # None: the pool does not exist
+    pool_generation: Any
+    generations: Mapping[ObjKey, Any]  # tenant -> the generation the plan saw
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A status patch to send: `new` built from `old`, as of `version`."""
+
+    ident: tuple[str, str, str]  # (plural, namespace, name)
+    kind: str
+    body: Mapping[str, Any]
+    version: str | None
+    old: Mapping[str, Any]
+    new: dict[str, Any]
+    patch: dict[str, Any]
+
+
+def _tenant_inputs(
+    tenant: TenantPlan, plan: PoolPlan, engines: EngineView | None,
+    history: PolicyHistory | None, disruptions: Disruptions | None, generation: Any,
+) -> tuple[Any, ...]:
+    """What `tenant_status` reads of its arguments, as a comparable tuple."""
+    observed: tuple[Any, ...] = ()
+    if engines is not None and plan.exists:
+        applied = (history.applied_on(engines.versions.values(), tenant.tenant_id,
+                                      tenant.digest)
+                   if history is not None and tenant.tenant_id and tenant.digest else None)
+        seen = engines.usage.tenants.get(tenant.tenant_id) if tenant.tenant_id else None
+        observed = (engines.ready, engines.window_seconds, applied, seen)
+    return (tenant, plan.exists, plan.error, plan.ref, engines is None, observed,
+            disruptions, generation)
+
+
 def _post_event(body: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
     """A Kubernetes Event through kopf's poster (outside kopf, e.g. in unit use: no-op)."""
     import kopf
@@ -90,12 +137,20 @@ def _meta(body: Mapping[str, Any]) -> Mapping[str, Any]:
     return meta
 
 
+def _key(body: Mapping[str, Any]) -> ObjKey:
+    meta = _meta(body)
+    return (str(meta.get("namespace")), str(meta.get("name")))
+
+
 class PoolReconciler:
     def __init__(self, kube: KubeApi, poller: EnginePoller, config: OperatorConfig) -> None:
         self._kube = kube
         self._poller = poller
         self._config = config
-        self._coalescer = Coalescer(self._reconcile)
+        self._policy_runs = Coalescer(self._plan_and_publish)
+        self._status_runs = Coalescer(self._publish_status)
+        self._memos: dict[PoolKey, PlanMemo] = {}
+        self._planned: dict[PoolKey, _Planned] = {}
         self._pools: Mapping[PoolKey, Iterable[Mapping[str, Any]]] = {}
         self._tenants: Mapping[PoolKey, Iterable[Mapping[str, Any]]] = {}
         self._observations: dict[PoolKey, EngineObservation] = {}
@@ -109,6 +164,9 @@ class PoolReconciler:
         self._verify: set[PoolKey] = set()
         # What we last wrote per object, until the watch shows it (keyed by resourceVersion).
         self._written: dict[tuple[str, str, str], tuple[str | None, dict[str, Any]]] = {}
+        # Per status: the inputs and old status it was last built from. The same again
+        # builds the same status, so it is skipped (an edit rebuilds one, not 1,000).
+        self._built: dict[tuple[str, str, str], tuple[Any, ...]] = {}
         self.reconciles = 0
 
     def bind(
@@ -121,15 +179,19 @@ class PoolReconciler:
 
     # ------------------------------------------------------------ entry points
 
-    async def reconcile(self, key: PoolKey) -> None:
-        await self._coalescer.run(key)
+    async def reconcile(self, key: PoolKey, since: float | None = None) -> None:
+        """Bring the pool's ConfigMap, then every status, up to date with what is known
+        now. `since` (time.monotonic) is when the change was seen, for the latency."""
+        await self._policy_runs.run(key)
+        if since is not None:
+            metrics.CHANGE_TO_CONFIGMAP.observe(time.monotonic() - since)
+        await self._status_runs.run(key)
 
-    async def poll_if_due(self, key: PoolKey) -> None:
-        """Timer tick: poll when the poll interval has passed."""
-        if time.monotonic() - self._polled_at.get(key, -1e9) >= self._config.poll_interval:
-            await self.poll(key)
+    def poll_due(self, key: PoolKey) -> bool:
+        """Timer tick: whether the poll interval has passed since the last poll."""
+        return time.monotonic() - self._polled_at.get(key, -1e9) >= self._config.poll_interval
 
-    async def poll(self, key: PoolKey) -> None:
+    async def poll(self, key: PoolKey, since: float | None = None) -> None:
         """Poll the pool's engines, then reconcile with what they said and check the
         ConfigMap against the API. Polling happens outside the coalesced run, so slow
         engines never delay a quota change."""
@@ -139,10 +201,11 @@ class PoolReconciler:
         self._polled_at[key] = time.monotonic()
         await self._observe(key, pool)
         self._verify.add(key)
-        await self.reconcile(key)
+        await self.reconcile(key, since)
 
     def forget(self, plural: str, namespace: str, name: str) -> None:
         self._written.pop((plural, namespace, name), None)
+        self._built.pop((plural, namespace, name), None)
         if plural == POOLS:
             key = (namespace, name)
             self._observations.pop(key, None)
@@ -151,6 +214,8 @@ class PoolReconciler:
             self._histories.pop(key, None)
             self._windows.pop(key, None)
             self._configmaps.pop(key, None)
+            self._memos.pop(key, None)
+            metrics.forget_pool(namespace, name)
 
     # ------------------------------------------------------------ engines
 
@@ -189,14 +254,18 @@ class PoolReconciler:
 
     # ------------------------------------------------------------ the reconcile
 
-    async def _reconcile(self, key: PoolKey) -> None:
+    async def _plan_and_publish(self, key: PoolKey) -> None:
+        """Stage one: plan the pool and write its ConfigMap if the policy changed."""
         self.reconciles += 1
         namespace, name = key
         pool = self._pool(key)
         tenants = sorted(self._tenants.get(key, ()), key=lambda b: str(_meta(b).get("name")))
+        generations = {_key(b): _meta(b).get("generation") for b in tenants}
+        memo = self._memos.setdefault(key, PlanMemo())
         if pool is None:
-            plan = plan_pool(None, tenants, namespace=namespace, name=name, ready_replicas=0)
-            await self._write_tenants(tenants, plan, None, key)
+            plan = plan_pool(None, tenants, namespace=namespace, name=name, ready_replicas=0,
+                             memo=memo)
+            self._planned[key] = _Planned(plan, None, None, generations)
             return
         observation = self._observations.get(key)
         if observation is None:  # first sight since start: know the replicas before rendering
@@ -205,7 +274,11 @@ class PoolReconciler:
             pool, tenants, namespace=namespace, name=name,
             ready_replicas=observation.replicas,
             reported_capacities=observation.reported_capacities(),
+            memo=memo,
         )
+        metrics.set_refused(namespace, name, Counter(
+            t.accepted.reason for t in (plan.tenants or {}).values()
+            if t.accepted.status == "False"))
         if plan.policy is not None:
             history = self._histories.setdefault(key, PolicyHistory())
             history.record(plan.policy, plan.digests)
@@ -227,13 +300,33 @@ class PoolReconciler:
             usage=aggregate(reports.values()),
             window_seconds=self._config.degraded_window,
         )
-        now = datetime.now(UTC)
-        await self._write_status(
-            POOLS, "InferencePool", pool, POOL_FIELDS,
-            lambda old: pool_status(plan, engines=engines, old=old,
-                                    generation=_meta(pool).get("generation"), now=now),
-        )
-        await self._write_tenants(tenants, plan, engines, key)
+        version = plan.policy.version if plan.policy is not None else None
+        metrics.set_engines(namespace, name, observed=engines.ready,
+                            stale=engines.ready - engines.synced(version))
+        self._planned[key] = _Planned(plan, engines, _meta(pool).get("generation"), generations)
+
+    async def _publish_status(self, key: PoolKey) -> None:
+        """Stage two: the statuses of the pool and its quotas, from the latest plan.
+        Bodies come from the index now (their latest status and resourceVersion);
+        observedGeneration is what the plan saw, so a quota edited since is not
+        claimed as observed until the next plan covers it."""
+        planned = self._planned.get(key)
+        if planned is None:
+            return
+        plan, engines = planned.plan, planned.engines
+        tenants = [b for b in self._tenants.get(key, ()) if _key(b) in planned.generations]
+        if engines is None:
+            await self._write_tenants(tenants, planned, key)
+            return
+        pool = self._pool(key)
+        if pool is not None:
+            now = datetime.now(UTC)
+            await self._write_status(
+                POOLS, "InferencePool", pool, POOL_FIELDS,
+                functools.partial(pool_status, plan, engines=engines,
+                                  generation=planned.pool_generation, now=now),
+            )
+        await self._write_tenants(tenants, planned, key)
 
     async def _write_configmap(
         self, pool: Mapping[str, Any], policy: EnginePolicy, history: PolicyHistory,
@@ -268,6 +361,7 @@ class PoolReconciler:
         elif not await self._kube.patch_configmap(namespace, cm_name, patch):
             await self._kube.create_configmap(desired)  # deleted since we last wrote it
         self._configmaps[key] = policy.version
+        metrics.POLICY_WRITES.inc()
         logger.info("pool %s/%s: policy %s written to ConfigMap %s (%d tenants)",
                     namespace, name, policy.version, cm_name, len(policy.tenants))
         _post_event(pool, "Normal", "PolicyUpdated",
@@ -298,37 +392,55 @@ class PoolReconciler:
             logger.warning("ConfigMap of pool %s holds an unreadable policy", version)
 
     async def _write_tenants(
-        self, tenants: list[Mapping[str, Any]], plan: PoolPlan,
-        engines: EngineView | None, key: PoolKey,
+        self, tenants: list[Mapping[str, Any]], planned: _Planned, key: PoolKey,
     ) -> None:
+        plan, engines = planned.plan, planned.engines
         history = self._histories.get(key)
         window = self._windows.get(key)
         now, clock = datetime.now(UTC), self._config.clock()
-        limit = asyncio.Semaphore(self._config.status_concurrency)
-
-        async def write(body: Mapping[str, Any]) -> None:
-            meta = _meta(body)
-            tenant = (plan.tenants or {}).get((str(meta.get("namespace")), str(meta.get("name"))))
+        pending: list[_Pending] = []
+        for body in tenants:
+            tenant = (plan.tenants or {}).get(_key(body))
             if tenant is None:
-                return
+                continue
             disruptions = (window.disruptions(tenant.tenant_id, clock)
                            if window is not None and tenant.tenant_id else None)
-            async with limit:
-                await self._write_status(
-                    TENANTS, "TenantQuota", body, TENANT_FIELDS,
-                    lambda old: tenant_status(
-                        tenant, plan, engines=engines if plan.exists else None,
-                        history=history, disruptions=disruptions, old=old,
-                        generation=meta.get("generation"), now=now,
-                    ),
-                )
+            generation = planned.generations.get(tenant.key)
+            write = self._prepare(
+                TENANTS, "TenantQuota", body, TENANT_FIELDS,
+                functools.partial(
+                    tenant_status, tenant, plan, engines=engines if plan.exists else None,
+                    history=history, disruptions=disruptions, generation=generation, now=now,
+                ),
+                _tenant_inputs(tenant, plan, engines, history, disruptions, generation),
+            )
+            if write is not None:
+                pending.append(write)
+        # Only the statuses that change become tasks (an edit: one, not 1,000).
+        limit = asyncio.Semaphore(self._config.status_concurrency)
 
-        await asyncio.gather(*(write(body) for body in tenants))
+        async def send(write: _Pending) -> None:
+            async with limit:
+                await self._send(write)
+
+        await asyncio.gather(*(send(write) for write in pending))
 
     async def _write_status(
         self, plural: str, kind: str, body: Mapping[str, Any], owned: tuple[str, ...],
-        build: Callable[[Mapping[str, Any]], dict[str, Any]],
+        build: Callable[..., dict[str, Any]],
     ) -> None:
+        write = self._prepare(plural, kind, body, owned, build)
+        if write is not None:
+            await self._send(write)
+
+    def _prepare(
+        self, plural: str, kind: str, body: Mapping[str, Any], owned: tuple[str, ...],
+        build: Callable[..., dict[str, Any]], inputs: tuple[Any, ...] | None = None,
+    ) -> _Pending | None:
+        """The patch `build(old=...)` makes of the status, or None when it changes
+        nothing. With `inputs` (everything `build` reads besides `old` and the clock),
+        a status built from the same inputs and the same old status as last time is
+        not built again."""
         meta = _meta(body)
         ident = (plural, str(meta.get("namespace")), str(meta.get("name")))
         version = meta.get("resourceVersion")
@@ -339,13 +451,26 @@ class PoolReconciler:
                 old = remembered[1]  # our last write is not in the watch yet
             else:
                 del self._written[ident]
-        new = build(old)
+        stamp = None if inputs is None else (*inputs, version, remembered is not None
+                                             and remembered[0] == version)
+        if stamp is not None and self._built.get(ident) == stamp:
+            return None
+        new = build(old=old)
         patch = status_patch(old, new, owned)
         if patch is None:
-            return
-        if not await self._kube.patch_status(plural, ident[1], ident[2], patch):
+            if stamp is not None:
+                self._built[ident] = stamp  # up to date: skip until something changes
+            return None
+        # Not stamped until sent: a patch that fails is built and sent again next time.
+        return _Pending(ident, kind, body, version, old, new, patch)
+
+    async def _send(self, write: _Pending) -> None:
+        plural, namespace, name = write.ident
+        if not await self._kube.patch_status(plural, namespace, name, write.patch):
             return  # deleted meanwhile
-        merged = {k: v for k, v in {**old, **patch}.items() if v is not None}
-        self._written[ident] = (version, merged)
-        for type_, reason, message in event_worthy(kind, old, new):
-            _post_event(body, type_, reason, message)
+        old = write.old
+        merged = {k: v for k, v in {**old, **write.patch}.items() if v is not None}
+        self._written[write.ident] = (write.version, merged)
+        self._built.pop(write.ident, None)  # stamped against an older status: void
+        for type_, reason, message in event_worthy(write.kind, old, write.new):
+            _post_event(write.body, type_, reason, message)

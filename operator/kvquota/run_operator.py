@@ -11,12 +11,18 @@ cluster-wide, or per namespace with `--namespace`). The replica with the highest
 `--priority` works; the others pause their watches and timers until it stops
 renewing its entry in the peering object. Give every replica a distinct priority:
 kopf pauses all replicas that share the highest one. Install kopf's peering CRD
-(`clusterkopfpeerings.kopf.dev`) and a ClusterKopfPeering named `kvquota`. Without
-the CRD, the operator logs a warning and runs unpaired (fine for one replica);
-`--require-peering` instead waits for it, so a second replica can never work
-alongside. Everything the operator knows lives in CRs and ConfigMaps, so a standby
-that takes over (or a restarted replica) converges from scratch. `--standalone`
-disables peering.
+(`clusterkopfpeerings.kopf.dev`, crds/kopf.dev_clusterkopfpeerings.yaml) and a
+ClusterKopfPeering named `kvquota`. Without the CRD, the operator logs a warning and
+runs unpaired (fine for one replica); `--require-peering` instead starts paused and
+stays so until it has seen the peering object: HA installs need it, since an optional
+peering lets a starting replica work until it first hears of its peers. A replica
+that exits cleanly removes itself, so the standby resumes at once; one that dies is
+presumed dead `--peering-lifetime` seconds after its last keep-alive. Everything the
+operator knows lives in CRs and ConfigMaps, so a standby that takes over (or a
+restarted replica) converges from scratch. `--standalone` disables peering.
+
+Metrics: `--metrics HOST:PORT` serves Prometheus metrics (`kvquota.metrics`) on
+`/metrics`; a paused standby serves them too (its reconcile counters stay still).
 
 Local mode (`--local DIR [--out OUT]`, see `kvquota.local`) needs no cluster; it
 reads DIR and writes only below OUT.
@@ -59,6 +65,7 @@ def configure_settings(settings: kopf.OperatorSettings, config: OperatorConfig) 
     settings.posting.reporting_component = "kvquota-operator"
     settings.posting.event_name_prefix = "kvquota-"
     settings.peering.name = PEERING_NAME
+    settings.peering.lifetime = config.peering_lifetime
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -87,6 +94,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                        help="watch only this namespace (repeatable)")
     cluster.add_argument("--liveness", metavar="URL",
                          help="serve a liveness probe, e.g. http://0.0.0.0:8080/healthz")
+    cluster.add_argument("--metrics", metavar="HOST:PORT", type=_metrics_address,
+                         help="serve Prometheus metrics on /metrics, e.g. 0.0.0.0:9090")
     peering = cluster.add_mutually_exclusive_group()
     peering.add_argument("--standalone", action="store_true",
                          help=f"no peering (single replica); default: peering {PEERING_NAME!r} "
@@ -96,6 +105,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     cluster.add_argument("--priority", type=int, default=0,
                          help="peering priority: the highest live replica works; "
                          "give each replica a distinct one")
+    cluster.add_argument("--peering-lifetime", type=int, default=60, metavar="SECONDS",
+                         help="how long peers trust this replica's keep-alive: a replica "
+                         "that dies is replaced this long after its last one (default: 60)")
     cluster.add_argument("--poll-interval", type=float, default=10.0, metavar="SECONDS",
                          help="how often each pool's engines are polled (default: 10)")
     cluster.add_argument("--engine-timeout", type=float, default=2.0, metavar="SECONDS",
@@ -118,6 +130,15 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.set_defaults(func=main)
 
 
+def _metrics_address(value: str) -> tuple[str, int]:
+    from kvquota.metrics import parse_address
+
+    try:
+        return parse_address(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def main(args: argparse.Namespace) -> int:
     if args.local:
         from kvquota.local import run_local
@@ -135,6 +156,8 @@ def main(args: argparse.Namespace) -> int:
         engine_timeout=args.engine_timeout,
         degraded_window=args.degraded_window,
         webhook=webhook_config(args),
+        metrics_address=args.metrics,
+        peering_lifetime=args.peering_lifetime,
     )
     run_cluster(
         config,

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
     from kvquota.inject.webhook import WebhookConfig
     from kvquota.kube import KubeApi
+    from kvquota.metrics import MetricsServer
     from kvquota.reconciler import PoolReconciler
 
 
@@ -28,6 +29,8 @@ class OperatorConfig:
     engine_timeout: float = 2.0  # one sidecar status request
     degraded_window: float = 300.0  # Degraded looks at disruptions this far back
     status_concurrency: int = 16  # parallel status patches during a fan-out
+    metrics_address: tuple[str, int] | None = None  # serve /metrics here (host, port)
+    peering_lifetime: int = 60  # seconds peers trust our keep-alive (kopf's default)
     # Clock (seconds) of the disruption window; tests substitute one they advance.
     clock: Callable[[], float] = time.monotonic
     timeouts: Timeouts = field(default_factory=Timeouts)
@@ -41,8 +44,11 @@ class Runtime:
     kube: KubeApi
     http: httpx.AsyncClient
     reconciler: PoolReconciler
+    metrics: MetricsServer | None = None
 
     async def aclose(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
         await self.http.aclose()
 
 
@@ -51,13 +57,15 @@ def build_runtime(config: OperatorConfig) -> Runtime:
 
     from kvquota.engines import EnginePoller
     from kvquota.kube import KubeApi, api_client
+    from kvquota.metrics import MetricsServer
     from kvquota.reconciler import PoolReconciler
 
     kube = KubeApi(api_client(config.api_server), config.timeouts)
     # Pod IPs are cluster-internal: no proxies from the environment, no cookies.
     http = httpx.AsyncClient(trust_env=False, follow_redirects=False)
     poller = EnginePoller(kube, http, config.engine_timeout, config.clock)
-    return Runtime(config, kube, http, PoolReconciler(kube, poller, config))
+    served = MetricsServer(*config.metrics_address) if config.metrics_address else None
+    return Runtime(config, kube, http, PoolReconciler(kube, poller, config), served)
 
 
 def runtime_of(memo: Any) -> Runtime:

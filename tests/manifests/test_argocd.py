@@ -270,7 +270,8 @@ def test_sync_waves_create_api_then_operator_then_quotas() -> None:
 # -------------------------------------------- the API apart from the operator
 
 
-CRDS = {"inferencepools.kvquota.dev", "tenantquotas.kvquota.dev"}
+CRDS = {"inferencepools.kvquota.dev", "tenantquotas.kvquota.dev",
+        "clusterkopfpeerings.kopf.dev"}  # kopf's peering CRD: operator HA
 KEEP = "argocd.argoproj.io/sync-options"
 
 

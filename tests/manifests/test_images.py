@@ -126,12 +126,22 @@ def test_cli_accepts_the_command_line(where: str, argv: list[str]) -> None:
         pytest.fail(f"{where}: `kvquota {' '.join(argv)}` is refused by the CLI ({exc})")
 
 
-def test_operator_is_not_paused_waiting_for_a_peering_crd() -> None:
-    """kopf with mandatory peering and no peering CRD starts, then does nothing."""
-    objects = build("manifests/base")
-    (operator,) = [o for o in objects if o["kind"] == "Deployment"]
-    (container,) = operator["spec"]["template"]["spec"]["containers"]
-    crds = {o["metadata"]["name"] for o in objects if o["kind"] == "CustomResourceDefinition"}
-    assert "--standalone" in container["command"] or "clusterkopfpeerings.kopf.dev" in crds
-    if "--standalone" in container["command"]:
-        assert operator["spec"]["replicas"] == 1, "standalone replicas would fight"
+@pytest.mark.parametrize("install", ["manifests/base", "manifests/overlays/ha"])
+def test_operator_is_not_paused_waiting_for_a_peering_crd(install: str) -> None:
+    """kopf with mandatory peering and no peering CRD starts, then does nothing; peered
+    replicas that share the highest priority all pause. The CRDs are applied first, from
+    manifests/crds."""
+    operators = [o for o in build(install) if o["kind"] == "Deployment"]
+    crds = {o["metadata"]["name"] for o in build("manifests/crds")
+            if o["kind"] == "CustomResourceDefinition"}
+    priorities = []
+    for operator in operators:
+        (container,) = operator["spec"]["template"]["spec"]["containers"]
+        command = container["command"]
+        assert "--standalone" in command or "clusterkopfpeerings.kopf.dev" in crds
+        if "--standalone" in command:
+            assert len(operators) == operator["spec"]["replicas"] == 1, "they would fight"
+        else:
+            assert operator["spec"]["replicas"] == 1, "replicas would share a priority"
+            priorities.append(int(command[command.index("--priority") + 1]))
+    assert len(set(priorities)) == len(priorities), priorities

@@ -221,9 +221,11 @@ def test_engine_podmonitor_scrapes_the_sidecar_of_every_engine() -> None:
 
 def test_operator_podmonitor_matches_the_operator_pod() -> None:
     monitor = one(_monitoring(), "PodMonitor", "kvquota-operator")
-    operator = one(build("manifests/base"), "Deployment", "kvquota-operator")
-    pod = operator["spec"]["template"]
-    assert monitor["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    for name in ("kvquota-operator", "kvquota-operator-standby"):  # leader and standby
+        operator = one(build("manifests/overlays/ha"), "Deployment", name)
+        pod = operator["spec"]["template"]
+        assert (monitor["spec"]["selector"]["matchLabels"].items()
+                <= pod["metadata"]["labels"].items())
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     assert endpoint["port"] in {p["name"] for c in pod["spec"]["containers"] for p in c["ports"]}
     assert one(_monitoring(), "PodMonitor", "kvquota-operator")["metadata"]["namespace"] == (

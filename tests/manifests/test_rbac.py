@@ -25,6 +25,9 @@ NEEDED = [
     ("", "pods", "list"),
     ("inference.networking.k8s.io", "inferencepools", "get"),
     ("", "events", "create"),
+    ("kopf.dev", "clusterkopfpeerings", "watch"),
+    ("kopf.dev", "clusterkopfpeerings", "patch"),
+    ("kopf.dev", "clusterkopfpeerings", "create"),
 ]
 # What it must not be able to do.
 FORBIDDEN = [
@@ -39,9 +42,10 @@ FORBIDDEN = [
 
 def _operator_rules() -> list[dict[str, Any]]:
     objects = build("manifests/base")
-    (deployment,) = [o for o in objects if o["kind"] == "Deployment"]
-    account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
-    namespace = deployment["metadata"]["namespace"]
+    # Leader and standby run as the same account.
+    ((account, namespace),) = {
+        (o["spec"]["template"]["spec"]["serviceAccountName"], o["metadata"]["namespace"])
+        for o in objects if o["kind"] == "Deployment"}
     roles = {(o["kind"], o["metadata"]["name"]): o for o in objects
              if o["kind"] in ("ClusterRole", "Role")}
     rules: list[dict[str, Any]] = []

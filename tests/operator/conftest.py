@@ -8,13 +8,15 @@ engines with `FakeEngines`.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import aiohttp
 import pytest
 from operator_harness import WAIT, Cluster, FakeEngines, ManualClock
 
 from kvquota.emulator import OperatorRunner, serve
+from kvquota.emulator_process import OperatorProcess
 from kvquota.runtime import OperatorConfig
 
 
@@ -52,3 +54,25 @@ async def engines(cluster: Cluster) -> AsyncIterator[FakeEngines]:
         yield fakes
     finally:
         await fakes.close()
+
+
+SpawnOperator = Callable[..., Awaitable[OperatorProcess]]
+
+
+@pytest.fixture
+async def spawn_operator(cluster: Cluster, tmp_path: Path) -> AsyncIterator[SpawnOperator]:
+    """Start `kvquota operator` processes against the emulator (`identity`, extra
+    flags); every one still running is stopped at the end."""
+    started: list[OperatorProcess] = []
+
+    async def spawn(identity: str, *args: str) -> OperatorProcess:
+        process = OperatorProcess(cluster.url, tmp_path, identity=identity, args=args)
+        started.append(process)
+        await process.start(WAIT)
+        return process
+
+    try:
+        yield spawn
+    finally:
+        for process in started:
+            await process.stop()

@@ -31,6 +31,7 @@ PATHS = {
     "Event": "/api/v1/namespaces/{ns}/events",
     "GatewayInferencePool": "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools",
 }
+PEERINGS = "/apis/kopf.dev/v1/clusterkopfpeerings"
 
 
 @dataclass
@@ -64,6 +65,20 @@ class Cluster:
         self.server.resources["inference.networking.k8s.io/v1/inferencepools"] = ResourceInfo(
             kind="InferencePool", singular="inferencepool", namespaced=True,
             verbs={"get", "list", "watch", "create", "patch", "delete"})
+
+    def install_peering_crd(self) -> None:
+        """Serve kopf's ClusterKopfPeering (as crds/kopf.dev_clusterkopfpeerings.yaml
+        declares it: cluster-scoped, status a plain field, no subresource)."""
+        from kmock import ResourceInfo
+
+        self.server.resources["kopf.dev/v1/clusterkopfpeerings"] = ResourceInfo(
+            kind="ClusterKopfPeering", singular="clusterkopfpeering", namespaced=False,
+            verbs={"get", "list", "watch", "create", "patch", "delete"})
+
+    async def peers(self, name: str) -> dict[str, Any]:
+        """The peering object's status: kopf identity -> priority, lifetime, lastseen."""
+        async with self.session.get(f"{self.url}{PEERINGS}/{name}") as response:
+            return dict((await self._json(response)).get("status") or {})
 
     async def patch(self, kind: str, name: str, patch: dict[str, Any], *,
                     namespace: str = "default", sub: str = "") -> dict[str, Any]:

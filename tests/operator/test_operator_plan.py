@@ -108,3 +108,43 @@ def test_name_too_long_for_a_tenant_id_asks_for_spec_tenant_id() -> None:
     plan = _plan(pool(), [quota("x" * 70)])
     want = (plan.tenants or {})[("default", "x" * 70)].accepted
     assert want.reason == "InvalidSpec"
+
+
+def test_a_memo_kept_across_edits_plans_exactly_what_a_fresh_plan_does() -> None:
+    """The operator keeps a PlanMemo per pool; replanning after each edit (guarantee up
+    or down, a spec made invalid, a duplicate tenant id, a deletion, a pool change,
+    a new replica count) must decide every quota as planning from scratch does."""
+    from kvquota.plan import PlanMemo
+
+    ts = "2026-01-01T00:00:0{}Z"
+    bodies = {n: quota(n, guaranteed=300, maximum=600, created=ts.format(i))
+              for i, n in enumerate(["a", "b", "c", "d"])}
+    pool_body = pool(capacity=1000)
+    memo = PlanMemo()
+
+    def replace(name: str, **kv_cache: Any) -> None:  # a new body, as kopf's index holds
+        old = bodies[name]
+        spec = {**old["spec"], "kvCache": {**old["spec"]["kvCache"], **kv_cache}}
+        bodies[name] = {**old, "spec": spec}
+
+    steps: list[Any] = [
+        lambda: None,
+        lambda: replace("a", guaranteedBlocks=100),  # c now fits
+        lambda: replace("b", guaranteedBlocks=-5),  # invalid
+        lambda: replace("b", guaranteedBlocks=50),
+        lambda: bodies.__setitem__("d", {**bodies["d"], "spec": {
+            **bodies["d"]["spec"], "tenantId": "a"}}),  # duplicate tenant id
+        lambda: bodies.pop("a"),  # d now owns tenant id "a"
+        lambda: pool_body["spec"]["kvCache"].update(capacityBlocks=500),
+    ]
+    for replicas, step in zip([1, 1, 2, 2, 3, 3, 1], steps, strict=True):
+        step()
+        tenants = sorted(bodies.values(), key=lambda b: b["metadata"]["name"])
+        pool_now = {**pool_body, "spec": {**pool_body["spec"],
+                                          "kvCache": dict(pool_body["spec"]["kvCache"])}}
+        kept = plan_pool(pool_now, tenants, namespace="default", name="demo-pool",
+                         ready_replicas=replicas, memo=memo)
+        assert kept == _plan(pool_now, tenants, replicas=replicas)
+    # The last step as a user sees it: 425 guaranteeable, b (50) + c (300) fit, d not.
+    assert _accepted(kept, "c") == ("True", "Accepted")
+    assert _accepted(kept, "d") == ("False", "Oversubscribed")

@@ -9,7 +9,7 @@ from typing import Any
 
 import kopf
 
-from kvquota.runtime import OperatorConfig, build_runtime, runtime_of
+from kvquota.runtime import OperatorConfig, Runtime, build_runtime, runtime_of
 
 
 @kopf.on.startup()
@@ -18,6 +18,7 @@ async def start(
     memo: kopf.Memo,
     inferencepools_by_key: kopf.Index[Any, Any],
     tenantquotas_by_pool: kopf.Index[Any, Any],
+    logger: kopf.Logger,
     **_: Any,
 ) -> None:
     from kvquota.run_operator import configure_settings
@@ -27,6 +28,20 @@ async def start(
     runtime = build_runtime(config)
     runtime.reconciler.bind(inferencepools_by_key, tenantquotas_by_pool)
     memo.runtime = runtime
+    if not settings.peering.standalone and settings.peering.clusterwide:
+        await _ensure_peering(runtime, settings, logger)
+
+
+async def _ensure_peering(runtime: Runtime, settings: kopf.OperatorSettings,
+                          logger: kopf.Logger) -> None:
+    """Create the ClusterKopfPeering the replicas meet in (before kopf's peering
+    starts), so an install needs no custom object applied after its CRD."""
+    if await runtime.kube.ensure_cluster_peering(settings.peering.name):
+        return
+    if settings.peering.mandatory:
+        logger.error("kopf's peering CRD (clusterkopfpeerings.kopf.dev) is not installed: "
+                     "--require-peering keeps this replica paused until it is, and the "
+                     "operator restarted (kubectl apply -k crds)")
 
 
 @kopf.on.cleanup()

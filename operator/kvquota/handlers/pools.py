@@ -11,14 +11,17 @@ collector delete it.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import kopf
 
 from kvquota.handlers.common import BACKOFF, GROUP, VERSION, deleted, retrying, snapshot
+from kvquota.metrics import timed_reconcile
 from kvquota.reconciler import POOLS, PoolKey
 from kvquota.runtime import runtime_of
 
+KIND = "InferencePool"
 TICK_SECONDS = 0.5  # timer resolution; the poll interval itself is OperatorConfig's
 
 
@@ -34,7 +37,8 @@ def inferencepools_by_key(
 @kopf.on.update(GROUP, VERSION, POOLS, backoff=BACKOFF)
 async def pool_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
     """A new or edited pool (maybe a new selector): look at its engines right away."""
-    await runtime_of(memo).reconciler.poll((namespace, name))
+    with timed_reconcile(KIND):
+        await runtime_of(memo).reconciler.poll((namespace, name), since=time.monotonic())
 
 
 @kopf.on.event(GROUP, VERSION, POOLS, when=deleted)
@@ -42,11 +46,16 @@ async def pool_deleted(
     namespace: str, name: str, memo: kopf.Memo, logger: kopf.Logger, **_: Any
 ) -> None:
     """A deleted pool leaves its quotas with PoolNotFound."""
+    seen = time.monotonic()
     reconciler = runtime_of(memo).reconciler
     reconciler.forget(POOLS, namespace, name)
-    await retrying(lambda: reconciler.reconcile((namespace, name)), logger)
+    with timed_reconcile(KIND):
+        await retrying(lambda: reconciler.reconcile((namespace, name), since=seen), logger)
 
 
 @kopf.timer(GROUP, VERSION, POOLS, interval=TICK_SECONDS)
 async def poll_engines(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
-    await runtime_of(memo).reconciler.poll_if_due((namespace, name))
+    reconciler = runtime_of(memo).reconciler
+    if reconciler.poll_due((namespace, name)):
+        with timed_reconcile(KIND):
+            await reconciler.poll((namespace, name))

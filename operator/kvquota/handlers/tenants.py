@@ -10,14 +10,18 @@ waits for the operator.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import kopf
 
 from kvquota.handlers.common import BACKOFF, GROUP, VERSION, deleted, retrying, snapshot
+from kvquota.metrics import timed_reconcile
 from kvquota.reconciler import TENANTS, PoolKey
 from kvquota.runtime import runtime_of
+
+KIND = "TenantQuota"
 
 
 def _pool_name(spec: Mapping[str, Any] | None) -> str | None:
@@ -42,10 +46,12 @@ async def quota_changed(
     **_: Any,
 ) -> None:
     """Re-render the referenced pool, and the previous one if `poolRef` moved."""
+    seen = time.monotonic()
     pools = {_pool_name(spec), _pool_name((old or {}).get("spec"))} - {None}
     reconciler = runtime_of(memo).reconciler
-    for pool in sorted(p for p in pools if p):
-        await reconciler.reconcile((namespace, pool))
+    with timed_reconcile(KIND):
+        for pool in sorted(p for p in pools if p):
+            await reconciler.reconcile((namespace, pool), since=seen)
 
 
 @kopf.on.event(GROUP, VERSION, TENANTS, when=deleted)
@@ -54,9 +60,11 @@ async def quota_deleted(
     logger: kopf.Logger, **_: Any,
 ) -> None:
     """A deleted quota leaves its pool's policy."""
+    seen = time.monotonic()
     pool = _pool_name(spec)
     if pool is None:
         return
     reconciler = runtime_of(memo).reconciler
     reconciler.forget(TENANTS, namespace, name)
-    await retrying(lambda: reconciler.reconcile((namespace, pool)), logger)
+    with timed_reconcile(KIND):
+        await retrying(lambda: reconciler.reconcile((namespace, pool), since=seen), logger)

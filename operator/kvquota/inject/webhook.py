@@ -55,6 +55,9 @@ class WebhookConfig:
     work_dir: Path | None = None
 
 
+PUBLISH_RETRY_S = 30.0
+
+
 class InjectionServer:
     """What `settings.admission.server` runs: yields kopf's client configs."""
 
@@ -63,6 +66,7 @@ class InjectionServer:
         self.publish_ca = publish_ca
         self.port: int | None = None  # the bound port, once serving
         self.current: ServingCert | None = None
+        self.published = False  # the API server trusts `current`
 
     def _server(self, cert_dir: Path | None) -> Any:
         import kopf
@@ -104,7 +108,21 @@ class InjectionServer:
         fresh = issue(service_names(config.service, config.namespace), lifetime=config.lifetime)
         bundle = fresh.ca_pem + (self.current.ca_pem if self.current else b"")
         if self.publish_ca is not None:
-            await self.publish_ca(bundle)  # trusted before it is served
+            try:
+                await self.publish_ca(bundle)  # trusted before it is served
+            except Exception:
+                if self.current is not None:
+                    raise  # keep serving the trusted one
+                # At start: serve anyway (the API server refuses an untrusted webhook,
+                # so labelled pods wait, as with the operator down), never stop the
+                # operator's reconciles for it, and publish again soon.
+                self.published = False
+                logger.exception("publishing the webhook CA failed; injection waits for it "
+                                 "(retry in %.0f s)", PUBLISH_RETRY_S)
+                fresh.write(cert_dir)
+                self.current = fresh
+                return
+        self.published = True
         fresh.write(cert_dir)
         self.current = fresh
         logger.info("webhook serving certificate issued, valid until %s",
@@ -112,9 +130,11 @@ class InjectionServer:
 
     async def _keep_renewing(self, cert_dir: Path) -> None:
         while True:
-            await asyncio.sleep(self.config.renew_check_seconds)
+            await asyncio.sleep(self.config.renew_check_seconds if self.published
+                                else min(self.config.renew_check_seconds, PUBLISH_RETRY_S))
             current = self.current
-            if current is None or current.due(datetime.datetime.now(datetime.UTC)):
+            if current is None or not self.published or current.due(
+                    datetime.datetime.now(datetime.UTC)):
                 try:
                     await self._renew(cert_dir)
                 except Exception:  # keep serving the current one; retry at the next check
