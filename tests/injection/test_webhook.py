@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 import jsonpatch
 import pytest
+from prometheus_client import REGISTRY
 
 from kvquota.emulator import OperatorRunner, serve
 from kvquota.inject.objects import inject_object
@@ -70,6 +71,11 @@ async def _review(url: str, pod: dict[str, Any]) -> dict[str, Any]:
                 await asyncio.sleep(0.1)
 
 
+def _webhook_calls(result: str) -> float:
+    labels = {"kind": "Pod", "operation": "CREATE", "result": result}
+    return REGISTRY.get_sample_value("kvquota_operator_webhook_calls_total", labels) or 0.0
+
+
 def _patched(pod: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
     assert answer["patchType"] == "JSONPatch"
     ops = json.loads(base64.b64decode(answer["patch"]))
@@ -107,8 +113,10 @@ async def test_pods_that_cannot_be_injected_are_refused_with_the_reason(
     webhook_url: str, name: str,
 ) -> None:
     pod = pod_of(load(name))
+    denied = _webhook_calls("denied")
     answer = await _review(webhook_url, pod)
     assert answer["allowed"] is False
+    assert _webhook_calls("denied") == denied + 1  # the operator's metrics count it
     message = answer["status"]["message"]
     assert REFUSED[name] in message
     meta = pod["metadata"]

@@ -18,6 +18,7 @@ import kopf
 from kvquota.inject.objects import inject_object
 from kvquota.inject.pod import POOL_LABEL, REPLACED_ANNOTATION, InjectionRefused
 from kvquota.inject.webhook import HANDLER_ID, WebhookConfig, configure_admission
+from kvquota.metrics import record_webhook_call
 
 
 @kopf.on.startup()
@@ -38,7 +39,12 @@ def inject_sidecar(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, warnings
         injected = inject_object(pod, options=options)
     except InjectionRefused as exc:
         logger.warning("%s", exc)
+        record_webhook_call("Pod", "CREATE", "denied")
         raise kopf.AdmissionError(str(exc), code=400) from None
+    except Exception:
+        record_webhook_call("Pod", "CREATE", "error")
+        raise
+    record_webhook_call("Pod", "CREATE", "allowed")
     if injected is pod:
         return  # already injected: nothing to change
     replaced = injected["metadata"]["annotations"].get(REPLACED_ANNOTATION)
