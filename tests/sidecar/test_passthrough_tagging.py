@@ -13,7 +13,7 @@ from starlette.types import Receive, Scope, Send
 
 from .conftest import StubFactory
 from .helpers import Keys, make_policy, tenant
-from .stub_engine import StubEngine
+from .stub_engine import StubEngine, read_body
 
 CLIENT_OWNED = {"priority": -5, "cache_salt": "someone-elses", "request_id": "mine",
                 "vllm_xargs": {"kvq_tenant": "other"}, "kv_transfer_params": {"x": 1}}
@@ -30,12 +30,7 @@ class RecordingEngine(StubEngine):
                                                             "/v1/responses"):
             await super().__call__(scope, receive, send)
             return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await read_body(receive)
         self.forwarded.setdefault(scope["path"], []).append(json.loads(body))
         payload = b'{"object":"list","data":[]}'
         await send({"type": "http.response.start", "status": 200,
