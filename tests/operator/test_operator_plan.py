@@ -145,6 +145,7 @@ def test_a_memo_kept_across_edits_plans_exactly_what_a_fresh_plan_does() -> None
         kept = plan_pool(pool_now, tenants, namespace="default", name="demo-pool",
                          ready_replicas=replicas, memo=memo)
         assert kept == _plan(pool_now, tenants, replicas=replicas)
-    # The last step as a user sees it: 425 guaranteeable, b (50) + c (300) fit, d not.
-    assert _accepted(kept, "c") == ("True", "Accepted")
+    # The last step as a user sees it: 425 guaranteeable, b (50) + c (300) fit, d not;
+    # c's maxBlocks (600) is above the shrunk pool's 500 blocks, which it is told.
+    assert _accepted(kept, "c") == ("True", "MaxBlocksAboveCapacity")
     assert _accepted(kept, "d") == ("False", "Oversubscribed")
