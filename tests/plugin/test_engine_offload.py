@@ -146,7 +146,7 @@ def test_preempted_victims_reload_or_recompute_by_policy(
     count = (5 * before.total_blocks) // (2 * per_request) + 1
     prompts = [[rng.randrange(16, 2000) for _ in range(BURST_PROMPT_TOKENS)]
                for _ in range(count)]
-    with httpx.Client(base_url=offload_engine.url) as client:
+    with httpx.Client(base_url=offload_engine.url, timeout=60) as client:  # not a speed test
         loaded_before = _metrics(client)[0]["kv_offload_load_bytes"]
         outputs = asyncio.run(_burst(offload_engine.url, prompts))
         loaded = _metrics(client)[0]["kv_offload_load_bytes"] - loaded_before

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jwt
 import uvicorn
 from cryptography.hazmat.primitives import serialization
@@ -133,6 +134,21 @@ def hs_forged_with(secret: bytes, claims: dict[str, Any]) -> str:
                      + b64(json.dumps(claims).encode()))
     signature = hmac.new(secret, signing_input, hashlib.sha256).digest()
     return (signing_input + b"." + b64(signature)).decode()
+
+
+# What these tests assert is never how fast a reply comes. CI machines have been seen
+# stalling the test process for over 4 s (the demo's load generator once woke 4.1 s
+# late), which httpx's default 5 s timeout turned into a failure; a reply that never
+# comes still fails, after a minute.
+CLIENT_TIMEOUT = 60.0
+
+
+def http_get(url: str, **kwargs: Any) -> httpx.Response:
+    return httpx.get(url, **{"timeout": CLIENT_TIMEOUT, **kwargs})
+
+
+def http_post(url: str, **kwargs: Any) -> httpx.Response:
+    return httpx.post(url, **{"timeout": CLIENT_TIMEOUT, **kwargs})
 
 
 class ServerThread:

@@ -3,12 +3,10 @@ port, and nothing either port shows names a path on the server."""
 
 from __future__ import annotations
 
-import httpx
-
 from engine_sidecar.stats import SidecarStatus
 
 from .conftest import StubFactory
-from .helpers import Keys, make_policy, tenant
+from .helpers import Keys, http_get, http_post, make_policy, tenant
 from .stub_engine import StubEngine
 
 
@@ -17,29 +15,29 @@ def test_status_and_metrics_are_on_the_admin_port_only(
 ) -> None:
     harness, _ = stub_sidecar()
     harness.apply(make_policy(tenant("acme")))
-    hidden = httpx.get(harness.url + "/kvquota/status")
+    hidden = http_get(harness.url + "/kvquota/status")
     assert hidden.status_code == 404
     assert hidden.json()["error"]["code"] == "NOT_FOUND"
     # /metrics on the client port is vLLM's own (forwarded), never the sidecar's.
-    assert "kvquota_" not in httpx.get(harness.url + "/metrics").text
+    assert "kvquota_" not in http_get(harness.url + "/metrics").text
     for route in ("/kvquota/status", "/metrics"):
-        assert httpx.get(harness.admin_url + route).status_code == 200, route
-    assert "acme" not in httpx.get(harness.url + "/kvquota/status").text
+        assert http_get(harness.admin_url + route).status_code == 200, route
+    assert "acme" not in http_get(harness.url + "/kvquota/status").text
     for url in (harness.url, harness.admin_url):
-        assert httpx.get(url + "/healthz").json() == {"status": "alive"}
-    client_ready = httpx.get(harness.url + "/readyz").json()
+        assert http_get(url + "/healthz").json() == {"status": "alive"}
+    client_ready = http_get(harness.url + "/readyz").json()
     assert client_ready == {"ready": True}  # the reasons are on the admin port
-    assert httpx.get(harness.admin_url + "/readyz").json() == {"ready": True, "reasons": []}
-    assert httpx.post(harness.admin_url + "/v1/completions", json={"prompt": "x"},
-                      headers={"Authorization": f"Bearer {keys.hs('acme')}"}
-                      ).status_code == 404
+    assert http_get(harness.admin_url + "/readyz").json() == {"ready": True, "reasons": []}
+    assert http_post(harness.admin_url + "/v1/completions", json={"prompt": "x"},
+                     headers={"Authorization": f"Bearer {keys.hs('acme')}"}
+                     ).status_code == 404
 
 
 def test_policy_errors_name_files_not_their_paths(stub_sidecar: StubFactory) -> None:
     harness, _ = stub_sidecar()  # no policy file yet
     status = SidecarStatus.model_validate_json(
-        httpx.get(harness.admin_url + "/kvquota/status").content)
-    reasons = httpx.get(harness.admin_url + "/readyz").json()["reasons"]
+        http_get(harness.admin_url + "/kvquota/status").content)
+    reasons = http_get(harness.admin_url + "/readyz").json()["reasons"]
     folder = str(harness.policy_file.parent)
     assert status.policy_error == "policy file policy-source.json not found"
     assert any("policy-source.json not found" in reason for reason in reasons)
@@ -54,7 +52,7 @@ def test_models_show_the_served_name_not_the_engine_path(
     harness.apply(make_policy(tenant("acme"), model="meta-llama/Llama-3-8B"))
     headers = {"Authorization": f"Bearer {keys.hs('acme')}"}
 
-    models = httpx.get(harness.url + "/v1/models", headers=headers)
+    models = http_get(harness.url + "/v1/models", headers=headers)
     assert models.status_code == 200, models.text
     (card,) = models.json()["data"]
     assert (card["id"], card["root"]) == ("meta-llama/Llama-3-8B", "meta-llama/Llama-3-8B")
@@ -62,7 +60,7 @@ def test_models_show_the_served_name_not_the_engine_path(
     assert card["max_model_len"] > 0
     # The listed name works; so does the engine's own, for clients that knew it.
     for name in ("meta-llama/Llama-3-8B", "/models/llama-3-8b"):
-        response = httpx.post(harness.url + "/v1/completions",
-                              json={"model": name, "prompt": "x"}, headers=headers)
+        response = http_post(harness.url + "/v1/completions",
+                             json={"model": name, "prompt": "x"}, headers=headers)
         assert response.status_code == 200, response.text
     assert [sent["model"] for sent in stub.received] == ["/models/llama-3-8b"] * 2

@@ -18,7 +18,7 @@ import httpx
 from engine_sidecar.gateway.server import ConnectionLimits
 
 from .conftest import Harness, StubFactory
-from .helpers import Keys, make_policy, tenant, wait_for
+from .helpers import Keys, http_post, make_policy, tenant, wait_for
 from .stub_engine import StubEngine
 
 DEADLINE_S = 1.0
@@ -179,8 +179,8 @@ def test_a_body_over_the_tenants_cap_is_413_before_it_is_read(
     assert b"REQUEST_TOO_LARGE" in answer and not stub.received
     # Without a declared length (chunked), the cap holds while reading.
     chunks = (b'{"prompt": "' + b"a" * 400 * 1024 + b'"}' for _ in range(1))
-    response = httpx.post(harness.url + "/v1/completions", content=chunks,
-                          headers={"Authorization": f"Bearer {keys.hs('acme')}"})
+    response = http_post(harness.url + "/v1/completions", content=chunks,
+                         headers={"Authorization": f"Bearer {keys.hs('acme')}"})
     assert response.status_code == 413 and not stub.received
 
 
@@ -197,8 +197,8 @@ def test_beyond_the_connection_limit_new_requests_get_a_fast_503(
     streamed: list[httpx.Response] = []
 
     def stream() -> None:
-        streamed.append(httpx.post(url, json={"prompt": "x", "stream": True},
-                                   headers=headers, timeout=30))
+        streamed.append(http_post(url, json={"prompt": "x", "stream": True},
+                                  headers=headers, timeout=30))
 
     worker = threading.Thread(target=stream)
     worker.start()
@@ -208,7 +208,7 @@ def test_beyond_the_connection_limit_new_requests_get_a_fast_503(
     try:
         wait_for(lambda: len(connections) == 4, 10, "the idle connections were not accepted")
         started = time.monotonic()
-        refused = httpx.post(url, json={"prompt": "x"}, headers=headers, timeout=10)
+        refused = http_post(url, json={"prompt": "x"}, headers=headers, timeout=10)
         elapsed = time.monotonic() - started
         assert refused.status_code == 503, refused.text
         assert elapsed < 5, f"the refusal took {elapsed:.1f}s"
@@ -220,5 +220,5 @@ def test_beyond_the_connection_limit_new_requests_get_a_fast_503(
     (done,) = streamed
     assert done.status_code == 200 and done.text.endswith("data: [DONE]\n\n")
     wait_for(lambda: len(connections) == 0, 10, "connections were not closed")
-    assert httpx.post(url, json={"prompt": "x"}, headers=headers).status_code == 200
+    assert http_post(url, json={"prompt": "x"}, headers=headers).status_code == 200
     assert harness.wait_ledger_empty()

@@ -22,7 +22,17 @@ from engine_sidecar.policy import EnginePolicy
 from engine_sidecar.stats import EngineStats, SidecarStatus
 
 from .conftest import Harness
-from .helpers import Keys, hs_forged_with, make_policy, rs_auth, tenant, unsigned_token, wait_for
+from .helpers import (
+    Keys,
+    hs_forged_with,
+    http_get,
+    http_post,
+    make_policy,
+    rs_auth,
+    tenant,
+    unsigned_token,
+    wait_for,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -36,11 +46,11 @@ def _bearer(token: str) -> dict[str, str]:
 def _post(harness: Harness, body: dict[str, Any], token: str | None = None,
           path: str = "/v1/completions", **headers: str) -> httpx.Response:
     all_headers = {**(_bearer(token) if token else {}), **headers}
-    return httpx.post(harness.url + path, json=body, headers=all_headers, timeout=60)
+    return http_post(harness.url + path, json=body, headers=all_headers)
 
 
 def _status(harness: Harness) -> SidecarStatus:
-    response = httpx.get(harness.admin_url + "/kvquota/status")
+    response = http_get(harness.admin_url + "/kvquota/status")
     return SidecarStatus.model_validate_json(response.content)
 
 
@@ -363,7 +373,7 @@ async def test_disconnect_storm_leaves_the_ledger_at_zero(
             t.running == 0 and t.waiting == 0 for t in stats.tenants.values())
 
     await asyncio.to_thread(wait_for, engine_idle, 60, "engine still busy after the storm")
-    metrics = httpx.get(sidecar.admin_url + "/metrics").text
+    metrics = http_get(sidecar.admin_url + "/metrics").text
     assert 'outcome="cancelled"' in metrics
 
 
@@ -428,5 +438,5 @@ def test_hot_reload_changes_a_limit_without_restart(
     assert EnginePolicy.from_json(engine.policy_path.read_text()).version == second.version
     wait_for(lambda: (s := _engine_stats(engine)) is not None
              and s.policy_version == second.version, 10, "plugin did not load the policy")
-    metrics = httpx.get(sidecar.admin_url + "/metrics").text
+    metrics = http_get(sidecar.admin_url + "/metrics").text
     assert f'version="{second.version}"' in metrics and f'version="{first.version}"' not in metrics

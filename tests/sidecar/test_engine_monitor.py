@@ -15,7 +15,7 @@ import httpx
 from engine_sidecar.gateway.engine_monitor import EngineMonitor
 
 from .conftest import StubFactory
-from .helpers import Keys, make_policy, tenant, wait_for
+from .helpers import Keys, http_get, make_policy, tenant, wait_for
 
 
 def _failing(exc: Exception) -> httpx.AsyncClient:
@@ -77,4 +77,4 @@ def test_a_request_failing_at_the_descriptor_limit_does_not_mark_the_engine_down
             answer = sock.recv(65536)
         assert answer.startswith(b"HTTP/1.1 503"), answer
     assert harness.gateway.monitor.up, harness.gateway.monitor.error
-    assert httpx.get(harness.admin_url + "/readyz").json()["ready"] is True
+    assert http_get(harness.admin_url + "/readyz").json()["ready"] is True

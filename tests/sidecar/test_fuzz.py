@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from .conftest import Harness, StubFactory
-from .helpers import Keys, make_policy, tenant
+from .helpers import Keys, http_get, make_policy, tenant
 from .request_shapes import ESCAPES, chat_bodies, completion_bodies, create, long_part
 
 SCALARS = st.one_of(
@@ -176,7 +176,7 @@ def surface_bodies(draw: st.DrawFn) -> dict[str, Any]:
 
 
 def _reserved_blocks(harness: Harness, tier: str) -> float:
-    metrics = httpx.get(harness.admin_url + "/metrics", timeout=10).text
+    metrics = http_get(harness.admin_url + "/metrics", timeout=10).text
     for family in text_string_to_metric_families(metrics):
         for sample in family.samples:
             if sample.name == "kvquota_reserved_blocks_total" and sample.labels == {

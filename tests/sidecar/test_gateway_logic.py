@@ -14,7 +14,7 @@ from engine_sidecar.stats import EngineStats, SidecarStatus, TenantEngineStats
 from kvquota.processes import free_port
 
 from .conftest import StubFactory
-from .helpers import Keys, make_policy, tenant, wait_for
+from .helpers import Keys, http_get, http_post, make_policy, tenant, wait_for
 from .stub_engine import StubEngine
 
 
@@ -23,7 +23,7 @@ def _bearer(token: str) -> dict[str, str]:
 
 
 def _status(url: str) -> SidecarStatus:
-    return SidecarStatus.model_validate_json(httpx.get(url + "/kvquota/status").content)
+    return SidecarStatus.model_validate_json(http_get(url + "/kvquota/status").content)
 
 
 def test_forwarded_body_overwrites_priority_xargs_and_salt(
@@ -37,7 +37,7 @@ def test_forwarded_body_overwrites_priority_xargs_and_salt(
         "cache_salt": "client-chosen", "user": "session-from-user",
     }
     headers = {**_bearer(keys.hs("acme")), "Cookie": "sid=1", "X-Session-Id": "s-42"}
-    response = httpx.post(harness.url + "/v1/completions", json=body, headers=headers)
+    response = http_post(harness.url + "/v1/completions", json=body, headers=headers)
 
     assert response.status_code == 200, response.text
     (sent,) = stub.received
@@ -57,8 +57,8 @@ def test_chat_clamps_through_max_completion_tokens_and_shared_isolation_drops_sa
     harness.apply(make_policy(tenant("acme", max_tokens=32, prefix_cache_isolation="Shared")))
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 500,
             "max_completion_tokens": 400, "cache_salt": "mine", "user": "u-7"}
-    response = httpx.post(harness.url + "/v1/chat/completions", json=body,
-                          headers=_bearer(keys.hs("acme")))
+    response = http_post(harness.url + "/v1/chat/completions", json=body,
+                         headers=_bearer(keys.hs("acme")))
 
     assert response.status_code == 200, response.text
     (sent,) = stub.received
@@ -96,9 +96,9 @@ def test_engine_down_is_503_and_not_ready(
     harness, _ = stub_sidecar(wait_up=False, upstream=closed, data_plane=plane)
     harness.apply(make_policy(tenant("acme")))
 
-    response = httpx.post(harness.url + "/v1/completions", json={"prompt": "x"},
-                          headers=_bearer(keys.hs("acme")))
-    ready = httpx.get(harness.url + "/readyz")
+    response = http_post(harness.url + "/v1/completions", json={"prompt": "x"},
+                         headers=_bearer(keys.hs("acme")))
+    ready = http_get(harness.url + "/readyz")
 
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "ENGINE_UNAVAILABLE"
@@ -111,8 +111,8 @@ def test_engine_down_is_503_and_not_ready(
 def test_engine_5xx_is_mapped_without_its_body(stub_sidecar: StubFactory, keys: Keys) -> None:
     harness, _ = stub_sidecar(StubEngine(mode="error500"))
     harness.apply(make_policy(tenant("acme")))
-    response = httpx.post(harness.url + "/v1/completions", json={"prompt": "x"},
-                          headers=_bearer(keys.hs("acme")))
+    response = http_post(harness.url + "/v1/completions", json={"prompt": "x"},
+                         headers=_bearer(keys.hs("acme")))
     assert response.status_code == 502
     assert response.json()["error"]["code"] == "UPSTREAM_ERROR"
     assert "exploded" not in response.text
@@ -124,8 +124,8 @@ def test_upstream_timeout_is_504(stub_sidecar: StubFactory, keys: Keys, plane: s
     harness, _ = stub_sidecar(StubEngine(mode="hang_headers"), request_timeout=0.3,
                               data_plane=plane)
     harness.apply(make_policy(tenant("acme")))
-    response = httpx.post(harness.url + "/v1/completions", json={"prompt": "x"},
-                          headers=_bearer(keys.hs("acme")))
+    response = http_post(harness.url + "/v1/completions", json={"prompt": "x"},
+                         headers=_bearer(keys.hs("acme")))
     assert response.status_code == 504
     assert response.json()["error"]["code"] == "UPSTREAM_TIMEOUT"
     assert harness.wait_ledger_empty()
@@ -150,9 +150,9 @@ def test_failure_mid_stream_ends_the_stream_with_an_error_event(
 
 def test_no_policy_means_503_and_not_ready(stub_sidecar: StubFactory, keys: Keys) -> None:
     harness, _ = stub_sidecar()
-    response = httpx.post(harness.url + "/v1/completions", json={"prompt": "x"},
-                          headers=_bearer(keys.hs("acme")))
-    ready = httpx.get(harness.admin_url + "/readyz").json()
+    response = http_post(harness.url + "/v1/completions", json={"prompt": "x"},
+                         headers=_bearer(keys.hs("acme")))
+    ready = http_get(harness.admin_url + "/readyz").json()
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "POLICY_NOT_LOADED"
     assert ready["ready"] is False
@@ -167,9 +167,9 @@ def test_bad_policy_keeps_the_last_good_one(stub_sidecar: StubFactory, keys: Key
     wait_for(lambda: harness.gateway.holder.error, 5, "bad policy not noticed")
 
     status = _status(harness.admin_url)
-    metrics = httpx.get(harness.admin_url + "/metrics").text
-    response = httpx.post(harness.url + "/v1/completions", json={"prompt": "x"},
-                          headers=_bearer(keys.hs("acme")))
+    metrics = http_get(harness.admin_url + "/metrics").text
+    response = http_post(harness.url + "/v1/completions", json={"prompt": "x"},
+                         headers=_bearer(keys.hs("acme")))
 
     assert status.policy_version == good.version and status.ready
     assert status.policy_error and "invalid EnginePolicy" in status.policy_error
@@ -196,8 +196,8 @@ def test_policy_needing_a_missing_secret_is_refused(
 
 def test_unknown_routes_and_methods_answer_openai_errors(stub_sidecar: StubFactory) -> None:
     harness, _ = stub_sidecar()
-    missing = httpx.get(harness.url + "/v1/audio/transcriptions")
-    wrong_method = httpx.get(harness.url + "/v1/completions")
+    missing = http_get(harness.url + "/v1/audio/transcriptions")
+    wrong_method = http_get(harness.url + "/v1/completions")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "NOT_FOUND"
     assert "/v1/chat/completions" in missing.json()["error"]["message"]  # what exists
     assert wrong_method.status_code == 405
@@ -207,8 +207,8 @@ def test_unknown_routes_and_methods_answer_openai_errors(stub_sidecar: StubFacto
 def test_oversized_body_is_413(stub_sidecar: StubFactory, keys: Keys) -> None:
     harness, stub = stub_sidecar(max_body_bytes=1024)
     harness.apply(make_policy(tenant("acme")))
-    response = httpx.post(harness.url + "/v1/completions", json={"prompt": "x" * 4096},
-                          headers=_bearer(keys.hs("acme")))
+    response = http_post(harness.url + "/v1/completions", json={"prompt": "x" * 4096},
+                         headers=_bearer(keys.hs("acme")))
     assert response.status_code == 413 and not stub.received
 
 
@@ -216,9 +216,9 @@ def test_tenant_labels_are_capped(stub_sidecar: StubFactory, keys: Keys) -> None
     harness, _ = stub_sidecar(tenant_label_limit=2)
     harness.apply(make_policy(tenant("t1"), tenant("t2"), tenant("t3")))
     for tenant_id in ("t1", "t2", "t3", "stranger"):
-        httpx.post(harness.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1},
-                   headers=_bearer(keys.hs(tenant_id)))
-    metrics = httpx.get(harness.admin_url + "/metrics").text
+        http_post(harness.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                  headers=_bearer(keys.hs(tenant_id)))
+    metrics = http_get(harness.admin_url + "/metrics").text
     admitted = [line for line in metrics.splitlines()
                 if line.startswith("kvquota_admissions_total")]
     labels = {line.split('tenant_id="')[1].split('"')[0] for line in admitted}
@@ -240,12 +240,12 @@ def test_status_and_metrics_merge_the_plugin_stats(
                  "ghost": TenantEngineStats(running_blocks=5)},
     )
     stats_path.write_text(stats.model_dump_json(by_alias=True))
-    httpx.post(harness.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1},
-               headers=_bearer(keys.hs("acme")))
+    http_post(harness.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1},
+              headers=_bearer(keys.hs("acme")))
     time.sleep(0.15)  # the reader re-stats at most every 0.1 s
 
     status = _status(harness.admin_url)
-    metrics = httpx.get(harness.admin_url + "/metrics").text
+    metrics = http_get(harness.admin_url + "/metrics").text
 
     acme = status.tenants["acme"]
     assert (status.total_blocks, status.capacity_source) == (1000, "engine")
@@ -269,8 +269,8 @@ def test_unknown_capacity_skips_the_watermark_and_says_so(
 ) -> None:
     harness, _ = stub_sidecar()
     harness.apply(make_policy(tenant("acme", guaranteed_blocks=0), watermark=0.49))
-    response = httpx.post(harness.url + "/v1/completions", json={"prompt": "x"},
-                          headers=_bearer(keys.hs("acme")))
+    response = http_post(harness.url + "/v1/completions", json={"prompt": "x"},
+                         headers=_bearer(keys.hs("acme")))
     status = _status(harness.admin_url)
     assert response.status_code == 200
     assert status.capacity_source is None and status.total_blocks == 0
@@ -280,8 +280,8 @@ def test_absurd_token_times_are_401_not_500(stub_sidecar: StubFactory, keys: Key
     harness, stub = stub_sidecar()
     harness.apply(make_policy(tenant("acme")))
     for exp in (10**400, str(int(time.time()) + 300)):
-        response = httpx.post(harness.url + "/v1/completions", json={"prompt": "x"},
-                              headers=_bearer(keys.hs("acme", exp=exp)))
+        response = http_post(harness.url + "/v1/completions", json={"prompt": "x"},
+                             headers=_bearer(keys.hs("acme", exp=exp)))
         assert response.status_code == 401, response.text
         assert response.json()["error"]["code"] == "UNAUTHENTICATED"
         assert "'exp'" in response.json()["error"]["message"]
@@ -298,18 +298,18 @@ def test_a_request_naming_its_caller_twice_is_400(stub_sidecar: StubFactory, key
     ))
     url = harness.url + "/v1/completions"
     acme, gw = (f"Bearer {keys.hs(t)}" for t in ("acme", "gw"))
-    twice = httpx.post(url, json={"prompt": "x"},
-                       headers=[("Authorization", acme), ("Authorization", gw)])
-    header_twice = httpx.post(url, json={"prompt": "x"},
-                              headers=[("X-Fairness-Id", "gw"), ("X-Fairness-Id", "acme")])
-    models = httpx.get(harness.url + "/v1/models",
-                       headers=[("Authorization", acme), ("Authorization", gw)])
+    twice = http_post(url, json={"prompt": "x"},
+                      headers=[("Authorization", acme), ("Authorization", gw)])
+    header_twice = http_post(url, json={"prompt": "x"},
+                             headers=[("X-Fairness-Id", "gw"), ("X-Fairness-Id", "acme")])
+    models = http_get(harness.url + "/v1/models",
+                      headers=[("Authorization", acme), ("Authorization", gw)])
     for response in (twice, header_twice, models):
         assert response.status_code == 400, response.text
         assert response.json()["error"]["code"] == "INVALID_REQUEST"
     assert not stub.received
-    assert httpx.post(url, json={"prompt": "x"}, headers=[("Authorization", gw)]
-                      ).status_code == 200
+    assert http_post(url, json={"prompt": "x"}, headers=[("Authorization", gw)]
+                     ).status_code == 200
 
 
 def test_tenants_that_leave_the_policy_free_their_labels(
@@ -320,11 +320,11 @@ def test_tenants_that_leave_the_policy_free_their_labels(
     def admit_each(*tenant_ids: str) -> set[str]:
         harness.apply(make_policy(*(tenant(t) for t in tenant_ids)))
         for tenant_id in tenant_ids:
-            response = httpx.post(harness.url + "/v1/completions",
-                                  json={"prompt": "x", "max_tokens": 1},
-                                  headers=_bearer(keys.hs(tenant_id)))
+            response = http_post(harness.url + "/v1/completions",
+                                 json={"prompt": "x", "max_tokens": 1},
+                                 headers=_bearer(keys.hs(tenant_id)))
             assert response.status_code == 200, response.text
-        metrics = httpx.get(harness.admin_url + "/metrics").text
+        metrics = http_get(harness.admin_url + "/metrics").text
         return {line.split('tenant_id="')[1].split('"')[0] for line in metrics.splitlines()
                 if 'tenant_id="' in line and not line.startswith("#")}
 
@@ -346,8 +346,8 @@ def test_stale_engine_stats_count_as_unknown_capacity(
         stats = EngineStats(timestamp=time.time() - age, total_blocks=1000, free_blocks=0)
         write_atomically(stats_path, stats.model_dump_json(by_alias=True))
         time.sleep(0.15)  # the reader re-stats at most every 0.1 s
-        return httpx.post(harness.url + "/v1/completions", json={"prompt": "x"},
-                          headers=_bearer(keys.hs("acme")))
+        return http_post(harness.url + "/v1/completions", json={"prompt": "x"},
+                         headers=_bearer(keys.hs("acme")))
 
     fresh = post_with_stats(age=0)
     fresh_status = _status(harness.admin_url)

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from .conftest import Harness
-from .helpers import Keys, make_policy, tenant
+from .helpers import Keys, http_post, make_policy, tenant
 
 pytestmark = pytest.mark.engine
 
@@ -76,7 +76,7 @@ def test_tokenize_and_detokenize_need_a_tenant_and_match_the_engine(
     back = {"model": str(engine.model), "tokens": tokens}
     direct, proxied = _both(sidecar, engine, "POST", "/detokenize", acme, json=back)
     assert proxied.status_code == 200 and proxied.json() == direct.json()
-    anonymous = httpx.post(sidecar.url + "/tokenize", json=body, timeout=30)
+    anonymous = http_post(sidecar.url + "/tokenize", json=body, timeout=30)
     assert anonymous.status_code == 401
 
 
@@ -91,8 +91,8 @@ def test_embeddings_are_forwarded_with_the_engines_own_answer(
     assert proxied.status_code != 404 or "KVQuota" not in proxied.text
     if direct.status_code < 500:
         assert proxied.json() == direct.json()
-    assert httpx.post(sidecar.url + "/v1/embeddings", json=body, timeout=30
-                      ).status_code == 401
+    assert http_post(sidecar.url + "/v1/embeddings", json=body, timeout=30
+                     ).status_code == 401
 
 
 def test_responses_are_served_with_the_tenants_token_ceiling(
@@ -112,7 +112,7 @@ def test_responses_are_served_with_the_tenants_token_ceiling(
 def test_an_unknown_route_gets_a_404_naming_the_supported_ones(
     sidecar: Harness, acme: dict[str, str],
 ) -> None:
-    response = httpx.post(sidecar.url + "/reset_prefix_cache", headers=acme, timeout=30)
+    response = http_post(sidecar.url + "/reset_prefix_cache", headers=acme, timeout=30)
     assert response.status_code == 404
     message = response.json()["error"]["message"]
     for route in ("/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/tokenize",

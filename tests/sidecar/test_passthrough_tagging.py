@@ -12,7 +12,7 @@ import pytest
 from starlette.types import Receive, Scope, Send
 
 from .conftest import StubFactory
-from .helpers import Keys, make_policy, tenant
+from .helpers import Keys, http_get, http_post, make_policy, tenant
 from .stub_engine import StubEngine, read_body
 
 CLIENT_OWNED = {"priority": -5, "cache_salt": "someone-elses", "request_id": "mine",
@@ -48,8 +48,8 @@ def recorded(stub_sidecar: StubFactory, keys: Keys) -> tuple[str, RecordingEngin
 
 
 def _post(url: str, path: str, body: dict[str, Any], keys: Keys) -> httpx.Response:
-    return httpx.post(url + path, json=body, timeout=30,
-                      headers={"Authorization": f"Bearer {keys.hs('acme')}"})
+    return http_post(url + path, json=body, timeout=30,
+                     headers={"Authorization": f"Bearer {keys.hs('acme')}"})
 
 
 @pytest.mark.parametrize("path", ["/v1/embeddings", "/v1/responses"])
@@ -87,8 +87,8 @@ def test_bad_bodies_are_refused_before_the_engine(
     recorded: tuple[str, RecordingEngine, Any], keys: Keys, body: Any, message: str,
 ) -> None:
     url, stub, _policy = recorded
-    response = httpx.post(url + "/v1/responses", json=body, timeout=30,
-                          headers={"Authorization": f"Bearer {keys.hs('acme')}"})
+    response = http_post(url + "/v1/responses", json=body, timeout=30,
+                         headers={"Authorization": f"Bearer {keys.hs('acme')}"})
     assert response.status_code == 400 and message in response.json()["error"]["message"]
     assert "/v1/responses" not in stub.forwarded
 
@@ -98,7 +98,7 @@ def test_credentials_are_checked_before_anything_is_forwarded(
 ) -> None:
     url, stub, _policy = recorded
     for path in ("/v1/embeddings", "/v1/responses", "/tokenize", "/detokenize"):
-        assert httpx.post(url + path, json={"input": "a"}, timeout=30).status_code == 401
+        assert http_post(url + path, json={"input": "a"}, timeout=30).status_code == 401
     assert stub.forwarded == {}
-    assert httpx.get(url + "/health", timeout=30).status_code == 200  # probes need none
-    assert httpx.get(url + "/v1/embeddings", timeout=30).status_code == 405
+    assert http_get(url + "/health", timeout=30).status_code == 200  # probes need none
+    assert http_get(url + "/v1/embeddings", timeout=30).status_code == 405

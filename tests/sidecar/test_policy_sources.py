@@ -97,7 +97,7 @@ async def test_configmap_watch_hot_loads_and_survives_bad_updates(
             configuration.host = url
             return client.ApiClient(configuration)
 
-        async with httpx.AsyncClient() as http_client:
+        async with httpx.AsyncClient(timeout=60) as http_client:  # not a speed test
             async def put_policy(raw: str) -> None:
                 response = await http_client.patch(
                     path + "/pool-policy", json={"data": {"policy.json": raw}},

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from engine_sidecar.gateway.errors import ApiError
 
 from .conftest import Harness, StubFactory
-from .helpers import Keys, make_policy, tenant, wait_for
+from .helpers import Keys, http_post, make_policy, tenant, wait_for
 from .stub_engine import StubEngine
 
 WORDS = "tenant quota cache block lease premium standard free engine 17 2048. "
@@ -31,8 +31,8 @@ WORDS = "tenant quota cache block lease premium standard free engine 17 2048. "
 
 def _post(harness: Harness, token: str, body: dict[str, Any], route: str = "completions",
           timeout: float = 60) -> httpx.Response:
-    return httpx.post(f"{harness.url}/v1/{route}", json=body, timeout=timeout,
-                      headers={"Authorization": f"Bearer {token}"})
+    return http_post(f"{harness.url}/v1/{route}", json=body, timeout=timeout,
+                     headers={"Authorization": f"Bearer {token}"})
 
 
 def _text(size: int) -> str:

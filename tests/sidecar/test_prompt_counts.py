@@ -15,14 +15,13 @@ import json
 import math
 from typing import Any
 
-import httpx
 import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from .conftest import Harness
-from .helpers import Keys, make_policy, tenant
+from .helpers import Keys, http_post, make_policy, tenant
 from .request_shapes import chat_bodies, completion_bodies, create
 
 pytestmark = pytest.mark.engine
@@ -58,7 +57,7 @@ async def test_hidden_parts_count_against_the_tenant_quota(
     sidecar.apply(make_policy(tenant("issue-13", tier="free", priority=2, max_blocks=40,
                                      max_tokens=8, max_queue_seconds=0)))
     hidden = PHRASE * 316
-    rendered = httpx.post(engine.url + "/tokenize", timeout=30, json={
+    rendered = http_post(engine.url + "/tokenize", timeout=30, json={
         "messages": [{"role": "user", "content": hidden}]}).json()["count"]
     async with openai.AsyncOpenAI(base_url=sidecar.url + "/v1", api_key=keys.hs("issue-13"),
                                   max_retries=0) as client:

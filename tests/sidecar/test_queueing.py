@@ -11,14 +11,14 @@ from typing import Any
 import httpx
 
 from .conftest import Harness, StubFactory
-from .helpers import Keys, make_policy, tenant, wait_for
+from .helpers import Keys, http_get, http_post, make_policy, tenant, wait_for
 from .stub_engine import StubEngine
 
 
 def _post(url: str, token: str, **kwargs: Any) -> httpx.Response:
-    return httpx.post(url + "/v1/completions",
-                      json={"prompt": "x", "max_tokens": 1, "stream": True},
-                      headers={"Authorization": f"Bearer {token}"}, **kwargs)
+    return http_post(url + "/v1/completions",
+                     json={"prompt": "x", "max_tokens": 1, "stream": True},
+                     headers={"Authorization": f"Bearer {token}"}, **kwargs)
 
 
 def _in_background(call: Any) -> tuple[threading.Thread, list[Any]]:
@@ -55,9 +55,9 @@ def test_a_queued_request_is_admitted_when_the_slot_frees(
     second, second_out = _in_background(lambda: _post(harness.url, token, timeout=30))
     wait_for(lambda: harness.gateway.queue.depth("acme") == 1, 10, "second never queued")
     queued_by = time.monotonic()
-    status = httpx.get(harness.admin_url + "/kvquota/status").json()
+    status = http_get(harness.admin_url + "/kvquota/status").json()
     assert status["tenants"]["acme"]["usage"]["queued"] == 1
-    metrics = httpx.get(harness.admin_url + "/metrics").text
+    metrics = http_get(harness.admin_url + "/metrics").text
     assert 'kvquota_tenant_queued_requests{tenant_id="acme"} 1.0' in metrics
     assert stub.active == 1  # the engine never saw two at once
     released_at = time.monotonic()

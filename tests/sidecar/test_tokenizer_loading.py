@@ -7,12 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
-
 from engine_sidecar.gateway.app import GatewayConfig
 
 from .conftest import start_harness
-from .helpers import Keys, ServerThread, make_policy, tenant, wait_for
+from .helpers import Keys, ServerThread, http_get, http_post, make_policy, tenant, wait_for
 from .stub_engine import StubEngine
 
 
@@ -54,13 +52,13 @@ def test_no_loadable_tokenizer_found_keeps_the_sidecar_not_ready(
             gateway = harness.gateway
             wait_for(lambda: gateway.tokenizer_error, 60, "the sidecar never gave up")
             assert gateway.token_counter is None
-            ready = httpx.get(harness.admin_url + "/readyz", timeout=10)
+            ready = http_get(harness.admin_url + "/readyz", timeout=10)
             assert ready.status_code == 503
             reason = " ".join(ready.json()["reasons"])
             assert "no tokenizer could be loaded" in reason and "--engine-tokenizer" in reason
-            refused = httpx.post(harness.url + "/v1/completions", timeout=10,
-                                 headers={"Authorization": f"Bearer {keys.hs('acme')}"},
-                                 json={"model": "tiny", "prompt": "tenant"})
+            refused = http_post(harness.url + "/v1/completions", timeout=10,
+                                headers={"Authorization": f"Bearer {keys.hs('acme')}"},
+                                json={"model": "tiny", "prompt": "tenant"})
             assert refused.status_code == 503
             assert refused.json()["error"]["code"] == "SIDECAR_NOT_READY"
             assert stub.received == []

@@ -7,7 +7,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
-import httpx
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -18,7 +17,7 @@ from engine_sidecar.gateway import tracing
 from engine_sidecar.gateway.app import Gateway, GatewayConfig
 
 from .conftest import Harness, StubFactory
-from .helpers import Keys, make_policy, tenant, wait_for
+from .helpers import Keys, http_post, make_policy, tenant, wait_for
 from .stub_engine import StubEngine
 from .test_queueing import _in_background, _post
 
@@ -63,9 +62,9 @@ def test_an_admitted_request_is_traced_from_the_client_to_vllm(
     stub_sidecar: StubFactory, keys: Keys, exporter: InMemorySpanExporter
 ) -> None:
     harness, stub = _traced(stub_sidecar, exporter)
-    response = httpx.post(harness.url + "/v1/completions",
-                          json={"prompt": "tenant quota cache", "max_tokens": 4},
-                          headers={"Authorization": f"Bearer {keys.hs('acme')}",
+    response = http_post(harness.url + "/v1/completions",
+                         json={"prompt": "tenant quota cache", "max_tokens": 4},
+                         headers={"Authorization": f"Bearer {keys.hs('acme')}",
                                    "traceparent": CLIENT_PARENT})
     assert response.status_code == 200, response.text
     spans = _spans(exporter, 4)
@@ -97,9 +96,9 @@ def test_a_refused_request_says_why_and_never_reaches_the_engine(
     stub_sidecar: StubFactory, keys: Keys, exporter: InMemorySpanExporter
 ) -> None:
     harness, stub = _traced(stub_sidecar, exporter, max_prompt_tokens=2)
-    response = httpx.post(harness.url + "/v1/completions",
-                          json={"prompt": "far too many words for this tenant", "max_tokens": 4},
-                          headers={"Authorization": f"Bearer {keys.hs('acme')}"})
+    response = http_post(harness.url + "/v1/completions",
+                         json={"prompt": "far too many words for this tenant", "max_tokens": 4},
+                         headers={"Authorization": f"Bearer {keys.hs('acme')}"})
     assert response.status_code == 400, response.text
     spans = _spans(exporter, 3)
     (admission,) = spans["kvquota.admission"]
@@ -113,8 +112,8 @@ def test_a_bad_token_ends_in_the_auth_span(
     stub_sidecar: StubFactory, keys: Keys, exporter: InMemorySpanExporter
 ) -> None:
     harness, _stub = _traced(stub_sidecar, exporter)
-    response = httpx.post(harness.url + "/v1/completions", json={"prompt": "x"},
-                          headers={"Authorization": "Bearer not-a-token"})
+    response = http_post(harness.url + "/v1/completions", json={"prompt": "x"},
+                         headers={"Authorization": "Bearer not-a-token"})
     assert response.status_code == 401
     spans = _spans(exporter, 2)
     (auth,) = spans["kvquota.auth"]
