@@ -50,3 +50,25 @@ def test_the_suite_covers_every_shipped_scenario_at_both_scales() -> None:
     assert {"noisy-neighbour", "premium-idle-burst", "all-premium-saturation",
             "steady-mixed", "premium-self-burst", "tiered-rag"} <= names
     assert all((name, "a100-40gb") in cases and (name, None) in cases for name in names)
+
+
+def _slower(document: dict[str, Any], steps: float) -> dict[str, Any]:
+    """`document` with KVQuota taking `steps` of its own mean steps longer than stock
+    FCFS for the same output tokens."""
+    policies = document["policies"]
+    ours, fcfs = policies["kvquota"], policies["fcfs"]
+    step = ours["makespan"] / ours["steps"]
+    makespan = fcfs["makespan"] + steps * step
+    ours = {**ours, "makespan": makespan, "outputTokens": fcfs["outputTokens"],
+            "throughput": fcfs["outputTokens"] / makespan}
+    return {**document, "policies": {**policies, "kvquota": ours}}
+
+
+def test_a_difference_under_one_twin_step_is_a_tie_and_more_is_a_miss(
+    document: dict[str, Any],
+) -> None:
+    tie = {c.name: c for c in evaluate(_slower(document, 0.5))}["tput"]
+    assert tie.passed and tie.tie and "under one step" in tie.detail
+    assert "TIE" in format_suite([CaseResult("tiny", "default", document, [tie])])
+    miss = {c.name: c for c in evaluate(_slower(document, 2.0))}["tput"]
+    assert miss.passed is False and not miss.tie
