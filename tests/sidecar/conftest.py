@@ -28,7 +28,7 @@ from engine_sidecar.gateway.tokens import (
 )
 from engine_sidecar.policy import EnginePolicy
 
-from .helpers import Keys, ServerThread, wait_for, write_policy
+from .helpers import WAIT, Keys, ServerThread, wait_for, write_policy
 from .stub_engine import StubEngine
 
 SEND_BUFFER = 16 * 1024
@@ -124,7 +124,7 @@ class Harness:
         ledger = self.gateway.ledger
         return ledger.total_blocks == 0 and ledger.total_inflight == 0 and not ledger.tenants()
 
-    def wait_ledger_empty(self, timeout: float = 5.0) -> bool:
+    def wait_ledger_empty(self, timeout: float = WAIT) -> bool:
         """The ledger settles when the engine's response ends, which can be a moment
         after a client already holds every byte of a Content-Length response."""
         ledger = self.gateway.ledger
@@ -192,7 +192,7 @@ def stub_sidecar(
         harness = start_harness(tmp_path, GatewayConfig(**settings), token_counter, limits)
         servers.extend((harness.admin, harness.server))
         if wait_up:
-            wait_for(lambda: harness.gateway.monitor.up, 10, "stub engine not seen up")
+            wait_for(lambda: harness.gateway.monitor.up, WAIT, "stub engine not seen up")
         return harness, stub
 
     yield make

@@ -136,19 +136,20 @@ def hs_forged_with(secret: bytes, claims: dict[str, Any]) -> str:
     return (signing_input + b"." + b64(signature)).decode()
 
 
-# What these tests assert is never how fast a reply comes. CI machines have been seen
-# stalling the test process for over 4 s (the demo's load generator once woke 4.1 s
-# late), which httpx's default 5 s timeout turned into a failure; a reply that never
-# comes still fails, after a minute.
-CLIENT_TIMEOUT = 60.0
+# The bound of every wait in these tests, for a reply or for something that must
+# happen; a wait ends as soon as it is met. What these tests assert is never how fast:
+# CI machines have been seen stalling the test process for over 4 s (the demo's load
+# generator once woke 4.1 s late), which httpx's default 5 s timeout turned into a
+# failure. What never happens still fails, after a minute.
+WAIT = 60.0
 
 
 def http_get(url: str, **kwargs: Any) -> httpx.Response:
-    return httpx.get(url, **{"timeout": CLIENT_TIMEOUT, **kwargs})
+    return httpx.get(url, **{"timeout": WAIT, **kwargs})
 
 
 def http_post(url: str, **kwargs: Any) -> httpx.Response:
-    return httpx.post(url, **{"timeout": CLIENT_TIMEOUT, **kwargs})
+    return httpx.post(url, **{"timeout": WAIT, **kwargs})
 
 
 class ServerThread:

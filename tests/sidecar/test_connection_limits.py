@@ -18,7 +18,7 @@ import httpx
 from engine_sidecar.gateway.server import ConnectionLimits
 
 from .conftest import Harness, StubFactory
-from .helpers import Keys, http_post, make_policy, tenant, wait_for
+from .helpers import WAIT, Keys, http_post, make_policy, tenant, wait_for
 from .stub_engine import StubEngine
 
 DEADLINE_S = 1.0
@@ -202,11 +202,11 @@ def test_beyond_the_connection_limit_new_requests_get_a_fast_503(
 
     worker = threading.Thread(target=stream)
     worker.start()
-    wait_for(lambda: stub.active == 1, 10, "the stream never reached the engine")
+    wait_for(lambda: stub.active == 1, WAIT, "the stream never reached the engine")
     connections = harness.server.server.server_state.connections
     idle = [_connect(harness) for _ in range(3)]
     try:
-        wait_for(lambda: len(connections) == 4, 10, "the idle connections were not accepted")
+        wait_for(lambda: len(connections) == 4, WAIT, "the idle connections were not accepted")
         started = time.monotonic()
         refused = http_post(url, json={"prompt": "x"}, headers=headers, timeout=10)
         elapsed = time.monotonic() - started
@@ -219,6 +219,6 @@ def test_beyond_the_connection_limit_new_requests_get_a_fast_503(
             sock.close()
     (done,) = streamed
     assert done.status_code == 200 and done.text.endswith("data: [DONE]\n\n")
-    wait_for(lambda: len(connections) == 0, 10, "connections were not closed")
+    wait_for(lambda: len(connections) == 0, WAIT, "connections were not closed")
     assert http_post(url, json={"prompt": "x"}, headers=headers).status_code == 200
     assert harness.wait_ledger_empty()

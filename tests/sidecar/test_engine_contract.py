@@ -23,6 +23,7 @@ from engine_sidecar.stats import EngineStats, SidecarStatus
 
 from .conftest import Harness
 from .helpers import (
+    WAIT,
     Keys,
     hs_forged_with,
     http_get,
@@ -406,7 +407,7 @@ def test_client_tags_are_overwritten_as_the_engine_sees_them(
     n_prompt = first.json()["usage"]["prompt_tokens"]
     # The plugin attributes both to acme (the sidecar's tenant), not to the spoofed beta,
     # and the second is a prefix-cache hit: the client salts were replaced by acme's.
-    wait_for(lambda: prompt_tokens("acme") >= before["acme"][1] + 2 * n_prompt, 10,
+    wait_for(lambda: prompt_tokens("acme") >= before["acme"][1] + 2 * n_prompt, WAIT,
              "plugin never attributed the requests to acme")
     assert prompt_tokens("beta") == before["beta"][1]
     assert hits("acme") - before["acme"][0] >= n_prompt - engine.block_size
@@ -415,7 +416,7 @@ def test_client_tags_are_overwritten_as_the_engine_sees_them(
     third = _post(sidecar, {"prompt": prompt, "max_tokens": 1,
                             "vllm_xargs": {"kvq_tenant": "acme"}}, keys.hs("beta"))
     assert third.status_code == 200
-    wait_for(lambda: prompt_tokens("beta") >= before["beta"][1] + n_prompt, 10,
+    wait_for(lambda: prompt_tokens("beta") >= before["beta"][1] + n_prompt, WAIT,
              "plugin never saw beta's request")
     assert hits("beta") == before["beta"][0]
 

@@ -15,7 +15,7 @@ import httpx
 from engine_sidecar.gateway.engine_monitor import EngineMonitor
 
 from .conftest import StubFactory
-from .helpers import Keys, http_get, make_policy, tenant, wait_for
+from .helpers import WAIT, Keys, http_get, make_policy, tenant, wait_for
 
 
 def _failing(exc: Exception) -> httpx.AsyncClient:
@@ -71,7 +71,7 @@ def test_a_request_failing_at_the_descriptor_limit_does_not_mark_the_engine_down
             f"Content-Length: {len(body)}\r\n\r\n").encode()
     connections = harness.server.server.server_state.connections
     with socket.create_connection(("127.0.0.1", harness.server.port), timeout=10) as sock:
-        wait_for(lambda: len(connections) == 1, 10, "the sidecar did not accept")
+        wait_for(lambda: len(connections) == 1, WAIT, "the sidecar did not accept")
         with _no_more_descriptors():  # the sidecar cannot open a socket to the engine
             sock.sendall(head + body)
             answer = sock.recv(65536)

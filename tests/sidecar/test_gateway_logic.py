@@ -14,7 +14,7 @@ from engine_sidecar.stats import EngineStats, SidecarStatus, TenantEngineStats
 from kvquota.processes import free_port
 
 from .conftest import StubFactory
-from .helpers import Keys, http_get, http_post, make_policy, tenant, wait_for
+from .helpers import WAIT, Keys, http_get, http_post, make_policy, tenant, wait_for
 from .stub_engine import StubEngine
 
 
@@ -164,7 +164,7 @@ def test_bad_policy_keeps_the_last_good_one(stub_sidecar: StubFactory, keys: Key
     good = harness.apply(make_policy(tenant("acme", max_tokens=16)))
     errors_before = harness.gateway.metrics.policy_errors._value.get()
     write_atomically(harness.policy_file, json.dumps({"pool": "default/test", "tenants": 3}))
-    wait_for(lambda: harness.gateway.holder.error, 5, "bad policy not noticed")
+    wait_for(lambda: harness.gateway.holder.error, WAIT, "bad policy not noticed")
 
     status = _status(harness.admin_url)
     metrics = http_get(harness.admin_url + "/metrics").text
@@ -187,7 +187,7 @@ def test_policy_needing_a_missing_secret_is_refused(
     bad = make_policy(tenant("acme"), auth={"jwt": {"key_file": "no-such-key",
                                                      "algorithms": ["RS256"]}})
     write_atomically(harness.policy_file, bad.to_json())
-    wait_for(lambda: harness.gateway.holder.error, 5, "bad policy not noticed")
+    wait_for(lambda: harness.gateway.holder.error, WAIT, "bad policy not noticed")
     status = _status(harness.admin_url)
     assert status.policy_version == good.version
     assert status.policy_error and "'no-such-key' not found" in status.policy_error

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from engine_sidecar.gateway.errors import ApiError
 
 from .conftest import Harness, StubFactory
-from .helpers import Keys, http_post, make_policy, tenant, wait_for
+from .helpers import WAIT, Keys, http_post, make_policy, tenant, wait_for
 from .stub_engine import StubEngine
 
 WORDS = "tenant quota cache block lease premium standard free engine 17 2048. "
@@ -124,7 +124,7 @@ def test_a_long_prompt_being_tokenized_does_not_hold_up_another_tenant(
     thread, the gap was most of the long request's time; the margin of 4 leaves room
     for a slow machine."""
     harness, _stub = stub_sidecar(StubEngine(max_model_len=10_000_000))
-    wait_for(lambda: harness.gateway.monitor.max_model_len == 10_000_000, 10, "model len")
+    wait_for(lambda: harness.gateway.monitor.max_model_len == 10_000_000, WAIT, "model len")
     harness.apply(make_policy(tenant("big", max_blocks=1_000_000), tenant("acme")))
     long_body = httpx.Request("POST", harness.url + "/v1/completions", json={
         "model": "tiny", "prompt": _varied_text(500_000), "max_tokens": 1},
@@ -203,7 +203,7 @@ def test_a_refused_request_retried_is_not_tokenized_again(
     holder = threading.Thread(target=_post, args=(harness, token, {**body, "stream": True}),
                               kwargs={"route": route}, daemon=True)
     holder.start()
-    wait_for(lambda: stub.active == 1, 10, "the first request never reached the engine")
+    wait_for(lambda: stub.active == 1, WAIT, "the first request never reached the engine")
     for _ in range(2):
         refused = _post(harness, token, {**body, "max_tokens": 3}, route)
         assert refused.status_code == 429, refused.text

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 
 from .conftest import Harness, StubFactory
-from .helpers import Keys, http_get, http_post, make_policy, tenant, wait_for
+from .helpers import WAIT, Keys, http_get, http_post, make_policy, tenant, wait_for
 from .stub_engine import StubEngine
 
 
@@ -44,7 +44,7 @@ def _slot_taken(
     harness.apply(make_policy(tenant("acme", max_concurrent_requests=1, **limits)))
     token = keys.hs("acme")
     first, first_out = _in_background(lambda: _post(harness.url, token, timeout=30))
-    wait_for(lambda: stub.active == 1, 10, "the first request never reached the engine")
+    wait_for(lambda: stub.active == 1, WAIT, "the first request never reached the engine")
     return harness, stub, token, first, first_out
 
 
@@ -53,7 +53,7 @@ def test_a_queued_request_is_admitted_when_the_slot_frees(
 ) -> None:
     harness, stub, token, first, first_out = _slot_taken(stub_sidecar, keys)
     second, second_out = _in_background(lambda: _post(harness.url, token, timeout=30))
-    wait_for(lambda: harness.gateway.queue.depth("acme") == 1, 10, "second never queued")
+    wait_for(lambda: harness.gateway.queue.depth("acme") == 1, WAIT, "second never queued")
     queued_by = time.monotonic()
     status = http_get(harness.admin_url + "/kvquota/status").json()
     assert status["tenants"]["acme"]["usage"]["queued"] == 1
@@ -82,7 +82,7 @@ def test_a_client_that_gives_up_while_queued_leaves_no_trace(
     gone, gone_out = _in_background(lambda: _post(harness.url, token, timeout=0.5))
     gone.join(10)
     assert isinstance(gone_out[0], httpx.TimeoutException)
-    wait_for(lambda: harness.gateway.queue.depth("acme") == 0, 10, "still queued")
+    wait_for(lambda: harness.gateway.queue.depth("acme") == 0, WAIT, "still queued")
     stub.release()
     first.join(30)
     assert harness.wait_ledger_empty()

@@ -16,7 +16,7 @@ from engine_sidecar.gateway.app import GatewayConfig
 from engine_sidecar.gateway.openai_request import CHAT_FIELDS, COMPLETION_FIELDS
 
 from .conftest import CounterFactory, Harness, start_harness
-from .helpers import Keys, ServerThread, make_policy, tenant, wait_for
+from .helpers import WAIT, Keys, ServerThread, make_policy, tenant, wait_for
 from .stub_engine import StubEngine
 
 MESSAGES = [{"role": "user", "content": "tenant quota cache"}]
@@ -39,7 +39,7 @@ def sidecar_and_stub(
                                engine_probe_interval=0.2)
         harness = start_harness(tmp, config, token_counter)
         try:
-            wait_for(lambda: harness.gateway.monitor.up, 10, "stub engine not seen up")
+            wait_for(lambda: harness.gateway.monitor.up, WAIT, "stub engine not seen up")
             harness.apply(make_policy(tenant("acme", max_tokens=16)))
             with openai.OpenAI(base_url=harness.url + "/v1", api_key=keys.hs("acme"),
                                max_retries=0) as client:

@@ -17,7 +17,7 @@ from engine_sidecar.gateway import tracing
 from engine_sidecar.gateway.app import Gateway, GatewayConfig
 
 from .conftest import Harness, StubFactory
-from .helpers import Keys, http_post, make_policy, tenant, wait_for
+from .helpers import WAIT, Keys, http_post, make_policy, tenant, wait_for
 from .stub_engine import StubEngine
 from .test_queueing import _in_background, _post
 
@@ -130,9 +130,9 @@ def test_queue_wait_is_a_span_of_its_own(
                             max_concurrent_requests=1)
     token = keys.hs("acme")
     first, _ = _in_background(lambda: _post(harness.url, token, timeout=30))
-    wait_for(lambda: stub.active == 1, 10, "the first request never reached the engine")
+    wait_for(lambda: stub.active == 1, WAIT, "the first request never reached the engine")
     second, second_out = _in_background(lambda: _post(harness.url, token, timeout=30))
-    wait_for(lambda: harness.gateway.queue.depth("acme") == 1, 10, "second never queued")
+    wait_for(lambda: harness.gateway.queue.depth("acme") == 1, WAIT, "second never queued")
     stub.release()
     first.join(30), second.join(30)
     assert second_out[0].status_code == 200
