@@ -308,13 +308,17 @@ def test_streaming_passes_through_like_vllm(sidecar: Harness, engine: Any, keys:
         return "".join(c["text"] for e in events if isinstance(e, dict)
                        for c in e.get("choices", []))
 
+    def shapes(events: list[Any]) -> set[tuple[str, ...]]:
+        return {tuple(sorted(e)) for e in events if isinstance(e, dict)}
+
+    # Not the number of events: vLLM merges the token deltas its server has not sent
+    # yet into one event, so how many a stream has depends on how busy the machine is
+    # (13 or 11 against 14 were seen at load 6). What is relayed must be the same.
     assert proxied_type == direct.headers["content-type"]
     assert proxied_events[-1] == "[DONE]"
-    assert len(proxied_events) == len(direct_events)
     assert text(proxied_events) == text(direct_events)
     assert proxied_events[-2]["usage"] == direct_events[-2]["usage"]  # type: ignore[index]
-    assert [sorted(e) for e in proxied_events if isinstance(e, dict)] == \
-           [sorted(e) for e in direct_events if isinstance(e, dict)]
+    assert shapes(proxied_events) == shapes(direct_events)
 
 
 async def test_disconnect_storm_leaves_the_ledger_at_zero(
