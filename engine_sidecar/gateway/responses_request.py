@@ -1,0 +1,354 @@
+"""A /v1/responses body as the chat prompt vLLM renders from it, so it is admitted exactly.
+
+vLLM 0.32 serves the Responses API by turning `instructions` and `input` into chat
+messages (`construct_input_messages` in vllm/entrypoints/openai/responses/utils.py) and
+rendering them with the same chat renderer as /v1/chat/completions
+(`OnlineRenderer.render_responses`). The sidecar makes the same messages here and counts
+them with the engine's /tokenize, like any chat prompt (`tokens.py`); the parsed request
+is that chat prompt (`kind` CHAT), and the vetted Responses body is forwarded.
+
+The conversion follows vLLM's, item by item:
+- `instructions` (non-empty) -> a system message first; string `input` -> one user
+  message;
+- a user, system or developer message -> itself (text content; `input_text` parts are
+  text parts);
+- an assistant message -> its text (a list: its first `output_text` part), merged into
+  the assistant message before it when that one has no content yet;
+- `function_call` -> a tool call, appended to the assistant message before it if any;
+  `function_call_output` -> a tool message; `reasoning` -> the assistant's reasoning
+  (its first content text, else its first summary text), merged the same way;
+- a last assistant message or reasoning item with status `in_progress`/`incomplete` is
+  continued (`continue_final_message`) instead of getting a generation prompt;
+- function tools -> chat tools; `reasoning.effort` -> the template's `reasoning_effort`
+  (and `enable_thinking`); `add_special_tokens` is vLLM's Responses default, true.
+
+Refused with a 400 naming the field, because the sidecar could not count what vLLM would
+run: stored history (`previous_response_id`, `previous_input_messages`), stored prompt
+templates (`prompt`), `background` (its work outlives the request that admitted it),
+`truncation: auto`, media parts, tools other than functions (built-in tools run more
+turns), custom tool calls and encrypted reasoning. Not covered: gpt-oss models, which
+vLLM renders with Harmony instead of the chat template.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine_sidecar.gateway import chat_messages
+from engine_sidecar.gateway.body_checks import (
+    INT64,
+    Check,
+    anything,
+    boolean,
+    integer,
+    invalid,
+    json_object,
+    list_of,
+    mapping_of,
+    number,
+    object_with,
+    one_of,
+    shown,
+    string,
+    string_or_strings,
+)
+from engine_sidecar.gateway.openai_request import (
+    MAX_LIST_ITEMS,
+    MAX_LOGPROBS,
+    MAX_SESSION_ID_CHARS,
+    MAX_TOKEN_ID,
+    REFUSED,
+    Kind,
+    ParsedRequest,
+    load_body,
+    tagged,
+    vet_body,
+)
+
+MAX_ITEMS = 4096
+_text = string(chat_messages.MAX_TEXT_CHARS)
+_name = string(chat_messages.MAX_NAME_CHARS)
+_token_ids = list_of(integer(0, MAX_TOKEN_ID), MAX_LIST_ITEMS)
+PARTIAL = frozenset({"in_progress", "incomplete"})
+_status = one_of({"in_progress", "completed", "incomplete"})
+INCLUDABLE = frozenset({"message.output_text.logprobs", "reasoning.encrypted_content"})
+
+
+def _function_tool(param: str, value: Any) -> None:
+    if not isinstance(value, dict) or value.get("type") != "function":
+        kind = value.get("type") if isinstance(value, dict) else value
+        raise invalid(f"{param}.type {shown(kind)} is not supported through the KVQuota "
+                      "sidecar: only function tools are (built-in and MCP tools run more "
+                      "engine turns than the request it admitted)", f"{param}.type")
+    object_with({"type": anything, "name": _name, "description": _text,
+                 "parameters": json_object, "strict": boolean}, required=["name"]
+                )(param, value)
+
+
+def _tool_choice(param: str, value: Any) -> None:
+    if isinstance(value, str):
+        one_of({"none", "auto", "required"})(param, value)
+    else:
+        object_with({"type": one_of({"function"}), "name": _name},
+                    required=["type", "name"])(param, value)
+
+
+def _truncation(param: str, value: Any) -> None:
+    if value != "disabled":
+        raise invalid(f"{param} {shown(value)} is not accepted through the KVQuota sidecar: "
+                      "the engine would process fewer tokens than the sidecar counted; "
+                      "shorten the input instead", param)
+
+
+FIELDS: dict[str, Check] = {
+    "model": string(1024),  # mapped to the engine's name by the app
+    "user": string(MAX_SESSION_ID_CHARS * 4),  # a session id source
+    "input": anything,  # parse() converts it
+    "instructions": _text,
+    "max_output_tokens": anything,  # parse() reads and bounds it; rewrite() clamps it
+    "stream": boolean,
+    "store": boolean,  # vLLM ignores it unless VLLM_ENABLE_RESPONSES_API_STORE is set
+    "metadata": mapping_of(string(512), 16),
+    "include": list_of(one_of(INCLUDABLE), len(INCLUDABLE)),
+    "include_reasoning": boolean,
+    "reasoning": object_with({"effort": one_of({"none", "minimal", "low", "medium", "high",
+                                                "xhigh", "max"}),
+                              "summary": one_of({"auto", "concise", "detailed"}),
+                              "generate_summary": one_of({"auto", "concise", "detailed"})}),
+    "tools": list_of(_function_tool, chat_messages.MAX_TOOLS),
+    "tool_choice": _tool_choice,
+    "parallel_tool_calls": boolean,
+    "max_tool_calls": integer(1, MAX_TOKEN_ID),
+    "text": object_with({"format": json_object, "verbosity": one_of({"low", "medium", "high"})}),
+    "structured_outputs": json_object,
+    "truncation": _truncation,
+    "service_tier": one_of({"auto", "default", "flex", "scale", "priority"}),
+    "prompt_cache_key": string(1024),  # vLLM ignores it
+    "enable_response_messages": boolean,
+    "chat_template_kwargs": chat_messages.check_chat_template_kwargs,
+    "temperature": number,
+    "top_p": number,
+    "top_k": integer(-1, MAX_TOKEN_ID),
+    "min_p": number,
+    "frequency_penalty": number,
+    "presence_penalty": number,
+    "repetition_penalty": number,
+    "seed": integer(-INT64, INT64 - 1),
+    "stop": string_or_strings(4096, 64),
+    "stop_token_ids": _token_ids,
+    "logit_bias": mapping_of(number, MAX_LIST_ITEMS),
+    "ignore_eos": boolean,
+    "top_logprobs": integer(0, MAX_LOGPROBS),
+    "skip_special_tokens": boolean,
+    "include_stop_str_in_output": boolean,
+    "watermarking": boolean,
+    "priority": anything,  # overwritten
+    "vllm_xargs": anything,  # overwritten
+    "cache_salt": anything,  # overwritten (or dropped when the tenant shares the cache)
+}
+REFUSED_HERE: dict[str, str] = {
+    **{name: REFUSED[name] for name in ("kv_transfer_params", "ec_transfer_params",
+                                        "request_id", "session_id", "media_io_kwargs",
+                                        "mm_processor_kwargs")},
+    "previous_response_id": "it continues a response the engine stored, whose history the "
+                            "engine adds to the prompt where the sidecar cannot count it; "
+                            "send the conversation so far in `input` instead",
+    "previous_input_messages": "history the engine renders itself; send the conversation "
+                               "so far in `input` instead",
+    "prompt": "stored prompt templates are not supported; send the text in `input`",
+    "background": "background responses outlive the request that reserved their KV "
+                  "blocks; send the request in the foreground (with stream for long ones)",
+}
+HARMLESS: dict[str, Any] = {"background": False}
+
+
+@dataclass
+class ResponsesRequest(ParsedRequest):
+    """The chat prompt of a Responses request (`body`) and the body to forward."""
+
+    forward: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prompt_param(self) -> str:
+        return "input"
+
+
+def parse_responses(raw: bytes) -> ResponsesRequest:
+    body = load_body(raw)
+    vet_body(body, FIELDS, REFUSED_HERE, HARMLESS, "responses")
+    if "input" not in body:
+        raise invalid("input is required", param="input")
+    messages, continued = input_messages(body.get("instructions"), body["input"])
+    chat: dict[str, Any] = {
+        "messages": messages,
+        "add_generation_prompt": not continued,
+        "continue_final_message": continued,
+        "add_special_tokens": True,  # vLLM's Responses renderer tokenizes with its default
+    }
+    if body.get("tools"):
+        chat["tools"] = [{"type": "function", "function": {
+            key: tool[key] for key in ("name", "description", "parameters", "strict")
+            if key in tool}} for tool in body["tools"]]
+    effort = (body.get("reasoning") or {}).get("effort")
+    if effort is not None:
+        chat["reasoning_effort"] = effort
+    for name in ("chat_template_kwargs", "model", "user"):
+        if name in body:
+            chat[name] = body[name]
+    max_tokens = body.get("max_output_tokens")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(
+            max_tokens, bool) or max_tokens < 1):
+        raise invalid("max_output_tokens must be a positive integer",
+                      param="max_output_tokens")
+    return ResponsesRequest(Kind.CHAT, chat, [], max_tokens, "max_output_tokens", 1,
+                            forward=body)
+
+
+def rewrite_responses(
+    request: ParsedRequest, *, max_tokens: int, priority: int, tenant_id: str,
+    session: str | None, cache_salt: str | None,
+) -> bytes:
+    """The Responses body for the engine: the admitted ceiling, the tenant's fields."""
+    assert isinstance(request, ResponsesRequest)
+    body = request.forward
+    if "model" in request.body:  # the engine's name (the app mapped the public one)
+        body["model"] = request.body["model"]
+    body["max_output_tokens"] = max_tokens
+    return tagged(body, priority=priority, tenant_id=tenant_id, session=session,
+                  cache_salt=cache_salt)
+
+
+# -- input items -> chat messages ------------------------------------------------------
+
+_input_part = object_with({"type": anything, "text": _text}, required=["text"])
+_output_part = object_with({"type": anything, "text": _text, "annotations": anything,
+                            "logprobs": anything}, required=["text"])
+_reasoning_text = object_with({"type": anything, "text": _text}, required=["text"])
+
+
+def _parts(param: str, content: Any, part_type: str) -> list[str]:
+    if not isinstance(content, list) or not content or len(content) > chat_messages.MAX_PARTS:
+        raise invalid(f"{param} must be a string or a list of 1 to "
+                      f"{chat_messages.MAX_PARTS} {part_type} parts", param)
+    texts = []
+    for i, part in enumerate(content):
+        where = f"{param}[{i}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != part_type:
+            raise invalid(f"{where}.type {shown(kind)} is not supported through the KVQuota "
+                          f"sidecar here: only {part_type} parts are, whose tokens it counts "
+                          "exactly (media and other parts are not admitted)", f"{where}.type")
+        (_output_part if part_type == "output_text" else _input_part)(where, part)
+        texts.append(part["text"])
+    return texts
+
+
+def _last_assistant(messages: list[dict[str, Any]]) -> dict[str, Any] | None:
+    return messages[-1] if messages and messages[-1].get("role") == "assistant" else None
+
+
+def _message(where: str, item: dict[str, Any], messages: list[dict[str, Any]]) -> bool:
+    """Add a message item; True if it is an assistant message left partial."""
+    role = item.get("role")
+    content = item.get("content")
+    if role == "assistant":
+        object_with({"type": anything, "role": anything, "content": anything, "id": _name,
+                     "status": _status, "phase": anything}, required=["content"]
+                    )(where, item)
+        text = content if isinstance(content, str) else _parts(
+            f"{where}.content", content, "output_text")[0]
+        previous = _last_assistant(messages)
+        if previous is not None and previous.get("content") is None:
+            previous["content"] = text
+        else:
+            messages.append({"role": "assistant", "content": text})
+        return isinstance(content, list) and item.get("status") in PARTIAL
+    if role not in ("user", "system", "developer"):
+        raise invalid(f"{where}.role {shown(role)} is not supported through the KVQuota "
+                      "sidecar (use user, system, developer or assistant)", f"{where}.role")
+    object_with({"type": anything, "role": anything, "content": anything},
+                required=["content"])(where, item)
+    if isinstance(content, str):
+        messages.append({"role": role, "content": content})
+    else:
+        messages.append({"role": role, "content": [
+            {"type": "text", "text": text}
+            for text in _parts(f"{where}.content", content, "input_text")]})
+    return False
+
+
+def _function_call(where: str, item: dict[str, Any], messages: list[dict[str, Any]]) -> None:
+    object_with({"type": anything, "call_id": _name, "name": _name, "arguments": _text,
+                 "id": _name, "status": _status}, required=["call_id", "name", "arguments"]
+                )(where, item)
+    call = {"id": item["call_id"], "type": "function",
+            "function": {"name": item["name"], "arguments": item["arguments"]}}
+    previous = _last_assistant(messages)
+    if previous is not None:
+        previous.setdefault("tool_calls", []).append(call)
+    else:
+        messages.append({"role": "assistant", "tool_calls": [call]})
+
+
+def _function_output(where: str, item: dict[str, Any], messages: list[dict[str, Any]]) -> None:
+    object_with({"type": anything, "call_id": _name, "output": _text, "id": _name,
+                 "status": _status}, required=["call_id", "output"])(where, item)
+    messages.append({"role": "tool", "content": item["output"],
+                     "tool_call_id": item["call_id"]})
+
+
+def _reasoning(where: str, item: dict[str, Any], messages: list[dict[str, Any]]) -> bool:
+    object_with({"type": anything, "id": _name, "status": _status,
+                 "summary": list_of(_reasoning_text, chat_messages.MAX_PARTS),
+                 "content": list_of(_reasoning_text, chat_messages.MAX_PARTS),
+                 "encrypted_content": _null_only}, required=["summary"])(where, item)
+    texts = item.get("content") or item["summary"]
+    reasoning = texts[0]["text"] if texts else ""
+    previous = _last_assistant(messages)
+    if previous is not None and previous.get("reasoning") is None:
+        previous["reasoning"] = reasoning
+    else:
+        messages.append({"role": "assistant", "reasoning": reasoning})
+    return item.get("status") in PARTIAL
+
+
+def _null_only(param: str, _value: Any) -> None:
+    raise invalid(f"{param} is not accepted through the KVQuota sidecar: encrypted "
+                  "reasoning cannot be rendered (or counted)", param)
+
+
+def input_messages(instructions: str | None, value: Any) -> tuple[list[dict[str, Any]], bool]:
+    """vLLM's chat messages for `instructions` and `input`, and whether the last one is
+    continued rather than answered."""
+    messages: list[dict[str, Any]] = []
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+    if isinstance(value, str):
+        messages.append({"role": "user", "content": value})
+        return messages, False
+    if not isinstance(value, list) or not value or len(value) > MAX_ITEMS:
+        raise invalid(f"input must be a string or a list of 1 to {MAX_ITEMS} input items",
+                      param="input")
+    partial = False
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise invalid(f"{where} must be an input item object", where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            partial = _message(where, item, messages)
+        elif kind == "function_call":
+            _function_call(where, item, messages)
+            partial = False
+        elif kind == "function_call_output":
+            _function_output(where, item, messages)
+            partial = False
+        elif kind == "reasoning":
+            partial = _reasoning(where, item, messages)
+        else:
+            raise invalid(f"{where}.type {shown(kind)} is not supported through the KVQuota "
+                          "sidecar: only message, function_call, function_call_output and "
+                          "reasoning items are, whose tokens it counts exactly",
+                          f"{where}.type")
+    return messages, partial
