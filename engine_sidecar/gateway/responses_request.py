@@ -37,7 +37,6 @@ from typing import Any
 
 from engine_sidecar.gateway import chat_messages
 from engine_sidecar.gateway.body_checks import (
-    INT64,
     Check,
     anything,
     boolean,
@@ -46,19 +45,16 @@ from engine_sidecar.gateway.body_checks import (
     json_object,
     list_of,
     mapping_of,
-    number,
     object_with,
     one_of,
     shown,
     string,
-    string_or_strings,
 )
 from engine_sidecar.gateway.openai_request import (
-    MAX_LIST_ITEMS,
     MAX_LOGPROBS,
-    MAX_SESSION_ID_CHARS,
     MAX_TOKEN_ID,
     REFUSED,
+    SHARED_FIELDS,
     Kind,
     ParsedRequest,
     load_body,
@@ -69,7 +65,6 @@ from engine_sidecar.gateway.openai_request import (
 MAX_ITEMS = 4096
 _text = string(chat_messages.MAX_TEXT_CHARS)
 _name = string(chat_messages.MAX_NAME_CHARS)
-_token_ids = list_of(integer(0, MAX_TOKEN_ID), MAX_LIST_ITEMS)
 PARTIAL = frozenset({"in_progress", "incomplete"})
 _status = one_of({"in_progress", "completed", "incomplete"})
 INCLUDABLE = frozenset({"message.output_text.logprobs", "reasoning.encrypted_content"})
@@ -101,13 +96,17 @@ def _truncation(param: str, value: Any) -> None:
                       "shorten the input instead", param)
 
 
+# Sampling and output options as on the chat route (`openai_request.SHARED_FIELDS`).
+SHARED = ("model", "user", "stream", "temperature", "top_p", "top_k", "min_p",
+          "frequency_penalty", "presence_penalty", "repetition_penalty", "seed", "stop",
+          "stop_token_ids", "logit_bias", "ignore_eos", "skip_special_tokens",
+          "include_stop_str_in_output", "watermarking", "structured_outputs",
+          "priority", "vllm_xargs", "cache_salt")  # the last three are overwritten
 FIELDS: dict[str, Check] = {
-    "model": string(1024),  # mapped to the engine's name by the app
-    "user": string(MAX_SESSION_ID_CHARS * 4),  # a session id source
+    **{name: SHARED_FIELDS[name] for name in SHARED},
     "input": anything,  # parse() converts it
     "instructions": _text,
     "max_output_tokens": anything,  # parse() reads and bounds it; rewrite() clamps it
-    "stream": boolean,
     "store": boolean,  # vLLM ignores it unless VLLM_ENABLE_RESPONSES_API_STORE is set
     "metadata": mapping_of(string(512), 16),
     "include": list_of(one_of(INCLUDABLE), len(INCLUDABLE)),
@@ -121,31 +120,12 @@ FIELDS: dict[str, Check] = {
     "parallel_tool_calls": boolean,
     "max_tool_calls": integer(1, MAX_TOKEN_ID),
     "text": object_with({"format": json_object, "verbosity": one_of({"low", "medium", "high"})}),
-    "structured_outputs": json_object,
     "truncation": _truncation,
     "service_tier": one_of({"auto", "default", "flex", "scale", "priority"}),
     "prompt_cache_key": string(1024),  # vLLM ignores it
     "enable_response_messages": boolean,
     "chat_template_kwargs": chat_messages.check_chat_template_kwargs,
-    "temperature": number,
-    "top_p": number,
-    "top_k": integer(-1, MAX_TOKEN_ID),
-    "min_p": number,
-    "frequency_penalty": number,
-    "presence_penalty": number,
-    "repetition_penalty": number,
-    "seed": integer(-INT64, INT64 - 1),
-    "stop": string_or_strings(4096, 64),
-    "stop_token_ids": _token_ids,
-    "logit_bias": mapping_of(number, MAX_LIST_ITEMS),
-    "ignore_eos": boolean,
     "top_logprobs": integer(0, MAX_LOGPROBS),
-    "skip_special_tokens": boolean,
-    "include_stop_str_in_output": boolean,
-    "watermarking": boolean,
-    "priority": anything,  # overwritten
-    "vllm_xargs": anything,  # overwritten
-    "cache_salt": anything,  # overwritten (or dropped when the tenant shares the cache)
 }
 REFUSED_HERE: dict[str, str] = {
     **{name: REFUSED[name] for name in ("kv_transfer_params", "ec_transfer_params",
