@@ -22,6 +22,7 @@ import pytest
 from starlette.types import Receive, Scope, Send
 
 from engine_sidecar.gateway.engine_auth import EngineKey, load_engine_key
+from kvquota.cli import build_parser
 
 from .conftest import Harness, StubFactory
 from .helpers import Keys, http_get, http_post, make_policy, tenant
@@ -159,3 +160,9 @@ def test_the_key_comes_from_a_file_or_vllms_own_variable(tmp_path: Path) -> None
     with pytest.raises(SystemExit, match="non-empty line") as blank:
         load_engine_key(tmp_path / "blank", {})
     assert "key-from" not in str(blank.value)
+
+
+def test_kvquota_sidecar_takes_the_key_file_flag(tmp_path: Path) -> None:
+    args = build_parser().parse_args(["sidecar", "--policy-file", str(tmp_path / "p.json"),
+                                      "--engine-api-key-file", str(tmp_path / "key")])
+    assert args.engine_api_key_file == tmp_path / "key"
