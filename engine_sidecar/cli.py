@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from engine_sidecar.gateway.engine_auth import KEY_ENV, KEY_FILE_ENV, load_engine_key
 from engine_sidecar.gateway.request_body import BODY_BYTES_PER_TOKEN
 from engine_sidecar.stats import ADMIN_PORT, POLICY_PATH_ENV, STATS_PATH_ENV, STATUS_ROUTE
 
@@ -41,6 +42,10 @@ def register(subparsers: Any) -> None:
                               "(default: %(default)s; in a pod, bind the pod IP)")
     sidecar.add_argument("--upstream", default="http://127.0.0.1:8001", metavar="URL",
                          help="the vLLM OpenAI server (default: %(default)s)")
+    sidecar.add_argument("--engine-api-key-file", type=Path, metavar="PATH",
+                         help="file holding vLLM's API key (its --api-key), sent to vLLM "
+                              "instead of the client's credentials (default: "
+                              f"${KEY_FILE_ENV}, else ${KEY_ENV}; none: no key)")
     source = sidecar.add_mutually_exclusive_group(required=True)
     source.add_argument("--policy-file", type=Path, metavar="PATH",
                         help="poll this EnginePolicy JSON file")
@@ -186,6 +191,7 @@ def _run_sidecar(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         body_bytes_per_token=args.body_bytes_per_token,
         body_timeout=args.body_timeout,
+        engine_key=load_engine_key(args.engine_api_key_file),
     )
     gateway = Gateway(config, source)
     if args.tokenizer:

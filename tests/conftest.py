@@ -73,5 +73,6 @@ def serve_engine(
 
 @pytest.fixture(scope="session")
 def engine(serve_engine: Callable[..., AbstractContextManager[Engine]]) -> Iterator[Engine]:
-    with serve_engine() as running:
+    # vLLM's stats on, as deployed: its vllm:* Prometheus series are what routers scrape.
+    with serve_engine(log_stats=True) as running:
         yield running

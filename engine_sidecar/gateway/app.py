@@ -5,7 +5,7 @@ for the operator, Prometheus and the kubelet (/kvquota/status, /metrics, /health
 /readyz with its reasons). Nothing on the client port shows another tenant's usage,
 the policy's errors or a server path.
 
-Request path for POST /v1/completions and /v1/chat/completions:
+Request path for POST /v1/completions, /v1/chat/completions and /v1/responses:
 policy loaded? -> authenticate (headers only) -> read the body (capped for the tenant,
 with a deadline) -> parse, and refuse a prompt too long by its size alone -> count
 prompt tokens (cached; long ones in worker processes) -> decide + reserve (synchronously, so
@@ -39,6 +39,7 @@ from engine_sidecar.gateway import errors, tracing
 from engine_sidecar.gateway.active_policy import ActivePolicy, PolicyHolder
 from engine_sidecar.gateway.admission import Decision, PoolView, RequestShape
 from engine_sidecar.gateway.admission_queue import AdmissionQueue, Ticket
+from engine_sidecar.gateway.engine_auth import EngineKey, use_engine_key
 from engine_sidecar.gateway.engine_monitor import EngineMonitor
 from engine_sidecar.gateway.engine_stats import EngineStatsReader
 from engine_sidecar.gateway.errors import ApiError
@@ -67,6 +68,7 @@ from engine_sidecar.gateway.request_body import (
     declares_body,
     read_body,
 )
+from engine_sidecar.gateway.responses_request import rewrite_responses
 from engine_sidecar.gateway.status import DecisionCounters, build_status, hide_paths
 from engine_sidecar.gateway.tokens import EngineTokenCounter, HfTokenCounter, TokenCounter
 from engine_sidecar.stats import STATUS_ROUTE
@@ -99,6 +101,7 @@ class GatewayConfig:
     engine_probe_interval: float = 2.0
     extra_request_drop: set[bytes] = field(default_factory=set)
     data_plane: str = "auto"  # "httptools" (fast), "httpx" (fallback), "auto"
+    engine_key: EngineKey | None = None  # vLLM's --api-key, sent upstream (`engine_auth`)
 
 
 class Gateway:
@@ -133,6 +136,7 @@ class Gateway:
             connect_timeout=config.connect_timeout, on_error=self._upstream_failed,
             data_plane=config.data_plane,
         )
+        use_engine_key(self.upstream, config.engine_key)
         self.token_counter = token_counter
         self.prompts = PromptCounting()  # size floor, worker pool, token cache
         self.tokenizer_error: str | None = None
@@ -148,6 +152,7 @@ class Gateway:
         self._proxied: dict[str, tuple[str, ASGIHandler]] = {
             "/v1/completions": ("POST", self._completions),
             "/v1/chat/completions": ("POST", self._chat),
+            "/v1/responses": ("POST", self._responses),
             "/v1/models": ("GET", self._models),
         }
         self.starlette = Starlette(
@@ -322,7 +327,7 @@ class Gateway:
     ) -> bytes | None:
         limit = body_limit(
             active.policy.tenants[tenant_id], block_size=active.policy.block_size,
-            chat=kind is Kind.CHAT, cap=self.config.max_body_bytes,
+            chat=kind is not Kind.COMPLETION, cap=self.config.max_body_bytes,
             bytes_per_token=self.config.body_bytes_per_token,
         )
         try:
@@ -362,6 +367,9 @@ class Gateway:
 
     async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._generate(scope, receive, send, Kind.CHAT)
+
+    async def _responses(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._generate(scope, receive, send, Kind.RESPONSES)
 
     async def _generate(self, scope: Scope, receive: Receive, send: Send, kind: Kind) -> None:
         body_read = False
@@ -451,7 +459,7 @@ class Gateway:
         reservation = ticket.reservation
         assert reservation is not None
         try:
-            body = rewrite(
+            body = (rewrite_responses if kind is Kind.RESPONSES else rewrite)(
                 request, max_tokens=verdict.max_tokens, priority=tenant.priority,
                 tenant_id=tenant_id, session=session,
                 cache_salt=active.cache_salts.get(tenant_id),

@@ -60,6 +60,9 @@ Prompt = str | list[int]
 class Kind(StrEnum):
     COMPLETION = "completion"
     CHAT = "chat"
+    # The route only: its parsed request is the chat prompt vLLM renders from it
+    # (`responses_request`), counted as chat.
+    RESPONSES = "responses"
 
 
 @dataclass
@@ -184,18 +187,23 @@ def load_body(raw: bytes) -> dict[str, Any]:
 
 def vet_fields(kind: Kind, body: dict[str, Any]) -> None:
     """Drop nulls and harmless defaults; refuse anything not on the route's allow-list."""
-    allowed = FIELDS[kind]
+    vet_body(body, FIELDS[kind], REFUSED, HARMLESS, kind.value)
+
+
+def vet_body(body: dict[str, Any], allowed: dict[str, Check], refused: dict[str, str],
+             harmless: dict[str, Any], route: str) -> None:
+    """`vet_fields` with a route's own lists (`responses_request` has its own)."""
     for name, value in list(body.items()):
-        if value is None or (name in HARMLESS and value is HARMLESS[name]):
+        if value is None or (name in harmless and value is harmless[name]):
             del body[name]
             continue
-        if name in REFUSED:
+        if name in refused:
             raise invalid(f"{name} is not accepted through the KVQuota sidecar: "
-                          f"{REFUSED[name]}", param=name)
+                          f"{refused[name]}", param=name)
         check = allowed.get(name)
         if check is None:
             raise invalid(f"unknown field {shown(name)}: the KVQuota sidecar forwards only the "
-                          f"{kind.value} fields it has vetted; remove it", param=name)
+                          f"{route} fields it has vetted; remove it", param=name)
         check(name, value)
 
 
@@ -280,6 +288,13 @@ def rewrite(
         body["max_completion_tokens"] = max_tokens
     else:
         body["max_tokens"] = max_tokens
+    return tagged(body, priority=priority, tenant_id=tenant_id, session=session,
+                  cache_salt=cache_salt)
+
+
+def tagged(body: dict[str, Any], *, priority: int, tenant_id: str, session: str | None,
+           cache_salt: str | None) -> bytes:
+    """`body` with the fields only the sidecar sets, encoded for the engine."""
     body["priority"] = priority
     xargs: dict[str, str] = {XARG_TENANT: tenant_id}
     if session:

@@ -2,7 +2,9 @@
 
 The sidecar takes over the port clients, routers and scrapers already use, so every
 route vLLM serves there must keep working. Generation that holds KV blocks while it
-decodes (/v1/completions, /v1/chat/completions) is admitted in `app.py`. Here:
+decodes (/v1/completions, /v1/chat/completions, /v1/responses) is admitted in `app.py`
+(/v1/responses counted as the chat prompt vLLM renders from it, `responses_request`).
+Here:
 
 - `/health`, `/ping`, `/version`: no credentials, not admitted. Probes and routers;
   no body, no engine work.
@@ -12,17 +14,11 @@ decodes (/v1/completions, /v1/chat/completions) is admitted in `app.py`. Here:
   API server; no KV blocks.
 - `/v1/embeddings`: a tenant's credentials, tagged, not admitted. One forward pass, no
   decode, no lease: its blocks live for one step.
-- `/v1/responses`: a tenant's credentials, tagged and clamped, not admitted. Its input
-  items only vLLM can render into a prompt, so it cannot be counted exactly here.
 
-"Tagged": the sidecar sets the tenant's `priority` and `cache_salt` (and, for
-/v1/responses, its `vllm_xargs` tenant, so the plugin counts the request as the
-tenant's usage and ranks it as the tenant's class) and drops `request_id` and
-`kv_transfer_params`, exactly as on admitted routes; /v1/responses also has its
-`max_output_tokens` clamped to the tenant's ceiling (the default when absent) and
-`background` refused (work that outlives the connection could not be released).
-Bodies are capped like the tenant's generation bodies. Anything else gets a 404
-that names the supported routes.
+"Tagged": the sidecar sets the tenant's `priority` and `cache_salt` and drops
+`request_id` and `kv_transfer_params`, exactly as on admitted routes. Bodies are capped
+like the tenant's generation bodies. Anything else gets a 404 that names the supported
+routes.
 """
 
 from __future__ import annotations
@@ -38,7 +34,6 @@ from engine_sidecar.gateway import errors
 from engine_sidecar.gateway.body_checks import invalid
 from engine_sidecar.gateway.errors import ApiError
 from engine_sidecar.gateway.forward import exchange, request_headers, send_error
-from engine_sidecar.gateway.openai_request import XARG_TENANT
 from engine_sidecar.gateway.request_body import body_limit, declared_length, read_body
 
 if TYPE_CHECKING:
@@ -46,7 +41,8 @@ if TYPE_CHECKING:
 
 # Fields only the sidecar sets (clients' values are dropped or overwritten).
 OWNED_FIELDS = ("priority", "cache_salt", "vllm_xargs", "request_id", "kv_transfer_params")
-GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses",
+                     "/v1/models")
 HEALTH_ROUTES = ("/healthz", "/readyz")
 
 
@@ -65,19 +61,6 @@ def _tag(body: dict[str, Any], tenant: Any, tenant_id: str, salt: str | None) ->
         body["cache_salt"] = salt
 
 
-def _tag_response(body: dict[str, Any], tenant: Any, tenant_id: str, salt: str | None) -> None:
-    if body.get("background"):
-        raise invalid("`background` responses are not supported through KVQuota: "
-                             "their work would outlive the request that admitted it")
-    _tag(body, tenant, tenant_id, salt)
-    body["vllm_xargs"] = {XARG_TENANT: tenant_id}
-    asked = body.get("max_output_tokens")
-    if asked is not None and (not isinstance(asked, int) or isinstance(asked, bool)
-                              or asked < 1):
-        raise invalid("max_output_tokens must be a positive integer")
-    body["max_output_tokens"] = min(asked or tenant.default_max_tokens, tenant.max_tokens)
-
-
 GET = frozenset({"GET"})
 POST = frozenset({"POST"})
 ROUTES: dict[str, Route] = {
@@ -88,7 +71,6 @@ ROUTES: dict[str, Route] = {
     "/tokenize": Route(POST, credentials=True),
     "/detokenize": Route(POST, credentials=True),
     "/v1/embeddings": Route(POST, credentials=True, tag=_tag),
-    "/v1/responses": Route(POST, credentials=True, tag=_tag_response),
 }
 
 

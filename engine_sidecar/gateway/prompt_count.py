@@ -1,7 +1,8 @@
 """From an authenticated request body to its prompts' token ids, cheapest work first.
 
 1. The body was read under the tenant's cap (`request_body`), after authentication.
-2. Parse and vet it (`openai_request.parse`); a body over SCREEN_BYTES is parsed in a
+2. Parse and vet it (`openai_request.parse`; /v1/responses: `responses_request`, which
+   makes it the chat prompt vLLM renders from it); a body over SCREEN_BYTES is parsed in a
    tokenizer worker process (json of 10 MB takes ~10 ms, all of it on the event loop
    otherwise), which also applies step 3 there, so an oversized prompt costs the loop
    one copy of its body into a pipe.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from engine_sidecar.gateway.openai_request import Kind, ParsedRequest, parse
 from engine_sidecar.gateway.prompt_bounds import PromptLimit
+from engine_sidecar.gateway.responses_request import parse_responses
 from engine_sidecar.gateway.token_cache import TokenCache, digest
 from engine_sidecar.gateway.tokens import TokenCounter, TokenIds, chat_tokenize_payload
 
@@ -24,7 +26,7 @@ SCREEN_BYTES = 256 * 1024  # json.loads of this much: ~0.3 ms on the test machin
 
 def screen(kind: Kind, raw: bytes, limit: PromptLimit, longest: int | None) -> ParsedRequest:
     """The parsed request, or the 400 that parsing or the size floor gives."""
-    request = parse(kind, raw)
+    request = parse_responses(raw) if kind is Kind.RESPONSES else parse(kind, raw)
     error = limit.error(request, longest)
     if error is not None:
         raise error

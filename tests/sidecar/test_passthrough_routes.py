@@ -56,11 +56,12 @@ def test_vllm_metrics_stay_scrapeable_on_the_client_port(
     def families(text: str) -> set[str]:
         return {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")}
 
-    # The session engine runs with --disable-log-stats (no vllm:* engine counters, see
-    # kvquota.processes); what it exposes is still vLLM's own registry, and that is what
-    # the client port must serve, not the sidecar's kvquota_* (those are on the admin port).
+    # vLLM's own registry, with the engine's vllm:* series the production-stack router
+    # scrapes (its kv-cache usage and queue lengths), is what the client port must serve;
+    # the sidecar's kvquota_* are on the admin port.
     engine_families = families(direct.text)
-    assert engine_families
+    assert {"vllm:num_requests_running", "vllm:num_requests_waiting",
+            "vllm:kv_cache_usage_perc"} <= engine_families
     assert families(proxied.text) == engine_families
     assert not any(f.startswith("kvquota_") for f in engine_families)
 

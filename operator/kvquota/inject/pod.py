@@ -9,6 +9,9 @@ that port keep hitting it: the sidecar forwards `/health`, `/ping`, `/version` a
 needs a tenant's token through the sidecar) is pointed at `/health`, which vLLM only
 answers once its engine is up, and recorded.
 
+vLLM's API key (`--api-key`, `VLLM_API_KEY`) is carried to the sidecar's environment
+(`engine_key`), which sends it upstream in place of the clients' tenant tokens.
+
 Flags the plugin needs are added; a conflicting `--scheduling-policy` or
 `--no-enable-prefix-caching` is replaced and recorded in the annotation
 `kvquota.dev/replaced`. A pod already injected comes back unchanged.
@@ -22,6 +25,7 @@ from typing import Any
 
 from engine_sidecar.stats import POLICY_PATH_ENV, STATS_PATH_ENV
 from kvquota import GROUP
+from kvquota.inject.engine_key import KeyRefused, engine_key_env
 from kvquota.inject.vllm_argv import (
     DEFAULT_PORT,
     PLUGIN_CLASS,
@@ -113,7 +117,13 @@ def inject_pod(
     moved = _take_port(vllm, serve_port)
     replaced += _retarget_probes(vllm, serve_port, moved)
     _add_plugin_env(vllm)
-    containers.append(_sidecar(options, serve_port, engine_port, admin_port, moved))
+    sidecar = _sidecar(options, serve_port, engine_port, admin_port, moved)
+    try:  # vLLM's own API key, sent upstream by the sidecar (`engine_key`)
+        sidecar["env"].extend(engine_key_env(vllm, command,
+                                             {e["name"] for e in sidecar["env"]}))
+    except KeyRefused as exc:
+        raise InjectionRefused(f"container {vllm['name']!r}: {exc}") from None
+    containers.append(sidecar)
     spec.setdefault("initContainers", []).append(_init_container(options))
     spec.setdefault("volumes", []).extend(_volumes(options))
     if spec.get("serviceAccountName") in (None, "", "default"):
