@@ -102,10 +102,9 @@ def build_configmap(
 ) -> dict[str, Any]:
     """The ConfigMap owned by the pool (deleted with it by the garbage collector).
     A `RenderedPolicy` brings its JSON; an EnginePolicy is serialised here."""
+    text = policy.text if isinstance(policy, RenderedPolicy) else policy.to_json()
     if isinstance(policy, RenderedPolicy):
-        policy, text = policy.policy, policy.text
-    else:
-        text = policy.to_json()
+        policy = policy.policy
     metadata: dict[str, Any] = {
         "name": configmap_name(name),
         "namespace": namespace,

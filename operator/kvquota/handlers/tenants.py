@@ -19,6 +19,7 @@ waits for the operator.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -60,9 +61,9 @@ async def quota_event(
         reconciler.forget(TENANTS, namespace, name)
     with timed_reconcile(KIND):
         for pool in pools:
+            key: PoolKey = (namespace, pool)
             try:
-                await retrying(lambda p=pool: reconciler.reconcile((namespace, p), since=seen),
-                               logger)
+                await retrying(functools.partial(reconciler.reconcile, key, since=seen), logger)
             except Exception:
                 if not deleted:
                     changes.forget(namespace, name)
