@@ -161,8 +161,7 @@ class EnginePolicy(_Model):
 
     def content_hash(self) -> str:
         body = self.model_dump(mode="json", by_alias=True, exclude={"version"})
-        raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-        return "sha256:" + hashlib.sha256(raw).hexdigest()[:16]
+        return version_of(json.dumps(body, sort_keys=True, separators=(",", ":")))
 
     def with_version(self) -> EnginePolicy:
         return self.model_copy(update={"version": self.content_hash()})
@@ -183,6 +182,11 @@ class EnginePolicy(_Model):
 
     def tenant(self, tenant_id: str | None) -> TenantPolicy | None:
         return self.tenants.get(tenant_id) if tenant_id else None
+
+
+def version_of(canonical: str) -> str:
+    """A policy's version from its canonical JSON (sorted keys, no spaces, no version)."""
+    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
 def write_atomically(path: str | Path, text: str) -> None:

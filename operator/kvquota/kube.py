@@ -24,6 +24,9 @@ GATEWAY_POOL_APIS = (
 )
 
 
+CONNECTIONS = 32  # kept-alive connections to the API server
+
+
 @dataclass(frozen=True)
 class Timeouts:
     connect: float = 5.0
@@ -40,12 +43,16 @@ def api_client(server: str | None) -> kubernetes.client.ApiClient:
         configuration = kubernetes.client.Configuration()
         configuration.host = server
         configuration.verify_ssl = False
-        return kubernetes.client.ApiClient(configuration)
-    try:
-        kubernetes.config.load_incluster_config()
-    except kubernetes.config.ConfigException:
-        kubernetes.config.load_kube_config()
-    return kubernetes.client.ApiClient()
+    else:
+        try:
+            kubernetes.config.load_incluster_config()
+        except kubernetes.config.ConfigException:
+            kubernetes.config.load_kube_config()
+        configuration = kubernetes.client.Configuration.get_default_copy()
+    # The client's default (5 per CPU: 10 on 2 cores) is below the status writes in
+    # flight during a fan-out; urllib3 then discards and reconnects ("pool is full").
+    configuration.connection_pool_maxsize = CONNECTIONS
+    return kubernetes.client.ApiClient(configuration)
 
 
 PEERING_GROUP = "kopf.dev"  # kopf's peering CRDs (crds/kopf.dev_clusterkopfpeerings.yaml)
@@ -114,6 +121,7 @@ class KubeApi:
             await self._call(
                 self._custom.patch_namespaced_custom_object_status,
                 GROUP, VERSION, namespace, plural, name, {"status": status},
+                parse=False,  # the echo is the whole object; the watch brings it anyway
             )
         except Exception as error:
             if self._is_missing(error):

@@ -12,18 +12,25 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from pydantic import ValidationError
 
 from engine_sidecar.policy import EnginePolicy, TenantPolicy, Tier
 from kvquota.api import EffectiveSettings, InferencePoolSpec, ObjectMeta, TenantQuotaSpec
-from kvquota.capacity import admit_oldest_first, engine_capacity, guaranteeable_blocks
+from kvquota.capacity import (
+    Admission,
+    admit_oldest_first,
+    engine_capacity,
+    guaranteeable_blocks,
+)
 from kvquota.conditions import Want
-from kvquota.render import render_policy, tenant_digest
+from kvquota.policy_text import RenderedPolicy, RenderedTenant, render_tenant
+from kvquota.render import compose_policy
 from kvquota.resolve import effective_settings, tenant_policy
 
 ObjKey = tuple[str, str]  # (namespace, name)
+_T = TypeVar("_T")
 # Accepted, but a user should look: posted as a Warning event, printed by local mode.
 MAX_BLOCKS_ABOVE_CAPACITY = "MaxBlocksAboveCapacity"
 
@@ -60,8 +67,12 @@ class PoolPlan:
     requested_blocks: int = 0  # sum of guarantees asked by valid, distinct quotas
     guaranteed_blocks: int = 0  # sum of guarantees granted
     watermark: float = 0.0
-    policy: EnginePolicy | None = None
+    rendered: RenderedPolicy | None = None  # the policy and its JSON
     tenants: Mapping[ObjKey, TenantPlan] | None = None
+
+    @property
+    def policy(self) -> EnginePolicy | None:
+        return self.rendered.policy if self.rendered is not None else None
 
     @property
     def ref(self) -> str:
@@ -119,24 +130,26 @@ def _created(body: Mapping[str, Any]) -> datetime | None:
     return created
 
 
-_Entry = tuple[EffectiveSettings, TenantPolicy, str] | ValidationError
+_Entry = tuple[EffectiveSettings, RenderedTenant] | ValidationError
 
 
 @dataclass
 class PlanMemo:
     """What `plan_pool` derived per object last time, reused while its inputs are
     unchanged, so re-planning a pool after one quota's edit parses and resolves that
-    quota only. Keyed by object; an entry holds the inputs it was derived from and is
-    reused only when they compare equal (so a memo never changes a plan, only its
-    cost). Objects missing from a plan are dropped from the memo. Inputs are held by
-    reference: a caller that keeps a memo must replace bodies, not edit them in place
-    (kopf's indices hold a fresh snapshot per event)."""
+    quota only, and serialises that quota's policy entry only. Keyed by object; an
+    entry holds the inputs it was derived from and is reused only when they compare
+    equal (so a memo never changes a plan, only its cost). Objects missing from a plan
+    are dropped from the memo. Inputs are held by reference: a caller that keeps a
+    memo must replace bodies, not edit them in place (kopf's indices hold a fresh
+    snapshot per event)."""
 
     _pool: tuple[Any, InferencePoolSpec | ValidationError] | None = None
     _specs: dict[ObjKey, tuple[Any, TenantQuotaSpec | ValidationError]] = field(
         default_factory=dict)
     _created: dict[ObjKey, tuple[Any, datetime | None]] = field(default_factory=dict)
     _entries: dict[ObjKey, tuple[tuple[Any, ...], _Entry]] = field(default_factory=dict)
+    _plans: dict[ObjKey, tuple[tuple[Any, ...], TenantPlan]] = field(default_factory=dict)
 
     def pool_spec(self, raw: Any) -> InferencePoolSpec:
         if self._pool is None or self._pool[0] != raw:
@@ -152,7 +165,7 @@ class PlanMemo:
 
     def quota_spec(self, key: ObjKey, raw: Any) -> TenantQuotaSpec:
         known = self._specs.get(key)
-        if known is None or known[0] != raw:
+        if known is None or (known[0] is not raw and known[0] != raw):
             try:
                 parsed: TenantQuotaSpec | ValidationError = TenantQuotaSpec.model_validate(raw)
             except ValidationError as error:
@@ -171,17 +184,30 @@ class PlanMemo:
 
     def entry(self, key: ObjKey, inputs: tuple[Any, ...], derive: Callable[[], _Entry]
               ) -> _Entry:
-        known = self._entries.get(key)
-        if known is None or any(
-            a is not b and a != b for a, b in zip(known[0], inputs, strict=True)
-        ):
-            known = self._entries[key] = (inputs, derive())
-        return known[1]
+        return _reuse(self._entries, key, inputs, derive)
+
+    def tenant_plan(self, key: ObjKey, inputs: tuple[Any, ...],
+                    build: Callable[[], TenantPlan]) -> TenantPlan:
+        """The same TenantPlan object while its inputs are the same: the status stage
+        compares plans, and identity makes that cheap."""
+        return _reuse(self._plans, key, inputs, build)
 
     def keep_only(self, keys: set[ObjKey]) -> None:
-        for table in (self._specs, self._created, self._entries):
+        for table in (self._specs, self._created, self._entries, self._plans):
             for gone in [k for k in table if k not in keys]:
                 del table[gone]
+
+
+def _reuse(table: dict[ObjKey, tuple[tuple[Any, ...], _T]], key: ObjKey,
+           inputs: tuple[Any, ...], derive: Callable[[], _T]) -> _T:
+    known = table.get(key)
+    # Tuple equality compares items by identity first: unchanged inputs cost nothing.
+    if known is None or known[0] != inputs:
+        known = table[key] = (inputs, derive())
+    return known[1]
+
+
+_Keyed = tuple[ObjKey, Mapping[str, Any]]
 
 
 def oldest_first(
@@ -189,14 +215,19 @@ def oldest_first(
 ) -> list[Mapping[str, Any]]:
     """Order for admission: by creationTimestamp, objects without one after those with
     one (they are not created yet), then in the given order (file order, or name)."""
+    keyed = [(_key(body), body) for body in tenants]
+    return [body for _, body in _oldest_first(keyed, memo or PlanMemo())]
+
+
+def _oldest_first(keyed: Sequence[_Keyed], memo: PlanMemo) -> list[_Keyed]:
     epoch = datetime.min.replace(tzinfo=UTC)
 
-    def sort_key(item: tuple[int, Mapping[str, Any]]) -> tuple[bool, datetime, int]:
-        position, body = item
-        created = memo.created(_key(body), body) if memo is not None else _created(body)
+    def sort_key(item: tuple[int, _Keyed]) -> tuple[bool, datetime, int]:
+        position, (key, body) = item
+        created = memo.created(key, body)
         return (created is None, created or epoch, position)
 
-    return [body for _, body in sorted(enumerate(tenants), key=sort_key)]
+    return [item for _, item in sorted(enumerate(keyed), key=sort_key)]
 
 
 def _not_in_pool(key: ObjKey, tenant_id: str | None, tier: Tier | None, want: Want) -> TenantPlan:
@@ -219,14 +250,13 @@ def plan_missing_pool(
 
 
 def _parse_quotas(
-    ordered: Sequence[Mapping[str, Any]], pool_ref: str, memo: PlanMemo
+    ordered: Sequence[_Keyed], pool_ref: str, memo: PlanMemo
 ) -> tuple[list[_Quota], dict[ObjKey, TenantPlan]]:
     """Valid quotas (oldest first, one per tenant id) and plans for the refused ones."""
     quotas: list[_Quota] = []
     refused: dict[ObjKey, TenantPlan] = {}
     owners: dict[str, ObjKey] = {}
-    for body in ordered:
-        key = _key(body)
+    for key, body in ordered:
         try:
             spec = memo.quota_spec(key, body.get("spec") or {})
         except ValidationError as error:
@@ -297,15 +327,17 @@ def plan_pool(
     local mode, name order in the cluster); creationTimestamp sorts first. A `memo`
     kept between calls for the same pool makes re-planning cost what changed."""
     memo = memo if memo is not None else PlanMemo()
-    memo.keep_only({_key(b) for b in tenants})
-    ordered = oldest_first(tenants, memo)
+    keyed = [(_key(body), body) for body in tenants]
+    memo.keep_only({key for key, _ in keyed})
+    ordered = _oldest_first(keyed, memo)
+    bodies = [body for _, body in ordered]
     if pool is None:
-        return plan_missing_pool(namespace, name, ordered)
+        return plan_missing_pool(namespace, name, bodies)
     pool_ref = f"{namespace}/{name}"
     try:
         spec = memo.pool_spec(pool.get("spec") or {})
     except ValidationError as error:
-        return _plan_invalid_pool(namespace, name, ordered, describe_errors(error))
+        return _plan_invalid_pool(namespace, name, bodies, describe_errors(error))
 
     replicas = max(ready_replicas, 1)
     per_engine = engine_capacity(spec.kv_cache.capacity_blocks, reported_capacities)
@@ -314,47 +346,61 @@ def plan_pool(
         guaranteeable_blocks(per_engine, replicas, spec.kv_cache.watermark)
         if per_engine else None
     )
+    watermark = spec.kv_cache.watermark
     quotas, plans = _parse_quotas(ordered, pool_ref, memo)
     decisions = admit_oldest_first(
         [(q.key, q.spec.kv_cache.guaranteed_blocks) for q in quotas],
         budget if budget is not None else 2**62,
     )
     granted_total = 0
+    rendered: list[RenderedTenant] = []
     for quota in quotas:
         decision = decisions[quota.key]
         granted = quota.spec.kv_cache.guaranteed_blocks if decision.accepted else 0
         granted_total += granted
-        want = _admission_want(
-            quota, decision.accepted, budget, decision.granted_before,
-            cast("ObjKey | None", decision.waiting_behind),
-            pool_ref, capacity, spec.kv_cache.watermark,
-        )
         derived = memo.entry(
             quota.key, (spec, quota.spec, quota.tenant_id, replicas, granted),
             functools.partial(_derive, spec, quota, replicas, granted),
         )
-        if isinstance(derived, ValidationError):
-            want = Want("Accepted", "False", "InvalidSpec", describe_errors(derived, "tenant"))
-            plans[quota.key] = _not_in_pool(quota.key, quota.tenant_id, quota.spec.tier, want)
-            continue
-        effective, entry, digest = derived
-        plans[quota.key] = TenantPlan(
-            key=quota.key, tenant_id=quota.tenant_id, tier=quota.spec.tier, accepted=want,
-            effective=effective, policy=entry, digest=digest,
+        # Everything `_admission_want` reads (what an older quota's edit changes of a
+        # refused one's message), so an unchanged quota keeps its TenantPlan object.
+        admission = (decision.accepted, budget, capacity, watermark, pool_ref) + (
+            () if decision.accepted else (decision.granted_before, decision.waiting_behind))
+        plans[quota.key] = memo.tenant_plan(
+            quota.key, (derived, quota.spec, quota.tenant_id, *admission),
+            functools.partial(_tenant_plan, quota, derived, decision, budget, pool_ref,
+                              capacity, watermark),
         )
+        if not isinstance(derived, ValidationError):
+            rendered.append(derived[1])
     try:
-        policy = render_policy(
-            namespace, name, spec,
-            [p.policy for p in plans.values() if p.policy is not None], replicas=replicas,
-        )
+        policy = compose_policy(namespace, name, spec, rendered, replicas=replicas)
     except ValidationError as error:
-        return _plan_invalid_pool(namespace, name, ordered, describe_errors(error, "policy"))
+        return _plan_invalid_pool(namespace, name, bodies, describe_errors(error, "policy"))
     return PoolPlan(
         namespace=namespace, name=name, exists=True, replicas=replicas,
         capacity_per_engine=per_engine, budget=budget,
         requested_blocks=sum(q.spec.kv_cache.guaranteed_blocks for q in quotas),
-        guaranteed_blocks=granted_total, watermark=spec.kv_cache.watermark,
-        policy=policy, tenants=plans,
+        guaranteed_blocks=granted_total, watermark=watermark,
+        rendered=policy, tenants=plans,
+    )
+
+
+def _tenant_plan(
+    quota: _Quota, derived: _Entry, decision: Admission, budget: int | None, pool_ref: str,
+    capacity: int | None, watermark: float,
+) -> TenantPlan:
+    if isinstance(derived, ValidationError):
+        want = Want("Accepted", "False", "InvalidSpec", describe_errors(derived, "tenant"))
+        return _not_in_pool(quota.key, quota.tenant_id, quota.spec.tier, want)
+    want = _admission_want(
+        quota, decision.accepted, budget, decision.granted_before,
+        cast("ObjKey | None", decision.waiting_behind), pool_ref, capacity, watermark,
+    )
+    effective, entry = derived
+    return TenantPlan(
+        key=quota.key, tenant_id=quota.tenant_id, tier=quota.spec.tier, accepted=want,
+        effective=effective, policy=entry.policy, digest=entry.digest,
     )
 
 
@@ -368,7 +414,7 @@ def _derive(pool: InferencePoolSpec, quota: _Quota, replicas: int, granted: int)
         entry = tenant_policy(effective)
     except ValidationError as error:
         return error
-    return effective, entry, tenant_digest(entry)
+    return effective, render_tenant(entry)
 
 
 def _plan_invalid_pool(

@@ -32,6 +32,7 @@ from kvquota.api import InferencePoolSpec, LabelSelector
 from kvquota.conditions import Want
 from kvquota.engines import gateway_selector
 from kvquota.plan import ObjKey, PlanMemo, PoolPlan, TenantPlan, plan_pool
+from kvquota.policy_text import RenderedPolicy
 from kvquota.render import HASH_ANNOTATION, POLICY_KEY, build_configmap, configmap_name
 from kvquota.status import (
     POOL_FIELDS,
@@ -279,13 +280,13 @@ class PoolReconciler:
         metrics.set_refused(namespace, name, Counter(
             t.accepted.reason for t in (plan.tenants or {}).values()
             if t.accepted.status == "False"))
-        if plan.policy is not None:
+        if plan.rendered is not None:
             history = self._histories.setdefault(key, PolicyHistory())
-            history.record(plan.policy, plan.digests)
+            history.record(plan.rendered.policy, plan.digests)
             verify = key in self._verify
             self._verify.discard(key)
             try:
-                await self._write_configmap(pool, plan.policy, history, verify=verify)
+                await self._write_configmap(pool, plan.rendered, history, verify=verify)
             except BaseException:
                 self._configmaps.pop(key, None)  # unsure what was written: verify next time
                 raise
@@ -329,7 +330,7 @@ class PoolReconciler:
         await self._write_tenants(tenants, planned, key)
 
     async def _write_configmap(
-        self, pool: Mapping[str, Any], policy: EnginePolicy, history: PolicyHistory,
+        self, pool: Mapping[str, Any], rendered: RenderedPolicy, history: PolicyHistory,
         *, verify: bool,
     ) -> None:
         """Write the policy when its hash differs from what the ConfigMap holds. The hot
@@ -338,10 +339,11 @@ class PoolReconciler:
         meta = _meta(pool)
         namespace, name = str(meta.get("namespace")), str(meta.get("name"))
         key, cm_name = (namespace, name), configmap_name(name)
+        policy = rendered.policy
         known = self._configmaps.get(key)
         if known == policy.version and not verify:
             return
-        desired = build_configmap(namespace, name, meta.get("uid"), policy)
+        desired = build_configmap(namespace, name, meta.get("uid"), rendered)
         patch = {
             "metadata": {k: desired["metadata"][k] for k in
                          ("labels", "annotations", "ownerReferences")

@@ -19,6 +19,8 @@ from engine_sidecar.policy import (
 )
 from kvquota import API_VERSION, GROUP
 from kvquota.api import AuthSpec, InferencePoolSpec
+from kvquota.policy_text import RenderedPolicy, RenderedTenant, compose, render_tenant
+from kvquota.policy_text import tenant_digest as tenant_digest  # re-exported
 
 POLICY_KEY = "policy.json"
 HASH_ANNOTATION = f"{GROUP}/policy-hash"
@@ -68,7 +70,21 @@ def render_policy(
 ) -> EnginePolicy:
     """The versioned policy every engine of the pool applies (tenants sorted by id,
     so equal content always serialises to equal JSON)."""
-    policy = EnginePolicy(
+    return compose_policy(namespace, name, spec, map(render_tenant, tenants),
+                          replicas=replicas).policy
+
+
+def compose_policy(
+    namespace: str,
+    name: str,
+    spec: InferencePoolSpec,
+    tenants: Iterable[RenderedTenant],
+    *,
+    replicas: int,
+) -> RenderedPolicy:
+    """`render_policy` from tenants already serialised (`render_tenant`, kept while
+    they do not change), with the policy's JSON."""
+    head = EnginePolicy(
         pool=f"{namespace}/{name}",
         model=spec.model,
         block_size=spec.kv_cache.block_size,
@@ -77,15 +93,18 @@ def render_policy(
         recompute_below_blocks=spec.preemption.recompute_below_blocks,
         replicas=max(replicas, 1),
         auth=render_auth(spec.auth),
-        tenants={t.tenant_id: t for t in sorted(tenants, key=lambda t: t.tenant_id)},
     )
-    return policy.with_version()
+    return compose(head, tenants)
 
 
 def build_configmap(
-    namespace: str, name: str, uid: str | None, policy: EnginePolicy
+    namespace: str, name: str, uid: str | None, policy: EnginePolicy | RenderedPolicy
 ) -> dict[str, Any]:
-    """The ConfigMap owned by the pool (deleted with it by the garbage collector)."""
+    """The ConfigMap owned by the pool (deleted with it by the garbage collector).
+    A `RenderedPolicy` brings its JSON; an EnginePolicy is serialised here."""
+    text = policy.text if isinstance(policy, RenderedPolicy) else policy.to_json()
+    if isinstance(policy, RenderedPolicy):
+        policy = policy.policy
     metadata: dict[str, Any] = {
         "name": configmap_name(name),
         "namespace": namespace,
@@ -106,11 +125,5 @@ def build_configmap(
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": metadata,
-        "data": {POLICY_KEY: policy.to_json() + "\n"},
+        "data": {POLICY_KEY: text + "\n"},
     }
-
-
-def tenant_digest(tenant: TenantPolicy) -> str:
-    """Identifies one tenant's rendered settings across policy versions."""
-    raw = tenant.model_dump_json(by_alias=True).encode()
-    return hashlib.sha256(raw).hexdigest()[:16]

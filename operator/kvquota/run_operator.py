@@ -62,6 +62,11 @@ def configure_settings(settings: kopf.OperatorSettings, config: OperatorConfig) 
     settings.networking.connect_timeout = config.timeouts.connect
     settings.networking.request_timeout = config.timeouts.read
     settings.scanning.disabled = True
+    # kopf posts its own log lines as Events too, at INFO two per handled change ("Handler
+    # 'pool_changed' succeeded", "Updating is processed"): API calls (thousands in a
+    # burst) that tell a user nothing. Warnings and errors are still posted; the
+    # operator's own Events (kopf.event) do not depend on this level.
+    settings.posting.level = logging.WARNING
     settings.posting.reporting_component = "kvquota-operator"
     settings.posting.event_name_prefix = "kvquota-"
     settings.peering.name = PEERING_NAME

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvquota.kube import Timeouts
+from kvquota.quota_changes import QuotaChanges
 
 if TYPE_CHECKING:
     import httpx
@@ -45,6 +46,7 @@ class Runtime:
     http: httpx.AsyncClient
     reconciler: PoolReconciler
     metrics: MetricsServer | None = None
+    quota_changes: QuotaChanges = field(default_factory=QuotaChanges)
 
     async def aclose(self) -> None:
         if self.metrics is not None:

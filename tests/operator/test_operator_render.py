@@ -81,3 +81,22 @@ def test_max_token_lifetime_reaches_the_sidecar_policy() -> None:
     assert uncapped.auth.jwt is not None and uncapped.auth.jwt.max_token_lifetime_seconds is None
     loaded = EnginePolicy.from_json(capped.to_json())
     assert loaded.auth.jwt is not None and loaded.auth.jwt.max_token_lifetime_seconds == 3600
+
+
+def test_a_policy_joined_from_tenant_pieces_is_the_policy_serialised_whole() -> None:
+    """The operator keeps each tenant's JSON between plans and joins the pieces; the
+    version must be the one engines recompute (they refuse a mismatch), and the
+    ConfigMap text what the whole policy's to_json() writes."""
+    from kvquota.policy_text import render_tenant
+    from kvquota.render import compose_policy
+
+    spec = _spec(auth={"anonymous": {"allowed": True, "tenantId": "guest"}})
+    tenants = [_tenant(f"t-{i}.x_{i % 3}", guaranteed=i) for i in (12, 3, 7)]
+    for chosen in ([], tenants[:1], tenants):
+        rendered = compose_policy("team-a", "p", spec, map(render_tenant, chosen), replicas=3)
+        assert list(rendered.policy.tenants) == sorted(t.tenant_id for t in chosen)
+        assert rendered.policy.version == rendered.policy.content_hash()
+        assert rendered.text == rendered.policy.to_json()
+        assert EnginePolicy.from_json(rendered.text) == rendered.policy
+        cm = build_configmap("team-a", "p", "uid-1", rendered)
+        assert cm == build_configmap("team-a", "p", "uid-1", rendered.policy)

@@ -25,7 +25,8 @@ def deleted(type: str, **_: Any) -> bool:
 
 def snapshot(body: Mapping[str, Any]) -> dict[str, Any]:
     """What an index keeps of an object: identity, spec and status (no managedFields
-    or annotations, which include kopf's copy of the spec)."""
+    or annotations, which include kopf's copy of the spec). The index functions that
+    call it are `async`: kopf runs a plain function in a thread, a hop per event."""
     meta = body.get("metadata") or {}
     return {
         "apiVersion": body.get("apiVersion"),

@@ -26,7 +26,7 @@ TICK_SECONDS = 0.5  # timer resolution; the poll interval itself is OperatorConf
 
 
 @kopf.index(GROUP, VERSION, POOLS)
-def inferencepools_by_key(
+async def inferencepools_by_key(
     namespace: str, name: str, body: kopf.Body, **_: Any
 ) -> dict[PoolKey, dict[str, Any]]:
     return {(namespace, name): snapshot(body)}
