@@ -389,8 +389,8 @@ def _write_policy(workdir: Path, model: str, tenants: dict[str, dict[str, Any]] 
 
 def _start_sidecar(setup: Setup, upstream: str, model: str, tokenizer: str | None,
                    tenants: dict[str, dict[str, Any]] | None = None,
-                   code: Path | None = None, cpu: str | None = None
-                   ) -> tuple[str, dict[str, str], Proc]:
+                   code: Path | None = None, cpu: str | None = None,
+                   extra: list[str] | None = None) -> tuple[str, dict[str, str], Proc]:
     """A `kvquota sidecar` process; `code`: run the sidecar of another source tree
     (e.g. `git archive` of an older commit)."""
     port = _free_port()
@@ -403,6 +403,7 @@ def _start_sidecar(setup: Setup, upstream: str, model: str, tokenizer: str | Non
             "--policy-file", str(policy_file), "--secrets-dir", str(secrets_dir),
             "--log-level", "warning"]
     argv += ["--tokenizer", tokenizer] if tokenizer else ["--engine-tokenizer"]
+    argv += extra or []
     env = {"PYTHONPATH": os.pathsep.join([str(code), os.environ.get("PYTHONPATH", "")])
            } if code else None
     proc = _spawn(f"sidecar-{port}", argv, setup.workdir, env, cwd=code)  # `-m`: cwd first
@@ -539,8 +540,9 @@ def _run(args: argparse.Namespace) -> int:
     try:
         if not args.no_stub:
             stub = _start_stub(setup, args)
-            sidecar, tokens, proc = _start_sidecar(setup, stub, "stub", args.tokenizer,
-                                                   code=args.code, cpu=args.sidecar_cpu)
+            sidecar, tokens, proc = _start_sidecar(
+                setup, stub, "stub", args.tokenizer, code=args.code, cpu=args.sidecar_cpu,
+                extra=["--event-loop", args.event_loop] if args.event_loop else None)
             token = tokens["bench"]
             path = "/v1/completions"
             if args.chat_tokens:
@@ -594,9 +596,10 @@ def build_parser() -> argparse.ArgumentParser:
     stub.add_argument("--jitter", type=float, default=0.0)
     stub.add_argument("--tokenizer", help="answer /tokenize with this tokenizer's ids")
     stub.set_defaults(func=_serve_stub)
-    from engine_sidecar.gateway import bench_huge
+    from engine_sidecar.gateway import bench_admission, bench_huge
 
     bench_huge.add_parser(sub)
+    bench_admission.add_parser(sub)
 
     parser.add_argument("--engine-url", help="an already running vLLM OpenAI server")
     parser.add_argument("--model", help="start a vLLM CPU engine with this model directory")
@@ -626,6 +629,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "with a unique last line")
     parser.add_argument("--stub-tokenizer", help="the stub's /tokenize tokenizer")
     parser.add_argument("--code", type=Path, help="run the sidecar from this source tree")
+    parser.add_argument("--event-loop", choices=("auto", "uvloop", "asyncio"),
+                        help="the sidecar's --event-loop (default: its own default)")
     parser.set_defaults(func=_run, sidecar_cpu=None, others_cpu=None)
     return parser
 
