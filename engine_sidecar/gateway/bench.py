@@ -116,7 +116,7 @@ def _stub_tokenizer(name: str | None, memo: bool = False) -> Any:
     answers: dict[bytes, bytes] = {}
 
     def remembered(body: bytes) -> bytes:
-        shape = _NUMBERED.sub(b"#", body)
+        shape = _NUMBERED.sub(b"request", body)
         answer = answers.get(shape)
         if answer is None:
             answer = answers[shape] = real(body)
@@ -268,7 +268,7 @@ class Target:
 
 
 UNIQUE = b"#REQ#"  # in a body: replaced by a number of its own in every request
-_NUMBERED = re.compile(rb"#\d+")  # UNIQUE, replaced
+_NUMBERED = re.compile(rb"request \d+")  # chat_body's last line, UNIQUE replaced
 
 
 async def run_load(targets: list[Target], body: bytes, concurrency: int, requests: int,
