@@ -7,7 +7,7 @@ way: by a chained hash of each full block of prompt tokens, so equal fingerprint
 mean equal prefixes up to that block (as vLLM's own block hashes do). The hash is
 Python's, of an integer and the block's token ids as bytes (4 per id, `array('I')`):
 stable within a process, which is all the ledger needs. Hashing a bytes slice costs a
-fraction of building and hashing a tuple of ints per block (issue #18: 90 -> 10 us for
+fraction of building and hashing a tuple of ints per block (issue #18: 90 -> 30 us for
 a 2.5k-token prompt).
 """
 
