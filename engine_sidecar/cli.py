@@ -96,6 +96,9 @@ def register(subparsers: Any) -> None:
     sidecar.add_argument("--log-level", default="info",
                          choices=["debug", "info", "warning", "error"])
     sidecar.add_argument("--access-log", action="store_true", help="log every request line")
+    sidecar.add_argument("--event-loop", choices=("auto", "uvloop", "asyncio"),
+                         default="auto",
+                         help="auto: uvloop when installed, else asyncio's")
     sidecar.set_defaults(func=_run_sidecar)
 
     install = subparsers.add_parser(
@@ -143,7 +146,6 @@ def _env_path(name: str) -> Path | None:
 
 
 def _run_sidecar(args: argparse.Namespace) -> int:
-    import asyncio
     import logging
 
     import prometheus_client
@@ -217,7 +219,7 @@ def _run_sidecar(args: argparse.Namespace) -> int:
     logging.getLogger(__name__).info(
         "clients on %s:%d (at most %d connections), admin on %s:%d",
         host, port, client_limits.connections(), admin_host, admin_port)
-    asyncio.run(server.serve(client, client_sock, admin, admin_sock))
+    server.run(server.serve(client, client_sock, admin, admin_sock), args.event_loop)
     return 0
 
 

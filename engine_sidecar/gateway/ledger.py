@@ -104,10 +104,13 @@ class Ledger:
     def _give_back(self, reservation: Reservation) -> None:
         tenant = self._tenants[reservation.tenant_id]
         before = tenant.blocks
-        tenant.prefix.subtract(reservation.prefix)
+        held = tenant.prefix  # one pass (Counter.subtract is a Python loop of its own)
         for fingerprint in reservation.prefix:
-            if tenant.prefix[fingerprint] <= 0:
-                del tenant.prefix[fingerprint]
+            left = held[fingerprint] - 1
+            if left > 0:
+                held[fingerprint] = left
+            else:
+                held.pop(fingerprint, None)
         tenant.extra -= reservation.extra
         tenant.inflight -= 1
         if reservation.session is not None:

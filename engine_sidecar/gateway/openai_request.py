@@ -18,12 +18,11 @@ field. A null value means the field's default and is not forwarded.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from engine_sidecar.gateway import chat_messages
+from engine_sidecar.gateway import chat_messages, json_codec
 from engine_sidecar.gateway.body_checks import (
     INT64,
     Check,
@@ -73,6 +72,10 @@ class ParsedRequest:
     requested_max_tokens: int | None
     max_tokens_param: str
     n: int
+    # The body is standard JSON (`json_codec.loads_strict`): the fast encoder writes it.
+    strict: bool = True
+    # The engine /tokenize body for this chat request, encoded once (`tokens.py`).
+    tokenize_body: bytes | None = None
 
     @property
     def prompt_param(self) -> str:
@@ -175,14 +178,15 @@ REFUSED: dict[str, str] = {
 HARMLESS = {"use_beam_search": False}
 
 
-def load_body(raw: bytes) -> dict[str, Any]:
+def load_body(raw: bytes) -> tuple[dict[str, Any], bool]:
+    """The body's object, and whether it is standard JSON (`json_codec.loads_strict`)."""
     try:
-        body = json.loads(raw)
+        body, strict = json_codec.loads_strict(raw)
     except (ValueError, RecursionError):
         raise invalid("the request body is not valid JSON") from None
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
-    return body
+    return body, strict
 
 
 def vet_fields(kind: Kind, body: dict[str, Any]) -> None:
@@ -240,7 +244,7 @@ def _is_token_id(value: Any) -> bool:
 
 
 def parse(kind: Kind, raw: bytes) -> ParsedRequest:
-    body = load_body(raw)
+    body, strict = load_body(raw)
     vet_fields(kind, body)
     n = int(body.get("n", 1))
     if kind is Kind.CHAT:
@@ -258,7 +262,7 @@ def parse(kind: Kind, raw: bytes) -> ParsedRequest:
         prompts = _prompts(body)
         max_tokens = _optional_positive_int(body, "max_tokens")
         param = "max_tokens"
-    return ParsedRequest(kind, body, prompts, max_tokens, param, n)
+    return ParsedRequest(kind, body, prompts, max_tokens, param, n, strict)
 
 
 def session_id(headers: dict[bytes, bytes], body: dict[str, Any]) -> str | None:
@@ -305,6 +309,6 @@ def tagged(body: dict[str, Any], *, priority: int, tenant_id: str, session: str 
     else:
         body.pop("cache_salt", None)
     try:
-        return json.dumps(body, separators=(",", ":")).encode()
+        return json_codec.dumps(body, request.strict)
     except (ValueError, RecursionError):  # e.g. nesting deeper than the encoder allows
         raise invalid("the request body cannot be re-encoded as JSON") from None

@@ -5,21 +5,28 @@ requests of a tenant share (a system prompt, retrieved documents, earlier turns)
 the blocks a tenant holds are distinct blocks, and the ledger counts them the same
 way: by a chained hash of each full block of prompt tokens, so equal fingerprints
 mean equal prefixes up to that block (as vLLM's own block hashes do). The hash is
-Python's, of integers and tuples of integers: stable within a process, which is all
-the ledger needs.
+Python's, of an integer and the block's token ids as bytes (4 per id, `array('I')`):
+stable within a process, which is all the ledger needs. Hashing a bytes slice costs a
+fraction of building and hashing a tuple of ints per block (issue #18: 90 -> 30 us for
+a 2.5k-token prompt).
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Sequence
 
 
 def block_fingerprints(token_ids: Sequence[int], block_size: int) -> tuple[int, ...]:
     """One fingerprint per full block of `token_ids` (the partial tail has none)."""
+    ids = token_ids if isinstance(token_ids, array) and token_ids.typecode == "I" else (
+        array("I", token_ids))
+    data = memoryview(ids).cast("B")
+    width = block_size * ids.itemsize
     fingerprints = []
     parent = 0
-    for end in range(block_size, len(token_ids) + 1, block_size):
-        parent = hash((parent, tuple(token_ids[end - block_size:end])))
+    for end in range(width, len(data) + 1, width):
+        parent = hash((parent, data[end - width:end].tobytes()))
         fingerprints.append(parent)
     return tuple(fingerprints)
 

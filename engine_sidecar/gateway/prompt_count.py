@@ -15,11 +15,12 @@
 
 from __future__ import annotations
 
+from engine_sidecar.gateway import json_codec
 from engine_sidecar.gateway.openai_request import Kind, ParsedRequest, parse
 from engine_sidecar.gateway.prompt_bounds import PromptLimit
 from engine_sidecar.gateway.responses_request import parse_responses
 from engine_sidecar.gateway.token_cache import TokenCache, digest
-from engine_sidecar.gateway.tokens import TokenCounter, TokenIds, chat_tokenize_payload
+from engine_sidecar.gateway.tokens import TokenCounter, TokenIds, chat_tokenize_body
 
 SCREEN_BYTES = 256 * 1024  # json.loads of this much: ~0.3 ms on the test machine
 
@@ -48,11 +49,12 @@ class PromptCounting:
     async def count(self, counter: TokenCounter, request: ParsedRequest, engine_model: str | None
                     ) -> tuple[TokenIds, ...]:
         """Steps 4 and 5: each prompt's token ids."""
-        if request.kind is Kind.CHAT:
-            material: object = chat_tokenize_payload(request.body)
+        if request.kind is Kind.CHAT:  # the /tokenize body itself, encoded once
+            material = chat_tokenize_body(request)
         else:
-            material = [request.body.get("add_special_tokens", True) is not False,
-                        request.prompts]
-        key = digest(counter.description, engine_model, request.kind.value, material)
+            material = json_codec.dumps(
+                [request.body.get("add_special_tokens", True) is not False, request.prompts],
+                request.strict)
+        key = digest(material, counter.description, engine_model, request.kind.value)
         return await self.cache.get_or_count(key, lambda: counter.tokenize(request))
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 from array import array
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+
+from engine_sidecar.gateway import json_codec
 
 Counted = tuple[Sequence[int], ...]
 
@@ -28,11 +28,14 @@ MAX_ENTRIES = 4096
 MAX_TOKENS = 4_000_000  # 16 MB of ids
 
 
-def digest(*parts: Any) -> bytes:
-    """A key for JSON-shaped `parts` (strings may hold lone surrogates). Keys keep the
-    client's order (a retry sends the same body; sorting cost more than the hash)."""
-    text = json.dumps(parts, ensure_ascii=False, separators=(",", ":"))
-    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+def digest(material: bytes, *context: str | None) -> bytes:
+    """A key for encoded prompt material (the bytes the counter is sent, or would be)
+    under `context` (counter, engine model, route). The context is a JSON array, so it
+    ends where the material starts. Keys keep the client's order (a retry sends the same
+    body; sorting cost more than the hash)."""
+    hasher = hashlib.blake2b(json_codec.dumps(list(context)), digest_size=16)
+    hasher.update(material)
+    return hasher.digest()
 
 
 class TokenCache:

@@ -28,13 +28,12 @@ cannot be loaded is an error, not a fall-back (`app.Gateway._load_tokenizer`).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
-from engine_sidecar.gateway import errors
+from engine_sidecar.gateway import errors, json_codec
 from engine_sidecar.gateway.errors import ApiError
 from engine_sidecar.gateway.openai_request import Kind, ParsedRequest
 from engine_sidecar.gateway.prompt_bounds import longest_token_bytes
@@ -93,6 +92,15 @@ def chat_tokenize_payload(body: dict[str, Any]) -> dict[str, Any]:
     if kwargs:
         payload["chat_template_kwargs"] = kwargs
     return payload
+
+
+def chat_tokenize_body(request: ParsedRequest) -> bytes:
+    """`chat_tokenize_payload` of a chat request, encoded once per request: the token
+    cache's key hashes these bytes (`prompt_count`) and the engine is sent them."""
+    if request.tokenize_body is None:
+        request.tokenize_body = json_codec.dumps(chat_tokenize_payload(request.body),
+                                                 request.strict)
+    return request.tokenize_body
 
 
 class HfTokenCounter:
@@ -174,11 +182,12 @@ class EngineTokenCounter:
 
     def __init__(self, upstream: Upstream, model: str | None) -> None:
         self._upstream = upstream
-        self._model = model
+        # Spliced in front of each (JSON object) body's first field.
+        self._model_field = b'"model":' + json_codec.dumps(model) + b"," if model else b""
 
-    async def _post(self, payload: dict[str, Any]) -> tuple[int, bytes]:
-        body = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode(
-            "utf-8", "surrogatepass")
+    async def _post(self, body: bytes) -> tuple[int, bytes]:
+        if self._model_field:
+            body = b"{" + self._model_field + body[1:]
         response = await self._upstream.open("POST", "/tokenize", TOKENIZE_HEADERS, body)
         try:
             chunks, size = [], 0
@@ -194,13 +203,11 @@ class EngineTokenCounter:
             await response.aclose()
         return response.status_code, b"".join(chunks)
 
-    async def _tokenize(self, payload: dict[str, Any], request: ParsedRequest) -> TokenIds:
-        if self._model:
-            payload["model"] = self._model
-        status, raw = await self._post(payload)
+    async def _tokenize(self, body: bytes, request: ParsedRequest) -> TokenIds:
+        status, raw = await self._post(body)
         try:
-            answer = json.loads(raw)
-        except ValueError:
+            answer = json_codec.loads(raw)
+        except (ValueError, RecursionError):
             answer = None
         if status == 200 and isinstance(answer, dict):
             tokens = answer.get("tokens")
@@ -217,13 +224,14 @@ class EngineTokenCounter:
 
     async def tokenize(self, request: ParsedRequest) -> tuple[TokenIds, ...]:
         if request.kind is Kind.CHAT:
-            return (await self._tokenize(chat_tokenize_payload(request.body), request),)
+            return (await self._tokenize(chat_tokenize_body(request), request),)
         special = request.body.get("add_special_tokens", True) is not False
         prompts: list[TokenIds] = []
         for prompt in request.prompts:
             if isinstance(prompt, list):
                 prompts.append(prompt)
             else:
-                prompts.append(await self._tokenize(
-                    {"prompt": prompt, "add_special_tokens": special}, request))
+                prompts.append(await self._tokenize(json_codec.dumps(
+                    {"prompt": prompt, "add_special_tokens": special}, request.strict),
+                    request))
         return tuple(prompts)

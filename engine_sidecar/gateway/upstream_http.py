@@ -57,6 +57,9 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.idle_since = 0.0
+        self.deadline = 0.0  # loop time: the current wait's silence ends there
+        self.timeout = 0.0
+        self._timer: asyncio.TimerHandle | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -91,6 +94,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._stop_watch()
         if self.headers_done and not self.delimited and not self.complete:
             self.complete = True  # body delimited by EOF
         if not self.complete:
@@ -138,16 +142,39 @@ class _Connection(asyncio.Protocol):
     async def wait(self, timeout: float) -> None:
         """Until the parser has news, or `timeout` seconds of silence (UpstreamTimeout).
 
-        A bare timer handle rather than `asyncio.timeout()`: this runs once per token
-        chunk, and the context manager costs several times more."""
+        This runs once per token chunk, so it arms no timer of its own (a timer handle
+        made and cancelled per chunk cost more than the rest of the wait): it moves the
+        connection's deadline, and one timer per connection (`_watch`) fires at the
+        earliest deadline and moves itself on to the current one."""
         loop = asyncio.get_running_loop()
         waiter = self.waiter = loop.create_future()
-        timer = loop.call_later(timeout, _expire, waiter, timeout)
+        deadline = self.deadline = loop.time() + timeout
+        self.timeout = timeout
+        timer = self._timer
+        if timer is None or timer.when() > deadline:
+            if timer is not None:
+                timer.cancel()
+            self._timer = loop.call_at(deadline, self._watch)
         try:
             await waiter
         finally:
-            timer.cancel()
             self.waiter = None
+
+    def _watch(self) -> None:
+        self._timer = None
+        waiter = self.waiter
+        if waiter is None or waiter.done():
+            return  # nobody waits: the next wait arms the timer again
+        loop = asyncio.get_running_loop()
+        if loop.time() >= self.deadline:
+            _expire(waiter, self.timeout)
+        else:
+            self._timer = loop.call_at(self.deadline, self._watch)
+
+    def _stop_watch(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def take(self) -> bytes:
         """Everything queued, as one piece: when the consumer lags behind the engine,
@@ -167,6 +194,7 @@ class _Connection(asyncio.Protocol):
 
     def abort(self) -> None:
         self.closed = True
+        self._stop_watch()
         if self.transport is not None:
             self.transport.abort()
 
