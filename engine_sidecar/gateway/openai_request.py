@@ -293,12 +293,13 @@ def rewrite(
     else:
         body["max_tokens"] = max_tokens
     return tagged(body, priority=priority, tenant_id=tenant_id, session=session,
-                  cache_salt=cache_salt)
+                  cache_salt=cache_salt, strict=request.strict)
 
 
 def tagged(body: dict[str, Any], *, priority: int, tenant_id: str, session: str | None,
-           cache_salt: str | None) -> bytes:
-    """`body` with the fields only the sidecar sets, encoded for the engine."""
+           cache_salt: str | None, strict: bool) -> bytes:
+    """`body` with the fields only the sidecar sets, encoded for the engine (`strict`:
+    it was parsed as standard JSON, see `json_codec.dumps`)."""
     body["priority"] = priority
     xargs: dict[str, str] = {XARG_TENANT: tenant_id}
     if session:
@@ -309,6 +310,6 @@ def tagged(body: dict[str, Any], *, priority: int, tenant_id: str, session: str 
     else:
         body.pop("cache_salt", None)
     try:
-        return json_codec.dumps(body, request.strict)
+        return json_codec.dumps(body, strict)
     except (ValueError, RecursionError):  # e.g. nesting deeper than the encoder allows
         raise invalid("the request body cannot be re-encoded as JSON") from None

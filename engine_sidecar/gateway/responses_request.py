@@ -153,7 +153,7 @@ class ResponsesRequest(ParsedRequest):
 
 
 def parse_responses(raw: bytes) -> ResponsesRequest:
-    body = load_body(raw)
+    body, strict = load_body(raw)
     vet_body(body, FIELDS, REFUSED_HERE, HARMLESS, "responses")
     if "input" not in body:
         raise invalid("input is required", param="input")
@@ -179,7 +179,7 @@ def parse_responses(raw: bytes) -> ResponsesRequest:
             max_tokens, bool) or max_tokens < 1):
         raise invalid("max_output_tokens must be a positive integer",
                       param="max_output_tokens")
-    return ResponsesRequest(Kind.CHAT, chat, [], max_tokens, "max_output_tokens", 1,
+    return ResponsesRequest(Kind.CHAT, chat, [], max_tokens, "max_output_tokens", 1, strict,
                             forward=body)
 
 
@@ -194,4 +194,4 @@ def rewrite_responses(
         body["model"] = request.body["model"]
     body["max_output_tokens"] = max_tokens
     return tagged(body, priority=priority, tenant_id=tenant_id, session=session,
-                  cache_salt=cache_salt)
+                  cache_salt=cache_salt, strict=request.strict)
