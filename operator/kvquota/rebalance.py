@@ -26,8 +26,12 @@ refusals counted since the previous round). The rules:
 Demand in blocks per engine: its reserved blocks, plus its queued and refused requests
 at the tenant's mean request size (reserved / in flight over the pool; with nothing in
 flight anywhere, one even share per request). Where the demand adds up to less than the
-total, the rest is spread evenly, so an idle engine keeps room for new sessions; where
-it adds up to more, the total is shared in proportion to it. Integer rounding is by
+total, the rest goes where the tenant's traffic goes (the requests each engine admitted,
+queued or refused since the previous round: a prefix- or session-affine router keeps
+sending a tenant where it sent it), an engine without traffic counting as
+`idle_share` of an average one, so it keeps room for new sessions; with no traffic
+anywhere the rest is spread evenly. Where the demand adds up to more than the total, the
+total is shared in proportion to it. Integer rounding is by
 largest remainder, ties broken by engine name: the same input gives the same split.
 """
 
@@ -48,9 +52,10 @@ class EngineDemand:
     inflight: int = 0
     queued: int = 0
     refused: int = 0  # refusals (quota or watermark) since the previous round
+    admitted: int = 0  # requests admitted since the previous round
 
     def __post_init__(self) -> None:
-        for name in ("reserved_blocks", "inflight", "queued", "refused"):
+        for name in ("reserved_blocks", "inflight", "queued", "refused", "admitted"):
             if getattr(self, name) < 0:
                 raise ValueError(f"EngineDemand.{name} must be >= 0, got {getattr(self, name)}")
 
@@ -63,8 +68,9 @@ class EngineSplit:
 
 @dataclass(frozen=True)
 class RebalanceSettings:
-    step_fraction: float = 0.25  # of the even guarantee: the most an engine moves a round
+    step_fraction: float = 0.5  # of the even guarantee: the most an engine moves a round
     deadband_fraction: float = 0.05  # of the even guarantee: closer targets are ignored
+    idle_share: float = 0.25  # of an average engine's traffic: what an idle one counts as
 
     def __post_init__(self) -> None:
         if not 0 < self.step_fraction <= 1:
@@ -72,6 +78,8 @@ class RebalanceSettings:
         if not 0 <= self.deadband_fraction < 1:
             raise ValueError(f"deadband_fraction must be in [0, 1), got "
                              f"{self.deadband_fraction}")
+        if not 0 <= self.idle_share <= 1:
+            raise ValueError(f"idle_share must be in [0, 1], got {self.idle_share}")
 
 
 def even_split(guaranteed: int, maximum: int, engines: Sequence[str]) -> dict[str, EngineSplit]:
@@ -112,11 +120,13 @@ def demand_blocks(demand: Mapping[str, EngineDemand], even_guaranteed: int) -> d
     }
 
 
-def _targets(total: int, wants: Mapping[str, int]) -> dict[str, int]:
+def _targets(total: int, wants: Mapping[str, int], traffic: Mapping[str, int],
+             idle_share: float) -> dict[str, int]:
     wanted = sum(wants.values())
     if wanted >= total:
         return apportion(total, {e: float(w) for e, w in wants.items()})
-    slack = apportion(total - wanted, {e: 1.0 for e in wants})
+    floor = idle_share * sum(traffic.values()) / len(traffic)
+    slack = apportion(total - wanted, {e: traffic[e] + floor for e in wants})
     return {e: wants[e] + slack[e] for e in wants}
 
 
@@ -159,7 +169,9 @@ def rebalance_tenant(
             or any(s.maximum - s.guaranteed != headroom for s in current.values())):
         current = even
     ceilings = ceilings or {}
-    targets = _targets(total, demand_blocks(demand, share.guaranteed))
+    traffic = {e: d.admitted + d.queued + d.refused for e, d in demand.items()}
+    targets = _targets(total, demand_blocks(demand, share.guaranteed), traffic,
+                       settings.idle_share)
     step = max(1, math.ceil(settings.step_fraction * share.guaranteed))
     deadband = math.floor(settings.deadband_fraction * share.guaranteed)
     gains: dict[str, int] = {}
