@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine_sidecar.policy import EnginePolicy, Isolation, write_atomically
 from kvquota.bench.metrics import Outcome, RunResult, Timeline
-from kvquota.bench.routers import EngineLoad, RouteRequest, Router, make_router
+from kvquota.bench.routers import EngineLoad, Router, RouteRequest, make_router
 from kvquota.bench.scenario import Bursts, Scenario, Session, generate_sessions
 from kvquota.bench.twin import (
     KV_REFUSALS,
@@ -268,9 +268,8 @@ class PoolRun:
             return
         tenant = ticket.payload.session.tenant
         engine.refusals[tenant] += 1
-        assert all(e.gateway is not None for e in self.engines)
-        held = sum(e.gateway.ledger.reserved_blocks(tenant)  # type: ignore[union-attr]
-                   for e in self.engines)
+        held = sum(e.gateway.ledger.reserved_blocks(tenant)
+                   for e in self.engines if e.gateway is not None)
         if held + verdict.blocks <= self.pool_guarantee.get(tenant, 0):
             self.refused_within_pool[ticket.payload.session.tier.value] += 1
 
@@ -294,7 +293,7 @@ class PoolRun:
         return result
 
     def _route(self, event: _Event) -> None:
-        at, _, session, turn, outcome = event
+        at, _, session, turn, _ = event
         key = (session.session_id, turn)
         prompt = self.prompts.get(key)
         if prompt is None:

@@ -34,9 +34,9 @@ from kvquota.bench.scenario import Scenario, Session, generate_sessions
 
 if TYPE_CHECKING:
     from engine_sidecar.gateway.admission_queue import Ticket
-    from kvquota.bench.pool import PoolSpec
     from engine_sidecar.gateway.ledger import Reservation
     from engine_sidecar.stats import EngineStats
+    from kvquota.bench.pool import PoolSpec
     from kvquota.twin.harness import SchedulerHarness, SchedulerKind, TwinRequest
 
 # Progress callback: (policy key, requests settled, requests planned, virtual seconds).
