@@ -186,6 +186,7 @@ def _run_sidecar(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         body_bytes_per_token=args.body_bytes_per_token,
         body_timeout=args.body_timeout,
+        engine_id=os.environ.get("POD_NAME") or None,
     )
     gateway = Gateway(config, source)
     if args.tokenizer:
