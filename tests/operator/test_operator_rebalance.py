@@ -170,3 +170,17 @@ def test_invariants_hold_for_any_demand(
         assert new == rebalance_tenant(guaranteed, maximum, demand, split,
                                        ceilings=ceilings, settings=knobs)
         split = new
+
+
+def test_spare_guarantee_follows_the_traffic_but_idle_engines_keep_some() -> None:
+    # Nothing is held anywhere at the poll, but e0 and e1 admitted all the requests
+    # since the last one (a prefix-affine router keeps sending the tenant there).
+    demand = _idle() | {"e0": EngineDemand(admitted=30), "e1": EngineDemand(admitted=10)}
+    split = None
+    for _ in range(30):
+        split = rebalance_tenant(800, 1000, demand, split)
+    # Mean traffic 5; an idle engine counts as a quarter of that (1.25): shares of
+    # 800 by 30 + 1.25, 10 + 1.25 and 1.25 each for six = 50 in all.
+    assert split["e0"].guaranteed == pytest.approx(800 * 31.25 / 50, abs=6 * 5)
+    assert split["e1"].guaranteed == pytest.approx(800 * 11.25 / 50, abs=6 * 5)
+    assert all(split[e].guaranteed >= 20 - 5 for e in ENGINES[2:])  # 800 x 1.25 / 50
