@@ -41,6 +41,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from engine_sidecar.stats import SidecarStatus
 from kvquota.capacity import split_quota
 
 
@@ -58,6 +59,31 @@ class EngineDemand:
         for name in ("reserved_blocks", "inflight", "queued", "refused", "admitted"):
             if getattr(self, name) < 0:
                 raise ValueError(f"EngineDemand.{name} must be >= 0, got {getattr(self, name)}")
+
+
+def demand_from_status(
+    status: SidecarStatus, previous: SidecarStatus | None = None
+) -> dict[str, EngineDemand]:
+    """Each tenant's demand on one engine from two successive polls of its sidecar: the
+    usage as it is now, the admissions and refusals counted since `previous` (None, or
+    counters that went down, a restarted sidecar: everything counted so far). The
+    status counts concurrency refusals with quota refusals; both count here."""
+    out = {}
+    for tenant_id, now in status.tenants.items():
+        before = previous.tenants.get(tenant_id) if previous is not None else None
+        counters = now.counters
+        admitted = counters.admitted
+        refused = counters.rejected_quota + counters.rejected_watermark
+        if before is not None:
+            old = before.counters
+            old_refused = old.rejected_quota + old.rejected_watermark
+            if old.admitted <= admitted and old_refused <= refused:
+                admitted, refused = admitted - old.admitted, refused - old_refused
+        out[tenant_id] = EngineDemand(
+            reserved_blocks=now.usage.reserved_blocks, inflight=now.usage.inflight,
+            queued=now.usage.queued, refused=refused, admitted=admitted,
+        )
+    return out
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine_sidecar.stats import SidecarStatus
 from kvquota.rebalance import (
     EngineDemand,
     EngineSplit,
     RebalanceSettings,
     TenantTotals,
+    demand_from_status,
     even_split,
     rebalance_pool,
     rebalance_tenant,
@@ -184,3 +186,22 @@ def test_spare_guarantee_follows_the_traffic_but_idle_engines_keep_some() -> Non
     assert split["e0"].guaranteed == pytest.approx(800 * 31.25 / 50, abs=6 * 5)
     assert split["e1"].guaranteed == pytest.approx(800 * 11.25 / 50, abs=6 * 5)
     assert all(split[e].guaranteed >= 20 - 5 for e in ENGINES[2:])  # 800 x 1.25 / 50
+
+
+def _status(admitted: int, quota: int, watermark: int, reserved: int = 0,
+            queued: int = 0) -> SidecarStatus:
+    return SidecarStatus.model_validate({"ready": True, "tenants": {"acme": {
+        "usage": {"reservedBlocks": reserved, "inflight": 2, "queued": queued},
+        "counters": {"admitted": admitted, "rejectedQuota": quota,
+                     "rejectedWatermark": watermark},
+    }}})
+
+
+def test_demand_is_read_from_two_polls_of_the_sidecar_status() -> None:
+    first, second = _status(10, 1, 0), _status(25, 3, 2, reserved=120, queued=4)
+    assert demand_from_status(second, first) == {"acme": EngineDemand(
+        reserved_blocks=120, inflight=2, queued=4, refused=4, admitted=15)}
+    # A restarted sidecar counts from zero again: all it counted is new.
+    assert demand_from_status(_status(5, 0, 1), second)["acme"] == EngineDemand(
+        inflight=2, refused=1, admitted=5)
+    assert demand_from_status(first)["acme"].admitted == 10
