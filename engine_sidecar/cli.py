@@ -194,6 +194,7 @@ def _run_sidecar(args: argparse.Namespace) -> int:
         body_bytes_per_token=args.body_bytes_per_token,
         body_timeout=args.body_timeout,
         engine_key=load_engine_key(args.engine_api_key_file),
+        engine_id=os.environ.get("POD_NAME") or None,
     )
     gateway = Gateway(config, source)
     if args.tokenizer:

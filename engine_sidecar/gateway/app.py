@@ -77,6 +77,9 @@ logger = logging.getLogger(__name__)
 
 JSON_HEADERS = [(b"content-type", b"application/json")]
 QUEUE_HEADER = b"x-kvquota-queue-ms"  # on admitted responses: time spent in the queue
+# On a session's admitted responses when its tenant has leases: the engine (pod) that
+# will hold the session's KV, for a session-affinity router (README: pools).
+LEASE_ENGINE_HEADER = b"x-kvquota-lease-engine"
 PUMP_INTERVAL_S = 0.05  # while requests queue: re-check capacity (new stats) and deadlines
 MAX_MODEL_LIST_BYTES = 1024 * 1024  # the engine's /v1/models answer, read whole
 ASGIHandler = Callable[[Scope, Receive, Send], Awaitable[None]]
@@ -100,6 +103,7 @@ class GatewayConfig:
     tenant_label_limit: int = 100
     engine_probe_interval: float = 2.0
     extra_request_drop: set[bytes] = field(default_factory=set)
+    engine_id: str | None = None  # POD_NAME: named in LEASE_ENGINE_HEADER
     data_plane: str = "auto"  # "httptools" (fast), "httpx" (fallback), "auto"
     engine_key: EngineKey | None = None  # vLLM's --api-key, sent upstream (`engine_auth`)
 
@@ -388,6 +392,11 @@ class Gateway:
         if admitted is None:
             return  # the client left while its request was queued
         reservation, body, tier, waited = admitted
+        extra_headers = [(QUEUE_HEADER, str(round(waited * 1000)).encode())]
+        leasing = active.policy.tenants.get(tenant_id)
+        if (self.config.engine_id and reservation.session
+                and leasing is not None and leasing.lease.seconds > 0):
+            extra_headers.append((LEASE_ENGINE_HEADER, self.config.engine_id.encode()))
         outcome = "cancelled"
         try:
             forward_headers = self._forward_headers(scope)
@@ -396,7 +405,7 @@ class Gateway:
                 receive, send, self.upstream,
                 lambda: self.upstream.open("POST", path, forward_headers, body),
                 on_done=reservation.release,
-                extra_headers=[(QUEUE_HEADER, str(round(waited * 1000)).encode())],
+                extra_headers=extra_headers,
             )
             outcome = result.outcome
             ttft, duration, _ = self._tier_metrics(tier)

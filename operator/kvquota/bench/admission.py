@@ -44,6 +44,12 @@ class TwinGateway:
         self._next_check = 0.0
         self._settled: list[Ticket] = []
 
+    def set_policy(self, policy: EnginePolicy) -> None:
+        """A new policy (the operator re-split the quotas): the queue is pumped at the
+        next poll, as a raised quota may admit what waits."""
+        self.queue.set_policy(policy)
+        self._dirty = True
+
     def _changed(self, _reservation: object) -> None:
         self._dirty = True
 

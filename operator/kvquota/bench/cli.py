@@ -46,6 +46,14 @@ def register(subparsers: Any) -> None:
                         help="skip the run without the noisy tiers")
     parser.add_argument("--profile", help="twin step-cost profile name or YAML file "
                         "(default: the scenario's)")
+    parser.add_argument("--replicas", type=int, help="twin: a pool of this many engines "
+                        "behind --router, the scenario's load x N (see bench/README.md)")
+    parser.add_argument("--router", default="round-robin",
+                        choices=("round-robin", "least-kv", "prefix-affinity",
+                                 "session-affinity"), help="pool: the router model")
+    parser.add_argument("--split", default="even",
+                        help="pool: how quotas are split over engines, comma-separated: "
+                        "even (the operator's default), demand (kvquota.rebalance)")
     parser.add_argument("--json", type=Path, help="write the results as JSON")
     parser.add_argument("--markdown", type=Path, help="suite: also write a markdown report")
     parser.add_argument("--seeds", type=int, default=1,
@@ -133,10 +141,17 @@ def _bench(args: argparse.Namespace) -> int:
         jobs=max(1, args.jobs),
         quiet=True,
         engine_args=engine_args,
+        replicas=args.replicas,
+        router=args.router,
+        splits=tuple(s.strip() for s in args.split.split(",") if s.strip()),
     )
     document = run_bench(options, out=sys.stdout)
     print()
     print(format_table(document))
+    if "pool" in document:
+        from kvquota.bench.pool_report import format_pool_table
+
+        print(format_pool_table(document))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(document, indent=2) + "\n")

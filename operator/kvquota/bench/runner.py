@@ -5,12 +5,15 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from kvquota.bench.cost import CostProfile, load_profile
 from kvquota.bench.metrics import RunResult
 from kvquota.bench.report import build_document
 from kvquota.bench.scenario import Scenario, generate_sessions, load_scenario
+
+if TYPE_CHECKING:
+    from kvquota.bench.twin import TwinTask
 
 DEFAULT_POLICIES = ("fcfs", "priority", "kvquota")
 
@@ -29,6 +32,9 @@ class BenchOptions:
     jobs: int = 1
     quiet: bool = False  # silence vLLM's own log notices
     engine_args: dict[str, Any] = field(default_factory=dict)
+    replicas: int | None = None  # a pool of twin engines behind `router` (kvquota.bench.pool)
+    router: str = "round-robin"
+    splits: tuple[str, ...] = ("even",)
 
 
 class ProgressBar:
@@ -104,30 +110,47 @@ def run_bench(options: BenchOptions, out: TextIO | None = None) -> dict[str, Any
         if "engine" in scenario_scales(options.scenario):
             scale = "engine"
     scenario = load_scenario(options.scenario, scale=scale, seed=options.seed)
+    if options.replicas is not None:
+        if options.backend != "twin":
+            raise ValueError("--replicas runs in the twin only")
+        from kvquota.bench.pool import PoolSpec, scale_load
+
+        PoolSpec(options.replicas, options.router)  # bad values fail before any work
+        scenario = scale_load(scenario, options.replicas)
     sessions = generate_sessions(scenario)
     num_requests = sum(len(s.turns) for s in sessions)
     base_scenario = _baseline_scenario(scenario) if options.baseline else None
     specs = _policy_specs(options) if options.backend == "twin" else []
-    num_runs = (len(specs) if specs else len(options.policies)) + (base_scenario is not None)
+    from kvquota.bench.twin import BASELINE
+
+    tasks: list[TwinTask] = [(scenario, spec) for spec in specs]
+    if options.replicas is not None:
+        from kvquota.bench.pool import pool_tasks
+
+        tasks = pool_tasks(scenario, specs, base_scenario, replicas=options.replicas,
+                           router=options.router, splits=options.splits)
+    elif base_scenario is not None:
+        tasks.append((base_scenario, BASELINE))
+    num_runs = len(tasks) if specs else len(options.policies) + (base_scenario is not None)
     progress = ProgressBar(num_runs, enabled=options.progress)
     if out is not None:
         out.write(f"{scenario.name}: {len(sessions)} sessions, {num_requests} requests, "
-                  f"{scenario.engine.capacity_blocks} KV blocks, backend {options.backend}\n")
+                  f"{scenario.engine.capacity_blocks} KV blocks"
+                  + (f" x {options.replicas} engines ({options.router})"
+                     if options.replicas is not None else "")
+                  + f", backend {options.backend}\n")
         out.flush()
     profile: CostProfile | None = None
     runs: list[RunResult] = []
     baseline: RunResult | None = None
     if options.backend == "twin":
-        from kvquota.bench.twin import BASELINE, TwinTask, run_twin_tasks
+        from kvquota.bench.twin import run_twin_tasks
 
         profile = load_profile(options.profile or scenario.profile)
-        tasks: list[TwinTask] = [(scenario, spec) for spec in specs]
-        if base_scenario is not None:
-            tasks.append((base_scenario, BASELINE))
         results = run_twin_tasks(tasks, profile, jobs=options.jobs, progress=progress,
                                  quiet=options.quiet)
-        runs = results[:len(specs)]
-        baseline = results[len(specs)] if base_scenario is not None else None
+        runs = results[:len(results) - (base_scenario is not None)]
+        baseline = results[-1] if base_scenario is not None else None
     elif options.backend == "engine":
         from kvquota.bench.engine_backend import run_engine_bench
 
@@ -139,8 +162,12 @@ def run_bench(options: BenchOptions, out: TextIO | None = None) -> dict[str, Any
         )
     else:
         raise ValueError(f"unknown backend {options.backend!r}; choose twin or engine")
-    return build_document(
+    document = build_document(
         scenario, source=options.scenario, scale=scale, backend=options.backend,
         profile=profile, runs=runs, baseline=baseline, num_sessions=len(sessions),
         num_requests=num_requests,
     )
+    if options.replicas is not None:
+        document["pool"] = {"replicas": options.replicas, "router": options.router,
+                            "splits": list(options.splits)}
+    return document

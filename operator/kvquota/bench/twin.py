@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from engine_sidecar.gateway.admission_queue import Ticket
     from engine_sidecar.gateway.ledger import Reservation
     from engine_sidecar.stats import EngineStats
+    from kvquota.bench.pool import PoolSpec
     from kvquota.twin.harness import SchedulerHarness, SchedulerKind, TwinRequest
 
 # Progress callback: (policy key, requests settled, requests planned, virtual seconds).
@@ -299,6 +300,10 @@ class TwinRun:
     # -- sampling -----------------------------------------------------------------
 
     def _sample(self, harness: SchedulerHarness) -> None:
+        self.timeline.add(round(harness.now, 6), self._kv_by_tier(harness))
+
+    def _kv_by_tier(self, harness: SchedulerHarness) -> dict[str, int]:
+        """KV blocks held per tier: running requests' blocks and the plugin's leases."""
         manager = harness.scheduler.kv_cache_manager
         by_tier: dict[str, int] = {}
         for request in harness.scheduler.running:
@@ -313,7 +318,7 @@ class TwinRun:
                 if tenant_id in self.scenario.tenants and tenant_stats.leased_blocks:
                     tier = self.scenario.tier_of(tenant_id).value
                     by_tier[tier] = by_tier.get(tier, 0) + tenant_stats.leased_blocks
-        self.timeline.add(round(harness.now, 6), by_tier)
+        return by_tier
 
     # -- the loop -----------------------------------------------------------------
 
@@ -439,7 +444,8 @@ def run_twin(
 
 # -- several runs, in parallel processes --------------------------------------------
 
-TwinTask = tuple[Scenario, PolicySpec]
+# (scenario, policy) on one engine, or (scenario, policy, pool) on a pool of them.
+TwinTask = tuple[Scenario, PolicySpec] | tuple[Scenario, PolicySpec, "PoolSpec"]
 _worker_queue: Any = None
 
 
@@ -464,8 +470,17 @@ def _report(key: str, settled: int, planned: int, virtual: float) -> None:
         _worker_queue.put((key, settled, planned, virtual))
 
 
-def _run_task(scenario: Scenario, spec: PolicySpec, profile: CostProfile) -> RunResult:
-    return run_twin(scenario, generate_sessions(scenario), spec, profile, _report)
+def _run_one(task: TwinTask, profile: CostProfile, progress: Progress | None) -> RunResult:
+    if len(task) == 3:
+        from kvquota.bench.pool import run_pool
+
+        return run_pool(task[0], task[1], task[2], profile, progress)
+    scenario, spec = task
+    return run_twin(scenario, generate_sessions(scenario), spec, profile, progress)
+
+
+def _run_task(task: TwinTask, profile: CostProfile) -> RunResult:
+    return _run_one(task, profile, _report)
 
 
 def run_twin_tasks(
@@ -480,10 +495,7 @@ def run_twin_tasks(
     if jobs <= 1 or len(tasks) <= 1:
         if quiet:
             quiet_vllm_logs()
-        return [
-            run_twin(scenario, generate_sessions(scenario), spec, profile, progress)
-            for scenario, spec in tasks
-        ]
+        return [_run_one(task, profile, progress) for task in tasks]
     import multiprocessing
     import queue as queue_module
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -495,7 +507,7 @@ def run_twin_tasks(
         max_workers=min(jobs, len(tasks)), mp_context=context,
         initializer=_init_worker, initargs=(updates, quiet),
     ) as pool:
-        futures = {i: pool.submit(_run_task, *tasks[i], profile) for i in order}
+        futures = {i: pool.submit(_run_task, tasks[i], profile) for i in order}
         pending = set(futures.values())
         while pending:
             done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)

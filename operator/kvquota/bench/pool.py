@@ -1,0 +1,468 @@
+"""The pool twin: N twin engines behind a router, the quotas split evenly or by demand.
+
+Each engine is what `twin.TwinRun` runs for one engine (vLLM's real Scheduler with the
+KVQuota plugin, and the sidecar's real admission queue), on its own virtual clock; a
+router model (`routers`) sends every turn, first or retried, to one of them. The
+engines share the sessions: a conversation's context follows it to whichever engine
+its next turn lands on (without its cached prefix, unless it lands where it was).
+
+The quotas are the scenario's per engine (its percentages are of one engine's
+capacity), so a tenant's pool-wide guarantee is `replicas x` its per-engine one, and
+the load scales with the pool (`scale_load`: arrival rates and burst sizes x N, done
+by the caller, so the report counts the sessions that ran). With
+`split="even"` every engine keeps the even share, as the operator renders today; with
+`split="demand"` the operator's own `kvquota.rebalance.rebalance_pool` runs every
+`rebalance_interval` virtual seconds (the operator's poll interval) on what each
+engine's sidecar would report, and each engine whose split changed gets the new
+policy the way a real one does: the plugin's policy file is replaced (the plugin polls
+it) and the sidecar's queue takes it.
+
+The engines advance in time order: the next thing to happen is an arrival, a
+rebalance, or the step of the engine whose clock is furthest behind; an idle engine's
+clock jumps to its next arrival. Nothing reads the wall clock except to report the
+run's cost (the report divides it by the `engineHours` simulated).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from engine_sidecar.policy import EnginePolicy, Isolation, write_atomically
+from kvquota.bench.metrics import Outcome, RunResult, Timeline
+from kvquota.bench.routers import EngineLoad, Router, RouteRequest, make_router
+from kvquota.bench.scenario import Bursts, Scenario, Session, generate_sessions
+from kvquota.bench.twin import (
+    KV_REFUSALS,
+    TIMELINE_SAMPLES,
+    PolicySpec,
+    Progress,
+    TwinRun,
+    TwinTask,
+    _Event,
+    _plugin_extra,
+)
+from kvquota.rebalance import EngineDemand, EngineSplit, TenantTotals, rebalance_pool
+from kvquota.runtime import OperatorConfig
+
+if TYPE_CHECKING:
+    from engine_sidecar.gateway.admission_queue import Ticket
+    from kvquota.bench.cost import CostProfile
+    from kvquota.twin.harness import SchedulerHarness
+
+SPLITS = ("even", "demand")
+INF = math.inf
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    replicas: int
+    router: str
+    split: str = "even"
+    rebalance_interval: float = OperatorConfig.poll_interval
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
+        if self.split not in SPLITS:
+            raise ValueError(f"unknown split {self.split!r}; choose from {', '.join(SPLITS)}")
+        if self.rebalance_interval <= 0:
+            raise ValueError("the rebalance interval must be > 0 seconds")
+
+
+def scale_load(scenario: Scenario, replicas: int) -> Scenario:
+    """The scenario with every workload's arrivals x `replicas` (rates, burst sizes);
+    the engine, the per-engine quotas and everything else unchanged."""
+    if replicas == 1:
+        return scenario
+    tenants = {}
+    for tenant_id, tenant in scenario.tenants.items():
+        workloads = {}
+        for name, workload in tenant.workloads.items():
+            arrival = workload.arrival
+            if isinstance(arrival, Bursts):
+                arrival = arrival.model_copy(update={"size": arrival.size * replicas})
+            else:
+                arrival = arrival.model_copy(update={"rate": arrival.rate * replicas})
+            workloads[name] = workload.model_copy(update={"arrival": arrival})
+        tenants[tenant_id] = tenant.model_copy(update={"workloads": workloads})
+    return scenario.model_copy(update={"tenants": tenants})
+
+
+class _Engine(TwinRun):
+    """One engine of the pool: TwinRun's per-engine half; events, conversations and
+    outcomes are the pool's."""
+
+    def __init__(self, pool: PoolRun, index: int, tmp: Path) -> None:
+        super().__init__(pool.scenario, [], pool.spec, pool.profile)
+        self.pool = pool
+        self.index = index
+        self.name = f"engine-{index}"
+        self.outcomes = pool.outcomes
+        self._contexts = pool.contexts
+        self._prompts = pool.prompts
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.policy_path = tmp / "policy.json"
+        self.harness = self._harness(tmp)
+        self.blocked = False  # the last step could schedule nothing: wait for news
+        self.steps = 0
+        self.refusals: Counter[str] = Counter()  # KV refusals by tenant since a rebalance
+        self.admitted: Counter[str] = Counter()  # admissions by tenant since a rebalance
+        self.routed = 0
+
+    def _push(self, at: float, session: Session, turn: int, outcome: Outcome | None = None
+              ) -> None:
+        self.pool.push(at, session, turn, outcome)
+
+    def _settle(self) -> None:
+        self.pool.settled += 1
+
+    def _settle_ticket(self, harness: SchedulerHarness, ticket: Ticket) -> None:
+        if ticket.reservation is not None:
+            self.admitted[ticket.payload.session.tenant] += 1
+        self.pool.count_refusal(self, ticket)
+        super()._settle_ticket(harness, ticket)
+
+    # -- what the router and the operator see ---------------------------------------
+
+    def load(self) -> EngineLoad:
+        scheduler = self.harness.scheduler
+        queued = self.gateway.queue.waiting() if self.gateway is not None else 0
+        return EngineLoad(
+            kv_usage=float(scheduler.kv_cache_manager.usage),
+            waiting=len(scheduler.waiting) + queued,
+            running=len(scheduler.running),
+        )
+
+    def demand(self, tenant_id: str) -> EngineDemand:
+        assert self.gateway is not None
+        ledger, queue = self.gateway.ledger, self.gateway.queue
+        return EngineDemand(
+            reserved_blocks=ledger.reserved_blocks(tenant_id),
+            inflight=ledger.inflight(tenant_id),
+            queued=queue.depth(tenant_id),
+            refused=self.refusals[tenant_id],
+            admitted=self.admitted[tenant_id],
+        )
+
+    def apply_split(self, splits: dict[str, EngineSplit]) -> bool:
+        """Hand the engine its new per-tenant split; False if nothing changed."""
+        tenants = dict(self.policy.tenants)
+        changed = False
+        for tenant_id, split in splits.items():
+            current = tenants[tenant_id]
+            if (current.guaranteed_blocks, current.max_blocks) != (split.guaranteed,
+                                                                   split.maximum):
+                tenants[tenant_id] = current.model_copy(update={
+                    "guaranteed_blocks": split.guaranteed, "max_blocks": split.maximum,
+                })
+                changed = True
+        if not changed:
+            return False
+        self.policy = EnginePolicy.model_validate(
+            self.policy.model_copy(update={"tenants": tenants, "version": ""}).model_dump()
+        ).with_version()
+        write_atomically(self.policy_path, self.policy.to_json())
+        if self.gateway is not None:
+            self.gateway.set_policy(self.policy)
+        return True
+
+    # -- time -----------------------------------------------------------------------
+
+    def next_time(self, news: float) -> float:
+        """When this engine next has something to do (`news`: the pool's next arrival
+        or rebalance, which may unblock it)."""
+        harness = self.harness
+        wakeup = self.gateway.next_wakeup() if self.gateway is not None else None
+        if harness.has_unfinished():
+            if not self.blocked:
+                return harness.now
+            return max(harness.now, min(news, wakeup if wakeup is not None else INF))
+        if wakeup is not None:
+            return max(harness.now, wakeup)
+        return INF
+
+    def catch_up(self, at: float) -> None:
+        if self.harness.now < at:
+            self.harness.advance(at - self.harness.now)
+
+    def turn(self) -> None:
+        """What the single-engine twin does in one pass of its loop."""
+        harness = self.harness
+        if self.gateway is not None:
+            for ticket in self.gateway.poll():
+                self._settle_ticket(harness, ticket)
+        self.blocked = False
+        if not harness.has_unfinished():
+            return
+        record = harness.step()
+        self.steps += 1
+        for req_id in record.finished_req_ids:
+            if req_id in self._live:
+                self._finish(harness, req_id)
+        if not record.num_scheduled_tokens and not harness.scheduler.running:
+            self.blocked = True
+        if len(harness.steps) > 4096:
+            del harness.steps[:-1]
+
+
+class PoolRun:
+    """One policy over one scenario on a pool. `run()` returns what it measured."""
+
+    def __init__(
+        self, scenario: Scenario, spec: PolicySpec, pool: PoolSpec, profile: CostProfile,
+        *, progress: Progress | None = None,
+    ) -> None:
+        self.scenario = scenario  # its load already scaled to the pool (`scale_load`)
+        self.sessions = generate_sessions(self.scenario)
+        self.spec = spec
+        self.pool = pool
+        self.profile = profile
+        self.progress = progress
+        self.outcomes: list[Outcome] = []
+        self.contexts: dict[str, list[int]] = {}
+        self.prompts: dict[tuple[str, int], list[int]] = {}
+        self.settled = 0
+        self.events: list[_Event] = []
+        self._seq = 0
+        engine = self.scenario.engine
+        self.router: Router = make_router(
+            pool.router, pool.replicas, block_size=engine.block_size,
+            capacity_blocks=engine.capacity_blocks, model="bench",
+        )
+        policy = self.scenario.engine_policy()
+        self.salts = {
+            tid: None if t.prefix_cache_isolation is Isolation.SHARED else tid
+            for tid, t in policy.tenants.items()
+        }
+        self.totals = [
+            TenantTotals(tid, t.guaranteed_blocks * pool.replicas, t.max_blocks * pool.replicas,
+                         t.priority)
+            for tid, t in sorted(policy.tenants.items())
+        ]
+        self.pool_guarantee = {t.tenant_id: t.guaranteed for t in self.totals}
+        self.guaranteeable = math.floor(engine.capacity_blocks * (1 - policy.watermark))
+        self.refused_within_pool: Counter[str] = Counter()  # by tier
+        self.rebalances = 0
+        self.policy_updates = 0
+        self.engines: list[_Engine] = []
+        self._splits: dict[str, dict[str, EngineSplit]] | None = None
+
+    # -- bookkeeping the engines call -------------------------------------------------
+
+    def push(self, at: float, session: Session, turn: int, outcome: Outcome | None) -> None:
+        self._seq += 1
+        heapq.heappush(self.events, (at, self._seq, session, turn, outcome))
+
+    def count_refusal(self, engine: _Engine, ticket: Ticket) -> None:
+        verdict = ticket.verdict
+        if ticket.reservation is not None or ticket.error is None or verdict is None:
+            return
+        if verdict.decision not in KV_REFUSALS:
+            return
+        tenant = ticket.payload.session.tenant
+        engine.refusals[tenant] += 1
+        held = sum(e.gateway.ledger.reserved_blocks(tenant)
+                   for e in self.engines if e.gateway is not None)
+        if held + verdict.blocks <= self.pool_guarantee.get(tenant, 0):
+            self.refused_within_pool[ticket.payload.session.tier.value] += 1
+
+    # -- the loop ---------------------------------------------------------------------
+
+    def run(self) -> RunResult:
+        started, cpu_started = time.perf_counter(), time.process_time()
+        with tempfile.TemporaryDirectory(prefix="kvquota-pool-") as tmp:
+            try:
+                self.engines = [_Engine(self, i, Path(tmp) / f"engine-{i}")
+                                for i in range(self.pool.replicas)]
+                result = self._loop()
+            finally:
+                for engine in self.engines:
+                    engine.harness.shutdown()
+        result.wall_seconds = time.perf_counter() - started
+        result.cpu_seconds = time.process_time() - cpu_started
+        engine_hours = result.makespan * self.pool.replicas / 3600
+        result.extra["pool"]["engineHours"] = round(engine_hours, 4)
+
+        return result
+
+    def _route(self, event: _Event) -> None:
+        at, _, session, turn, _ = event
+        key = (session.session_id, turn)
+        prompt = self.prompts.get(key)
+        if prompt is None:
+            prompt = (session.first_prompt() if turn == 0
+                      else self.contexts[session.session_id] + session.new_tokens(turn))
+            self.prompts[key] = prompt  # `_arrive` takes it from here
+        request = RouteRequest(session.tenant, session.session_id, prompt,
+                               self.salts.get(session.tenant))
+        engine = self.engines[self.router.pick(request, [e.load() for e in self.engines])]
+        engine.routed += 1
+        engine.catch_up(at)
+        engine.blocked = False
+        engine._arrive(engine.harness, event)
+
+    def _rebalance(self, at: float) -> None:
+        names = [e.name for e in self.engines]
+        demand = {
+            t.tenant_id: {e.name: e.demand(t.tenant_id) for e in self.engines}
+            for t in self.totals
+        }
+        self._splits = rebalance_pool(
+            self.totals, demand, self._splits, engines=names,
+            guaranteeable_per_engine=self.guaranteeable,
+        )
+        self.rebalances += 1
+        for engine in self.engines:
+            engine.refusals.clear()
+            engine.admitted.clear()
+            split = {tid: per_engine[engine.name] for tid, per_engine in self._splits.items()}
+            if engine.apply_split(split):
+                self.policy_updates += 1
+
+    def _loop(self) -> RunResult:
+        for session in self.sessions:
+            self.push(session.start, session, 0, None)
+        scenario = self.scenario
+        deadline = scenario.duration + scenario.drain_timeout
+        interval = scenario.duration / TIMELINE_SAMPLES
+        timeline = Timeline(capacity=scenario.engine.capacity_blocks * self.pool.replicas)
+        next_sample = 0.0
+        demand_split = self.pool.split == "demand" and self.spec.admission
+        next_rebalance = self.pool.rebalance_interval if demand_split else INF
+        planned = sum(len(s.turns) for s in self.sessions)
+        notes: list[str] = []
+        last_report = -1.0
+        now = 0.0
+        while True:
+            t_event = self.events[0][0] if self.events else INF
+            news = min(t_event, next_rebalance)
+            t_engine, engine = INF, None
+            for candidate in self.engines:
+                at = candidate.next_time(news)
+                if at < t_engine:
+                    t_engine, engine = at, candidate
+            if t_event == INF and t_engine == INF:
+                break
+            t = min(t_event, t_engine, next_rebalance)
+            if t > deadline:
+                unfinished = sum(len(e._live) for e in self.engines)
+                notes.append(f"stopped at {deadline:.0f} s (duration + drainTimeout) with "
+                             f"{unfinished} requests unfinished")
+                break
+            now = max(now, t)
+            if t_event <= t:
+                self._route(heapq.heappop(self.events))
+            elif next_rebalance <= t:
+                self._rebalance(t)
+                next_rebalance = t + self.pool.rebalance_interval
+            else:
+                assert engine is not None
+                engine.catch_up(t)
+                engine.turn()
+            if now >= next_sample:
+                self._sample(timeline, now)
+                next_sample = now + interval
+            if self.progress is not None and now - last_report >= 1.0:
+                last_report = now
+                self.progress(self.key, self.settled, planned, now)
+        self._sample(timeline, now)
+        for engine in self.engines:
+            if engine.blocked and engine._live:
+                notes.append(f"{engine.name} stalled at {engine.harness.now:.0f} s: "
+                             f"{len(engine._live)} requests could not be scheduled")
+        if self.progress is not None:
+            self.progress(self.key, planned, planned, now)
+        return self._result(timeline, notes)
+
+    @property
+    def key(self) -> str:
+        return f"{self.spec.key}:{self.pool.split}" if self.spec.admission else self.spec.key
+
+    def _sample(self, timeline: Timeline, now: float) -> None:
+        total: Counter[str] = Counter()
+        for engine in self.engines:
+            total.update(engine._kv_by_tier(engine.harness))
+        timeline.add(round(now, 6), dict(total))
+
+    def _result(self, timeline: Timeline, notes: list[str]) -> RunResult:
+        makespan = max((o.finish for o in self.outcomes if o.finish is not None), default=0.0)
+        label = self.spec.label
+        if self.spec.admission:
+            label += f", {self.pool.split} split"
+        result = RunResult(
+            key=self.key, label=label, outcomes=self.outcomes, timeline=timeline,
+            makespan=makespan, steps=sum(e.steps for e in self.engines), notes=notes,
+        )
+        extra: dict[str, Any] = {}
+        if self.engines and self.engines[0].harness.plugin is not None:
+            result.has_leases = True
+            for engine in self.engines:
+                stats = engine.harness.kvq_stats()
+                _merge_counts(extra, _plugin_extra(stats))
+                for tenant_id, tenant_stats in stats.tenants.items():
+                    if tenant_id in self.scenario.tenants:
+                        tier = self.scenario.tier_of(tenant_id).value
+                        result.lease_breaks[tier] = (
+                            result.lease_breaks.get(tier, 0) + tenant_stats.lease_breaks
+                        )
+        extra["pool"] = {
+            "replicas": self.pool.replicas,
+            "router": self.pool.router,
+            "split": self.pool.split if self.spec.admission else None,
+            "refusedWithinPoolGuarantee": {
+                tier.value: self.refused_within_pool.get(tier.value, 0)
+                for tier in self.scenario.tiers
+            },
+            "requestsPerEngine": [e.routed for e in self.engines],
+            "rebalances": self.rebalances,
+            "policyUpdates": self.policy_updates,
+            "finalSplit": {
+                tid: [per_engine[e.name].guaranteed for e in self.engines]
+                for tid, per_engine in (self._splits or {}).items()
+            },
+        }
+        result.extra = extra
+        return result
+
+
+def _merge_counts(into: dict[str, Any], more: dict[str, Any]) -> None:
+    """Sum nested counters (the plugin's per-engine extras) into one pool's."""
+    for key, value in more.items():
+        if isinstance(value, dict):
+            _merge_counts(into.setdefault(key, {}), value)
+        else:
+            into[key] = round(into.get(key, 0) + value, 1)
+
+
+def run_pool(
+    scenario: Scenario, spec: PolicySpec, pool: PoolSpec, profile: CostProfile,
+    progress: Progress | None = None,
+) -> RunResult:
+    return PoolRun(scenario, spec, pool, profile, progress=progress).run()
+
+
+def pool_tasks(
+    scenario: Scenario, specs: list[PolicySpec], baseline: Scenario | None, *,
+    replicas: int, router: str, splits: tuple[str, ...],
+) -> list[TwinTask]:
+    """The runs of a pool bench: every policy (those with admission once per split),
+    then the baseline if any; `scenario` and `baseline` already scaled."""
+    from kvquota.bench.twin import BASELINE
+
+    unknown = [s for s in splits if s not in SPLITS]
+    if unknown or not splits:
+        raise ValueError(f"unknown splits {unknown}; choose from {', '.join(SPLITS)}")
+    tasks: list[TwinTask] = []
+    for spec in specs:
+        for split in (splits if spec.admission else ("even",)):
+            tasks.append((scenario, spec, PoolSpec(replicas, router, split)))
+    if baseline is not None:
+        tasks.append((baseline, BASELINE, PoolSpec(replicas, router)))
+    return tasks

@@ -1,0 +1,74 @@
+"""The pool numbers of a bench document (`kvquota bench --replicas N`), as rows.
+
+Per run: the protected tier's TTFT p99 and its ratio to the baseline run (the same
+pool and router without the noisy tiers), refusals of requests within their tenant's
+pool-wide guarantee, pool throughput (output tokens/s), how unevenly the router spread
+the requests, and what the run cost (wall seconds per simulated engine-hour).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def pool_rows(document: dict[str, Any]) -> list[dict[str, Any]]:
+    tier = document["comparison"].get("tier")
+    ratios = document["comparison"].get("ttftP99VsBaseline", {})
+    wall = document["run"]["wallSeconds"]
+    cpu = document["run"].get("cpuSeconds", {})
+    rows = []
+    for key, summary in document["policies"].items():
+        pool = summary["extra"].get("pool", {})
+        tiers = summary["tiers"]
+        per_engine = pool.get("requestsPerEngine") or [0]
+        rows.append({
+            "run": key,
+            "router": pool.get("router"),
+            "replicas": pool.get("replicas"),
+            "ttftP99": tiers.get(tier, {}).get("ttftP99") if tier else None,
+            "ttftP99VsBaseline": ratios.get(key),
+            "refusedWithinPoolGuarantee": sum(
+                pool.get("refusedWithinPoolGuarantee", {}).values()),
+            "refusedWithinEngineGuarantee": sum(
+                t["refusedWithinGuarantee"] for t in tiers.values()),
+            "throughput": summary["throughput"],
+            "requestsPerEngine": (min(per_engine), max(per_engine)),
+            "wallSeconds": wall.get(key),
+            "engineHours": pool.get("engineHours"),
+            "wallSecondsPerEngineHour": _per(wall.get(key), pool.get("engineHours")),
+            "cpuSecondsPerEngineHour": _per(cpu.get(key), pool.get("engineHours")),
+        })
+    return rows
+
+
+def _per(seconds: float | None, engine_hours: float | None) -> float | None:
+    if seconds is None or not engine_hours:
+        return None
+    return round(seconds / engine_hours, 1)
+
+
+def _f(value: Any, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def format_pool_table(document: dict[str, Any]) -> str:
+    tier = document["comparison"].get("tier") or "-"
+    base = document["comparison"].get("baselineTtftP99")
+    pool = document.get("pool", {})
+    lines = [
+        f"pool: {pool.get('replicas')} engines, router {pool.get('router')}; "
+        f"{tier} TTFT p99 baseline {_f(base, '{:.3f}')} s",
+        f"{'run':<18} {'p99 s':>7} {'x base':>7} {'refused<poolG':>13} "
+        f"{'refused<engG':>12} {'tok/s':>9} {'req/engine':>11} {'wall(cpu) s/engine-h':>21}",
+    ]
+    for row in pool_rows(document):
+        low, high = row["requestsPerEngine"]
+        lines.append(
+            f"{row['run']:<18} {_f(row['ttftP99'], '{:.3f}'):>7} "
+            f"{_f(row['ttftP99VsBaseline'], '{:.2f}'):>7} "
+            f"{row['refusedWithinPoolGuarantee']:>13} {row['refusedWithinEngineGuarantee']:>12} "
+            f"{_f(row['throughput'], '{:.0f}'):>9} {f'{low}-{high}':>11} "
+            f"{_f(row['wallSecondsPerEngineHour'], '{:.0f}'):>12} "
+            f"({_f(row['cpuSecondsPerEngineHour'], '{:.0f}')})"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,171 @@
+"""Router models for the pool twin: which engine a request goes to.
+
+- `round-robin`: engines in turn (a plain Service).
+- `least-kv`: the engine with the lowest KV-cache utilization, then the fewest waiting
+  requests (the inference extension's kv-cache-utilization scorer alone).
+- `prefix-affinity`: a model of the inference extension's prefix-cache scorer, with its
+  load scorers. The prompt is cut into blocks; block i's hash chains block i's content
+  with block i-1's hash, and the chain starts from the model and the request's cache
+  salt (so a tenant whose prefix cache is isolated never matches another tenant's
+  blocks, as on the engine). The router remembers, per engine, the hashes of requests
+  it sent there (an LRU the size of the engine's KV cache); an engine's prefix score
+  is the number of leading blocks it holds over the prompt's blocks. The picked engine
+  maximizes `prefix x 2 + (1 - kv utilization) + queue score`, queue score being
+  1 - waiting / max waiting (weights after the extension's sample configuration with a
+  load scorer at half the prefix scorer's weight). Blocks are tokens here (the twin's
+  prompts are token ids), `blockSize` tokens each, where the extension hashes 64
+  characters, about 16 tokens.
+- `session-affinity`: a session's next turn goes to the engine that served its
+  previous turn (the engine holding its lease, as the sidecar's hint header names it);
+  a first turn goes by `least-kv`.
+
+Ties go to the lowest engine index, so a run is deterministic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+MAX_PREFIX_BLOCKS = 256  # the extension's default: longer prompts are matched this far
+PREFIX_WEIGHT, KV_WEIGHT, QUEUE_WEIGHT = 2.0, 1.0, 1.0
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    tenant: str
+    session: str
+    prompt: Sequence[int]
+    salt: str | None  # the cache salt the sidecar sets (None: the shared cache)
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What a router sees of an engine (the extension scrapes vLLM's metrics)."""
+
+    kv_usage: float  # 0..1, the engine's KV cache in use
+    waiting: int  # requests not yet running (sidecar queue + engine waiting queue)
+    running: int
+
+
+class Router(Protocol):
+    name: str
+
+    def pick(self, request: RouteRequest, loads: Sequence[EngineLoad]) -> int: ...
+
+
+class RoundRobin:
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def pick(self, request: RouteRequest, loads: Sequence[EngineLoad]) -> int:
+        index = self._next % len(loads)
+        self._next += 1
+        return index
+
+
+def least_kv(loads: Sequence[EngineLoad]) -> int:
+    return min(range(len(loads)),
+               key=lambda i: (loads[i].kv_usage, loads[i].waiting, loads[i].running, i))
+
+
+class LeastKv:
+    name = "least-kv"
+
+    def pick(self, request: RouteRequest, loads: Sequence[EngineLoad]) -> int:
+        return least_kv(loads)
+
+
+class SessionAffinity:
+    name = "session-affinity"
+
+    def __init__(self) -> None:
+        self._home: dict[str, int] = {}
+
+    def pick(self, request: RouteRequest, loads: Sequence[EngineLoad]) -> int:
+        home = self._home.get(request.session)
+        index = home if home is not None and home < len(loads) else least_kv(loads)
+        self._home[request.session] = index
+        return index
+
+
+def prefix_hashes(prompt: Sequence[int], block_size: int, seed: str) -> list[bytes]:
+    """Chained block hashes of the prompt's full blocks (at most `MAX_PREFIX_BLOCKS`)."""
+    hashes: list[bytes] = []
+    previous = hashlib.blake2b(seed.encode(), digest_size=8).digest()
+    full = min(len(prompt) // block_size, MAX_PREFIX_BLOCKS)
+    for i in range(full):
+        block = prompt[i * block_size:(i + 1) * block_size]
+        digest = hashlib.blake2b(previous, digest_size=8)
+        digest.update(b",".join(str(t).encode() for t in block))
+        previous = digest.digest()
+        hashes.append(previous)
+    return hashes
+
+
+class _Lru:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._entries: OrderedDict[bytes, None] = OrderedDict()
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._entries
+
+    def add(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self._entries[key] = None
+            self._entries.move_to_end(key)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+
+class PrefixAffinity:
+    name = "prefix-affinity"
+
+    def __init__(self, engines: int, *, block_size: int, capacity_blocks: int,
+                 model: str) -> None:
+        self.block_size = block_size
+        self.model = model
+        self._index = [_Lru(capacity_blocks) for _ in range(engines)]
+
+    def pick(self, request: RouteRequest, loads: Sequence[EngineLoad]) -> int:
+        seed = f"{self.model}\0{request.salt or ''}"
+        hashes = prefix_hashes(request.prompt, self.block_size, seed)
+        max_waiting = max((load.waiting for load in loads), default=0)
+
+        def score(i: int) -> float:
+            matched = 0
+            for digest in hashes:
+                if digest not in self._index[i]:
+                    break
+                matched += 1
+            prefix = matched / len(hashes) if hashes else 0.0
+            queue = 1.0 - loads[i].waiting / max_waiting if max_waiting else 1.0
+            return (PREFIX_WEIGHT * prefix + KV_WEIGHT * (1.0 - loads[i].kv_usage)
+                    + QUEUE_WEIGHT * queue)
+
+        best = max(range(len(loads)), key=lambda i: (score(i), -i))
+        self._index[best].add(hashes)
+        return best
+
+
+ROUTERS = ("round-robin", "least-kv", "prefix-affinity", "session-affinity")
+
+
+def make_router(name: str, engines: int, *, block_size: int, capacity_blocks: int,
+                model: str) -> Router:
+    if name == "round-robin":
+        return RoundRobin()
+    if name == "least-kv":
+        return LeastKv()
+    if name == "prefix-affinity":
+        return PrefixAffinity(engines, block_size=block_size,
+                              capacity_blocks=capacity_blocks, model=model)
+    if name == "session-affinity":
+        return SessionAffinity()
+    raise ValueError(f"unknown router {name!r}; choose from {', '.join(ROUTERS)}")

@@ -1,0 +1,270 @@
+"""Demand-driven split of a tenant's pool-wide quota across engines (pure, deterministic).
+
+The even split (`capacity.split_quota`) is right only when a router spreads every
+tenant's traffic evenly. A prefix- or session-affine router does not: a tenant's load
+lands on a few engines, where it is refused, while its guarantee sits unused on the
+others. `rebalance_tenant` moves the tenant's per-engine guarantee toward the engines
+where its demand is, from what each engine's sidecar already reports
+(`SidecarStatus.tenants[...]`: reserved blocks, in-flight and queued requests, and the
+refusals counted since the previous round). The rules:
+
+- **Totals are invariant.** The per-engine guarantees add up to what the even split
+  gives (`replicas x guaranteed // replicas`), and each engine's maximum is its
+  guarantee plus the even split's headroom (`max - guaranteed` per engine), so the
+  maxima add up to the even split's too.
+- **Bounded rate (hysteresis).** An engine whose target is within `deadband` of its
+  current guarantee keeps it; any other moves by at most `step` blocks a round. The
+  round's gains and losses are scaled to match exactly, so nothing is created.
+- **Running work keeps its room.** An engine's guarantee never drops below
+  min(its reserved blocks, its current guarantee), so its maximum never drops below
+  min(reserved, current maximum): no admitted request is made a borrower or an
+  over-quota holder by a rebalance.
+- **Room per engine.** `ceilings` caps a guarantee (the engine's guaranteeable blocks
+  less the other tenants' guarantees there), so an engine never guarantees more than
+  it has.
+
+Demand in blocks per engine: its reserved blocks, plus its queued and refused requests
+at the tenant's mean request size (reserved / in flight over the pool; with nothing in
+flight anywhere, one even share per request). Where the demand adds up to less than the
+total, the rest goes where the tenant's traffic goes (the requests each engine admitted,
+queued or refused since the previous round: a prefix- or session-affine router keeps
+sending a tenant where it sent it), an engine without traffic counting as
+`idle_share` of an average one, so it keeps room for new sessions; with no traffic
+anywhere the rest is spread evenly. Where the demand adds up to more than the total, the
+total is shared in proportion to it. Integer rounding is by
+largest remainder, ties broken by engine name: the same input gives the same split.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from engine_sidecar.stats import SidecarStatus
+from kvquota.capacity import split_quota
+
+
+@dataclass(frozen=True)
+class EngineDemand:
+    """One tenant on one engine, as its sidecar's status reports it."""
+
+    reserved_blocks: int = 0
+    inflight: int = 0
+    queued: int = 0
+    refused: int = 0  # refusals (quota or watermark) since the previous round
+    admitted: int = 0  # requests admitted since the previous round
+
+    def __post_init__(self) -> None:
+        for name in ("reserved_blocks", "inflight", "queued", "refused", "admitted"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"EngineDemand.{name} must be >= 0, got {getattr(self, name)}")
+
+
+def demand_from_status(
+    status: SidecarStatus, previous: SidecarStatus | None = None
+) -> dict[str, EngineDemand]:
+    """Each tenant's demand on one engine from two successive polls of its sidecar: the
+    usage as it is now, the admissions and refusals counted since `previous` (None, or
+    counters that went down, a restarted sidecar: everything counted so far). The
+    status counts concurrency refusals with quota refusals; both count here."""
+    out = {}
+    for tenant_id, now in status.tenants.items():
+        before = previous.tenants.get(tenant_id) if previous is not None else None
+        counters = now.counters
+        admitted = counters.admitted
+        refused = counters.rejected_quota + counters.rejected_watermark
+        if before is not None:
+            old = before.counters
+            old_refused = old.rejected_quota + old.rejected_watermark
+            if old.admitted <= admitted and old_refused <= refused:
+                admitted, refused = admitted - old.admitted, refused - old_refused
+        out[tenant_id] = EngineDemand(
+            reserved_blocks=now.usage.reserved_blocks, inflight=now.usage.inflight,
+            queued=now.usage.queued, refused=refused, admitted=admitted,
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class EngineSplit:
+    guaranteed: int
+    maximum: int
+
+
+@dataclass(frozen=True)
+class RebalanceSettings:
+    step_fraction: float = 0.5  # of the even guarantee: the most an engine moves a round
+    deadband_fraction: float = 0.05  # of the even guarantee: closer targets are ignored
+    idle_share: float = 0.25  # of an average engine's traffic: what an idle one counts as
+
+    def __post_init__(self) -> None:
+        if not 0 < self.step_fraction <= 1:
+            raise ValueError(f"step_fraction must be in (0, 1], got {self.step_fraction}")
+        if not 0 <= self.deadband_fraction < 1:
+            raise ValueError(f"deadband_fraction must be in [0, 1), got "
+                             f"{self.deadband_fraction}")
+        if not 0 <= self.idle_share <= 1:
+            raise ValueError(f"idle_share must be in [0, 1], got {self.idle_share}")
+
+
+def even_split(guaranteed: int, maximum: int, engines: Sequence[str]) -> dict[str, EngineSplit]:
+    """What the operator renders today: the same share on every engine."""
+    share = split_quota(guaranteed, maximum, len(engines))
+    return {engine: EngineSplit(share.guaranteed, share.maximum) for engine in engines}
+
+
+def apportion(total: int, weights: Mapping[str, float]) -> dict[str, int]:
+    """`total` split in proportion to `weights` (>= 0), by largest remainder; ties go to
+    the engine named first. All zero weights: an even split."""
+    names = sorted(weights)
+    if not names:
+        return {}
+    if any(w < 0 or not math.isfinite(w) for w in weights.values()):
+        raise ValueError(f"weights must be finite and >= 0, got {dict(weights)}")
+    weight_sum = sum(weights.values())
+    if weight_sum <= 0:
+        weights = {name: 1.0 for name in names}
+        weight_sum = float(len(names))
+    exact = {name: total * weights[name] / weight_sum for name in names}
+    out = {name: math.floor(exact[name]) for name in names}
+    left = total - sum(out.values())
+    by_remainder = sorted(names, key=lambda n: (-(exact[n] - out[n]), n))
+    for name in by_remainder[:left]:
+        out[name] += 1
+    return out
+
+
+def demand_blocks(demand: Mapping[str, EngineDemand], even_guaranteed: int) -> dict[str, int]:
+    """Blocks each engine's work wants (see the module docstring)."""
+    reserved = sum(d.reserved_blocks for d in demand.values())
+    inflight = sum(d.inflight for d in demand.values())
+    per_request = reserved / inflight if inflight else float(max(even_guaranteed, 1))
+    return {
+        engine: d.reserved_blocks + math.ceil(per_request * (d.queued + d.refused))
+        for engine, d in demand.items()
+    }
+
+
+def _targets(total: int, wants: Mapping[str, int], traffic: Mapping[str, int],
+             idle_share: float) -> dict[str, int]:
+    wanted = sum(wants.values())
+    if wanted >= total:
+        return apportion(total, {e: float(w) for e, w in wants.items()})
+    floor = idle_share * sum(traffic.values()) / len(traffic)
+    slack = apportion(total - wanted, {e: traffic[e] + floor for e in wants})
+    return {e: wants[e] + slack[e] for e in wants}
+
+
+def _scale(moves: dict[str, int], amount: int) -> dict[str, int]:
+    """Shrink `moves` (all the same sign) so their magnitudes add up to `amount`."""
+    size = sum(abs(m) for m in moves.values())
+    if size <= amount:
+        return moves
+    sign = 1 if sum(moves.values()) > 0 else -1
+    # Each share is at most ceil(amount * |m| / size) <= |m|: no engine moves further
+    # than it asked to.
+    scaled = apportion(amount, {e: float(abs(m)) for e, m in moves.items()})
+    return {e: sign * scaled[e] for e in moves}
+
+
+def rebalance_tenant(
+    guaranteed: int,
+    maximum: int,
+    demand: Mapping[str, EngineDemand],
+    previous: Mapping[str, EngineSplit] | None = None,
+    *,
+    ceilings: Mapping[str, int] | None = None,
+    settings: RebalanceSettings = RebalanceSettings(),
+) -> dict[str, EngineSplit]:
+    """The next per-engine split of a tenant with pool-wide `guaranteed`/`maximum`
+    blocks, from each engine's `demand` and the split in force (`previous`; None, or
+    one for another set of engines or other totals: start from the even split)."""
+    if guaranteed < 0 or maximum < guaranteed:
+        raise ValueError(f"need 0 <= guaranteed <= maximum, got {guaranteed} and {maximum}")
+    engines = sorted(demand)
+    if not engines:
+        return {}
+    even = even_split(guaranteed, maximum, engines)
+    share = even[engines[0]]
+    headroom = share.maximum - share.guaranteed
+    total = share.guaranteed * len(engines)
+    current = dict(previous) if previous is not None else {}
+    if (sorted(current) != engines
+            or sum(s.guaranteed for s in current.values()) != total
+            or any(s.maximum - s.guaranteed != headroom for s in current.values())):
+        current = even
+    ceilings = ceilings or {}
+    traffic = {e: d.admitted + d.queued + d.refused for e, d in demand.items()}
+    targets = _targets(total, demand_blocks(demand, share.guaranteed), traffic,
+                       settings.idle_share)
+    step = max(1, math.ceil(settings.step_fraction * share.guaranteed))
+    deadband = math.floor(settings.deadband_fraction * share.guaranteed)
+    gains: dict[str, int] = {}
+    losses: dict[str, int] = {}
+    for engine in engines:
+        now = current[engine].guaranteed
+        want = targets[engine] - now
+        if abs(want) <= deadband:
+            continue
+        move = max(-step, min(step, want))
+        ceiling = ceilings.get(engine)
+        if ceiling is not None:
+            move = min(move, max(0, ceiling - now))
+        floor = min(demand[engine].reserved_blocks, now)
+        move = max(move, floor - now)
+        if move > 0:
+            gains[engine] = move
+        elif move < 0:
+            losses[engine] = move
+    amount = min(sum(gains.values()), -sum(losses.values()))
+    moves = {**_scale(gains, amount), **_scale(losses, amount)} if amount else {}
+    out = {}
+    for engine in engines:
+        g = current[engine].guaranteed + moves.get(engine, 0)
+        out[engine] = EngineSplit(g, g + headroom)
+    return out
+
+
+@dataclass(frozen=True)
+class TenantTotals:
+    tenant_id: str
+    guaranteed: int
+    maximum: int
+    priority: int = 1  # rebalanced in this order (lower first), then by id
+
+
+def rebalance_pool(
+    tenants: Sequence[TenantTotals],
+    demand: Mapping[str, Mapping[str, EngineDemand]],
+    previous: Mapping[str, Mapping[str, EngineSplit]] | None,
+    *,
+    engines: Sequence[str],
+    guaranteeable_per_engine: int,
+    settings: RebalanceSettings = RebalanceSettings(),
+) -> dict[str, dict[str, EngineSplit]]:
+    """Every tenant's next split (`demand[tenant][engine]`, missing: no demand). Tenants
+    go in priority order; each may grow on an engine only into the room the others'
+    guarantees (new ones where decided, the current ones otherwise) leave there."""
+    previous = previous or {}
+    splits: dict[str, dict[str, EngineSplit]] = {}
+    for tenant in tenants:
+        current = previous.get(tenant.tenant_id)
+        if current is None or sorted(current) != sorted(engines):
+            current = even_split(tenant.guaranteed, tenant.maximum, engines)
+        splits[tenant.tenant_id] = dict(current)
+    for tenant in sorted(tenants, key=lambda t: (t.priority, t.tenant_id)):
+        ceilings = {
+            engine: guaranteeable_per_engine - sum(
+                split[engine].guaranteed for tid, split in splits.items()
+                if tid != tenant.tenant_id
+            )
+            for engine in engines
+        }
+        tenant_demand = demand.get(tenant.tenant_id, {})
+        per_engine = {engine: tenant_demand.get(engine, EngineDemand()) for engine in engines}
+        splits[tenant.tenant_id] = rebalance_tenant(
+            tenant.guaranteed, tenant.maximum, per_engine, splits[tenant.tenant_id],
+            ceilings=ceilings, settings=settings,
+        )
+    return splits

@@ -1,0 +1,206 @@
+"""The pool twin: N engines (vLLM's real Scheduler + the KVQuota plugin + the sidecar's
+admission each) behind a router model, quotas split evenly or by demand."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvquota.bench.pool import PoolSpec, run_pool, scale_load
+from kvquota.bench.routers import (
+    EngineLoad,
+    PrefixAffinity,
+    RoundRobin,
+    RouteRequest,
+    SessionAffinity,
+    make_router,
+    prefix_hashes,
+)
+from kvquota.bench.runner import BenchOptions, run_bench
+from kvquota.bench.scenario import generate_sessions, parse_scenario
+
+IDLE = EngineLoad(kv_usage=0.0, waiting=0, running=0)
+
+# One premium tenant whose sessions all start from one 600-token prompt: a prefix-aware
+# router keeps them on the engine that has it, past that engine's even share.
+HOT = """
+name: pool-test-hot
+description: one premium tenant whose sessions share a long prefix
+seed: 3
+duration: 20
+drainTimeout: 120
+engine: {capacityBlocks: 800, blockSize: 16, maxNumSeqs: 32, maxNumBatchedTokens: 1024,
+         maxModelLen: 4096}
+pool:
+  tiers:
+    premium: {maxQueueSeconds: 1}
+tenants:
+  acme:
+    tier: premium
+    kvCache: {guaranteedBlocks: "40%", maxBlocks: "50%"}
+    workloads:
+      chat:
+        arrival: {process: steady, rate: 3}
+        sharedPrefixTokens: 600
+        promptTokens: {dist: uniform, low: 700, high: 900}
+        outputTokens: 200
+        maxTokens: 256
+clients: {maxAttempts: 3, retryAfterSeconds: 1}
+baseline: {dropTiers: []}
+"""
+
+
+def _request(prompt: list[int], tenant: str = "acme", session: str = "s1",
+             salt: str | None = "acme") -> RouteRequest:
+    return RouteRequest(tenant, session, prompt, salt)
+
+
+# -- routers ------------------------------------------------------------------------
+
+
+def test_round_robin_takes_engines_in_turn() -> None:
+    router = RoundRobin()
+    picks = [router.pick(_request([1] * 32), [IDLE] * 3) for _ in range(6)]
+    assert picks == [0, 1, 2, 0, 1, 2]
+
+
+def test_least_kv_picks_the_emptiest_engine() -> None:
+    router = make_router("least-kv", 3, block_size=16, capacity_blocks=100, model="m")
+    loads = [EngineLoad(0.7, 0, 3), EngineLoad(0.2, 4, 1), EngineLoad(0.2, 1, 1)]
+    assert router.pick(_request([1] * 32), loads) == 2  # equal KV: fewer waiting
+
+
+def test_session_affinity_keeps_a_session_where_its_lease_is() -> None:
+    router = SessionAffinity()
+    first = router.pick(_request([1] * 32, session="a"), [EngineLoad(0.5, 0, 1), IDLE])
+    assert first == 1
+    busy_there = [IDLE, EngineLoad(0.9, 5, 9)]
+    assert router.pick(_request([1] * 64, session="a"), busy_there) == 1
+    assert router.pick(_request([1] * 32, session="b"), busy_there) == 0
+
+
+def test_prefix_affinity_follows_the_prefix_and_only_the_same_tenants() -> None:
+    router = PrefixAffinity(4, block_size=16, capacity_blocks=1000, model="m")
+    shared = list(range(320))
+    loads = [IDLE] * 4
+    home = router.pick(_request(shared + [7] * 32, session="a"), loads)
+    # Another session with the same prefix goes to the same engine, though it now runs
+    # more than the others (a full prefix match outweighs some load).
+    busier = [EngineLoad(0.3, 1, 1) if i == home else IDLE for i in range(4)]
+    assert router.pick(_request(shared + [9] * 32, session="b"), busier) == home
+    # Another tenant's cache salt: the same tokens hash differently, no affinity.
+    assert router.pick(_request(shared, tenant="globex", salt="globex"), busier) != home
+    assert (prefix_hashes(shared, 16, "m\0acme")[0]
+            != prefix_hashes(shared, 16, "m\0globex")[0])
+    # Without isolation (no salt) tenants share prefixes, as in the engine.
+    assert prefix_hashes(shared, 16, "m\0") == prefix_hashes(shared, 16, "m\0")
+
+
+def test_bad_pool_settings_are_refused_with_the_choices() -> None:
+    with pytest.raises(ValueError, match="round-robin, least-kv"):
+        make_router("random", 2, block_size=16, capacity_blocks=10, model="m")
+    with pytest.raises(ValueError, match="choose from even, demand"):
+        PoolSpec(2, "least-kv", "uneven")
+    with pytest.raises(ValueError, match="--replicas must be >= 1"):
+        PoolSpec(0, "least-kv")
+
+
+# -- load ---------------------------------------------------------------------------
+
+
+def test_load_scales_with_the_pool(tiny_scenario: Path) -> None:
+    scenario = parse_scenario(tiny_scenario.read_text(), source=str(tiny_scenario))
+    one, four = generate_sessions(scenario), generate_sessions(scale_load(scenario, 4))
+    by_tenant = {t: sum(1 for s in four if s.tenant == t) for t in scenario.tenants}
+    base = {t: sum(1 for s in one if s.tenant == t) for t in scenario.tenants}
+    assert by_tenant["hobbyist"] == 4 * base["hobbyist"]  # bursts: 4x the size
+    chat = scale_load(scenario, 4).tenants["acme"].workloads["chat"].arrival
+    assert chat.rate == pytest.approx(4 * 0.3)  # type: ignore[union-attr]
+    # Poisson at 1.2/s for 20 s: 24 expected, within three standard deviations (4.9).
+    assert 24 - 3 * 4.9 <= by_tenant["acme"] <= 24 + 3 * 4.9
+    assert scale_load(scenario, 4).engine == scenario.engine
+
+
+# -- runs -----------------------------------------------------------------------------
+
+
+def _pool_bench(scenario: str, **kwargs: Any) -> dict[str, Any]:
+    options = BenchOptions(scenario=scenario, progress=False, jobs=1,
+                           policies=("kvquota",), **kwargs)
+    return run_bench(options)
+
+
+@pytest.fixture(scope="module")
+def round_robin(tiny_scenario_module: Path) -> dict[str, Any]:
+    return _pool_bench(str(tiny_scenario_module), replicas=3, router="round-robin")
+
+
+def test_a_pool_runs_every_request_on_its_engines(round_robin: dict[str, Any]) -> None:
+    kvquota = round_robin["policies"]["kvquota:even"]
+    pool = kvquota["extra"]["pool"]
+    assert kvquota["completed"] == kvquota["requests"] > 0
+    assert sum(pool["requestsPerEngine"]) >= kvquota["requests"]  # retries route again
+    assert max(pool["requestsPerEngine"]) - min(pool["requestsPerEngine"]) <= 1
+    assert round_robin["baseline"]["completed"] == round_robin["baseline"]["requests"]
+    assert pool["engineHours"] > 0
+
+
+def test_the_same_pool_run_gives_the_same_document(
+    tiny_scenario_module: Path, round_robin: dict[str, Any]
+) -> None:
+    again = _pool_bench(str(tiny_scenario_module), replicas=3, router="round-robin")
+    assert {k: v for k, v in again.items() if k != "run"} == {
+        k: v for k, v in round_robin.items() if k != "run"
+    }
+
+
+def test_session_affinity_keeps_conversations_cached(
+    tiny_scenario_module: Path, round_robin: dict[str, Any]
+) -> None:
+    sticky = _pool_bench(str(tiny_scenario_module), replicas=3, router="session-affinity",
+                         baseline=False)
+    hit = {name: doc["policies"]["kvquota:even"]["tiers"]["premium"]["prefixHitRate"]
+           for name, doc in (("sticky", sticky), ("spread", round_robin))}
+    # Round robin sends a follow-up turn to the engine that has its prefix one time in
+    # three; the sticky router always does.
+    assert hit["sticky"] > 0.8 > hit["spread"]
+
+
+@pytest.fixture(scope="module")
+def hot() -> dict[str, Any]:
+    from kvquota.bench.cost import load_profile
+    from kvquota.bench.metrics import summarize
+    from kvquota.bench.twin import POLICIES
+
+    scenario = scale_load(parse_scenario(HOT, source="hot"), 2)
+    out = {}
+    for split in ("even", "demand"):
+        spec = PoolSpec(2, "prefix-affinity", split, rebalance_interval=2.0)
+        result = run_pool(scenario, POLICIES["kvquota"], spec, load_profile(scenario.profile))
+        out[split] = summarize(result, scenario)
+    return out
+
+
+def test_an_even_split_refuses_a_tenant_within_its_pool_guarantee(
+    hot: dict[str, Any]
+) -> None:
+    even = hot["even"]
+    assert even["extra"]["pool"]["refusedWithinPoolGuarantee"]["premium"] >= 1
+    # It was refused on the engine the router packs it onto, for its per-engine quota.
+    assert even["tiers"]["premium"]["queuedSecondsBy"]["rejected_quota"] > 0
+
+
+def test_the_demand_split_moves_the_guarantee_where_the_tenant_is(
+    hot: dict[str, Any]
+) -> None:
+    even, demand = hot["even"], hot["demand"]
+    pool = demand["extra"]["pool"]
+    assert pool["refusedWithinPoolGuarantee"]["premium"] == 0
+    assert demand["tiers"]["premium"]["queuedSecondsBy"] == {}
+    assert demand["tiers"]["premium"]["ttftP99"] < even["tiers"]["premium"]["ttftP99"] / 2
+    # The pool-wide guarantee is unchanged (2 x 40% of 800), now where the work is.
+    split = pool["finalSplit"]["acme"]
+    assert sum(split) == 640 and split[0] > 320 > split[1]
+    assert pool["policyUpdates"] > 0
