@@ -43,10 +43,10 @@ from kvquota.bench.twin import (
     TIMELINE_SAMPLES,
     PolicySpec,
     Progress,
+    TwinEvent,
     TwinRun,
     TwinTask,
-    _Event,
-    _plugin_extra,
+    plugin_extra,
 )
 from kvquota.rebalance import EngineDemand, EngineSplit, TenantTotals, rebalance_pool
 from kvquota.runtime import OperatorConfig
@@ -229,7 +229,7 @@ class PoolRun:
         self.contexts: dict[str, list[int]] = {}
         self.prompts: dict[tuple[str, int], list[int]] = {}
         self.settled = 0
-        self.events: list[_Event] = []
+        self.events: list[TwinEvent] = []
         self._seq = 0
         engine = self.scenario.engine
         self.router: Router = make_router(
@@ -292,7 +292,7 @@ class PoolRun:
 
         return result
 
-    def _route(self, event: _Event) -> None:
+    def _route(self, event: TwinEvent) -> None:
         at, _, session, turn, _ = event
         key = (session.session_id, turn)
         prompt = self.prompts.get(key)
@@ -405,7 +405,7 @@ class PoolRun:
             result.has_leases = True
             for engine in self.engines:
                 stats = engine.harness.kvq_stats()
-                _merge_counts(extra, _plugin_extra(stats))
+                _merge_counts(extra, plugin_extra(stats))
                 for tenant_id, tenant_stats in stats.tenants.items():
                     if tenant_id in self.scenario.tenants:
                         tier = self.scenario.tier_of(tenant_id).value

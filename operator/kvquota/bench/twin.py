@@ -83,7 +83,7 @@ def twin_model_dir(max_model_len: int) -> Path:
 
 # (time, sequence number, session, 0-based turn, the outcome of an earlier attempt);
 # the sequence number breaks ties, so sessions are never compared.
-_Event = tuple[float, int, Session, int, Outcome | None]
+TwinEvent = tuple[float, int, Session, int, Outcome | None]
 
 
 @dataclass
@@ -130,7 +130,7 @@ class TwinRun:
         self._harness_now: Callable[[], float] = lambda: 0.0
         self.outcomes: list[Outcome] = []
         self.timeline = Timeline(capacity=scenario.engine.capacity_blocks)
-        self._events: list[_Event] = []
+        self._events: list[TwinEvent] = []
         self._seq = 0
         self._live: dict[str, _Live] = {}
         self._contexts: dict[str, list[int]] = {}  # session -> tokens so far
@@ -195,7 +195,7 @@ class TwinRun:
             self._stats_until = harness.now + STEP_INTERVAL_S
         return self._stats
 
-    def _arrive(self, harness: SchedulerHarness, event: _Event) -> None:
+    def _arrive(self, harness: SchedulerHarness, event: TwinEvent) -> None:
         at, _, session, turn, outcome = event
         if outcome is None:
             outcome = Outcome(session.tenant, session.tier.value, session.session_id, turn + 1,
@@ -402,7 +402,7 @@ class TwinRun:
         if harness.plugin is not None:
             result.has_leases = True
             stats = harness.kvq_stats()
-            result.extra = _plugin_extra(stats)
+            result.extra = plugin_extra(stats)
             for tenant_id, tenant_stats in stats.tenants.items():
                 if tenant_id in self.scenario.tenants:
                     tier = self.scenario.tier_of(tenant_id).value
@@ -414,7 +414,7 @@ class TwinRun:
         return result
 
 
-def _plugin_extra(stats: EngineStats) -> dict[str, Any]:
+def plugin_extra(stats: EngineStats) -> dict[str, Any]:
     reasons: dict[str, int] = {}
     drops: dict[str, int] = {}
     for tenant_stats in stats.tenants.values():
