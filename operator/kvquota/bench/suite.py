@@ -15,7 +15,7 @@ Targets, per scenario and scale (twin backend; stock = vLLM's own schedulers):
 Ties: the twin advances in engine steps, so a time it reports is resolved to one step
 and no finer. `p99/prio` and `tput` compare two runs' times; KVQuota's is judged equal
 to stock's when they differ by less than one of its run's mean steps (makespan /
-steps: 19-58 ms in the shipped scenarios). The table shows the ratio as measured and
+steps: about 20-60 ms in the shipped scenarios). The table shows the ratio as measured and
 marks such a result TIE.
 
 Every twin run is deterministic, so the table is the same on any machine; all runs go
