@@ -38,6 +38,7 @@ from engine_sidecar.gateway.bench import (
     BENCH_TENANT,
     UNIQUE,
     Setup,
+    _pct,
     _start_stub,
     _write_policy,
     chat_body,
@@ -63,10 +64,8 @@ def add_parser(sub: Any) -> None:
 
 
 def _us(samples: list[float]) -> str:
-    ordered = sorted(samples)
-    p90 = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
-    return (f"p50 {statistics.median(samples) * 1e6:7.0f}  mean "
-            f"{statistics.fmean(samples) * 1e6:7.0f}  p90 {p90 * 1e6:7.0f}")
+    return (f"p50 {_pct(samples, 50) * 1e6:7.0f}  mean "
+            f"{statistics.fmean(samples) * 1e6:7.0f}  p90 {_pct(samples, 90) * 1e6:7.0f}")
 
 
 async def _never() -> dict[str, Any]:
