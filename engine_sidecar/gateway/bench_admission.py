@@ -53,6 +53,9 @@ def add_parser(sub: Any) -> None:
                         help="the model's tokenizer (e.g. the tiny model's directory)")
     parser.add_argument("--chat-tokens", type=int, default=2000)
     parser.add_argument("--requests", type=int, default=500)
+    parser.add_argument("--tenants", type=int, default=1,
+                        help="tenants in the policy: the bench's own plus idle ones, each "
+                             "with a guarantee (default: %(default)s)")
     parser.add_argument("--pin", metavar="THIS_CPU,STUB_CPU",
                         help="taskset this process to one CPU and the stub to another")
     parser.add_argument("--event-loop", choices=("auto", "uvloop", "asyncio"),
@@ -88,7 +91,9 @@ async def _measure(args: argparse.Namespace, upstream: str, workdir: Path) -> No
     from engine_sidecar.gateway.policy_source import FilePolicySource
     from engine_sidecar.gateway.prefix import prompt_fingerprints
 
-    policy_file, secrets_dir, tokens = _write_policy(workdir, "stub", {"bench": BENCH_TENANT})
+    idle = {**BENCH_TENANT, "guaranteed_blocks": 16, "max_blocks": 1024}
+    tenants = {"bench": BENCH_TENANT, **{f"idle-{i}": idle for i in range(args.tenants - 1)}}
+    policy_file, secrets_dir, tokens = _write_policy(workdir, "stub", tenants)
     gateway = Gateway(GatewayConfig(upstream=upstream, secrets_dir=secrets_dir),
                       FilePolicySource(policy_file))
     assert gateway.policy_source is not None
@@ -155,7 +160,8 @@ async def _measure(args: argparse.Namespace, upstream: str, workdir: Path) -> No
             ("release, once the engine is done", released)]
     ids = len(counted[0][0])
     print(f"\nadmission decision CPU, chat of {ids} tokens ({len(bodies[warm])} bytes), "
-          f"{count} unique requests, one at a time (us, thread CPU time)")
+          f"{count} unique requests, one at a time, {args.tenants} tenant(s) in the policy "
+          "(us, thread CPU time)")
     for name, samples in rows:
         print(f"{name:<32} {_us(samples)}")
     print("the rest of the whole decision: the queue's decision and reservation, the "
