@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -269,6 +270,9 @@ class Target:
 
 UNIQUE = b"#REQ#"  # in a body: replaced by a number of its own in every request
 _NUMBERED = re.compile(rb"request \d+")  # chat_body's last line, UNIQUE replaced
+# One sequence for the whole process: no number repeats across rows (concurrency levels,
+# warm-ups), so the sidecar's token cache never serves a body it saw in an earlier row.
+_NUMBERS = itertools.count()
 
 
 async def run_load(targets: list[Target], body: bytes, concurrency: int, requests: int,
@@ -298,9 +302,10 @@ async def run_load(targets: list[Target], body: bytes, concurrency: int, request
                 remaining -= 1
                 index = turn % len(targets)
                 turn += 1
+                # Numbered before the pause: `remaining` moves while this stream sleeps.
+                payload = body.replace(UNIQUE, str(next(_NUMBERS)).encode()) if unique else body
                 if think_ms:
                     await asyncio.sleep(rng.uniform(0, think_ms) / 1000)
-                payload = body.replace(UNIQUE, str(remaining).encode()) if unique else body
                 samples[index].append(await connections[index].request(
                     path, payload, targets[index].headers))
         finally:
@@ -477,9 +482,11 @@ class Row:
     direct: list[Sample]
     proxied: list[Sample]
     cpu_us: float | None = None  # sidecar CPU (user + system, with workers) per request
+    busy: float | None = None  # sidecar CPU seconds per second of the run: 1.0 = one core
 
     def stats(self) -> dict[str, float]:
-        out: dict[str, float] = {"cpu_us_per_request": self.cpu_us or 0.0}
+        out: dict[str, float] = {"cpu_us_per_request": self.cpu_us or 0.0,
+                                 "sidecar_core_busy": self.busy or 0.0}
         for name, samples in (("direct", self.direct), ("sidecar", self.proxied)):
             for metric in ("ttft", "total"):
                 values = [getattr(s, metric) * 1000 for s in samples]
@@ -513,9 +520,13 @@ async def _measure(direct_url: str, sidecar_url: str, body: bytes, token: str,
     targets = [Target(direct_url, {}), Target(sidecar_url, {"Authorization": f"Bearer {token}"})]
     await run_load(targets, body, concurrency, max(concurrency, 8), think_ms, path)  # warm up
     before = cpu_seconds(sidecar_pid) if sidecar_pid else 0.0
+    started = time.perf_counter()
     direct, proxied = await run_load(targets, body, concurrency, requests, think_ms, path)
-    cpu = (cpu_seconds(sidecar_pid) - before) / len(proxied) * 1e6 if sidecar_pid else None
-    return Row(concurrency, direct, proxied, cpu)
+    wall = time.perf_counter() - started
+    if not sidecar_pid:
+        return Row(concurrency, direct, proxied)
+    used = cpu_seconds(sidecar_pid) - before
+    return Row(concurrency, direct, proxied, used / len(proxied) * 1e6, used / wall)
 
 
 def _print_table(title: str, rows: list[Row]) -> None:
@@ -523,7 +534,7 @@ def _print_table(title: str, rows: list[Row]) -> None:
     print(f"{'streams':>7} {'n':>5} | {'TTFT p50 / p99 (ms)':^35} | {'total p50 / p99 (ms)':^35}"
           f" | sidecar CPU")
     print(f"{'':>7} {'':>5} | {'direct':>10} {'sidecar':>11} {'added':>11} | "
-          f"{'direct':>10} {'sidecar':>11} {'added':>11} | us/request")
+          f"{'direct':>10} {'sidecar':>11} {'added':>11} | us/request  core busy")
     for row in rows:
         s = row.stats()
         cells = []
@@ -532,7 +543,8 @@ def _print_table(title: str, rows: list[Row]) -> None:
                 f"{s[f'direct_{metric}_p50']:5.2f}/{s[f'direct_{metric}_p99']:<5.2f}"
                 f"{s[f'sidecar_{metric}_p50']:6.2f}/{s[f'sidecar_{metric}_p99']:<6.2f}"
                 f"{s[f'added_{metric}_p50']:+6.2f}/{s[f'added_{metric}_p99']:<+6.2f}")
-        cpu = f"{row.cpu_us:9.0f}" if row.cpu_us is not None else "        -"
+        cpu = (f"{row.cpu_us:9.0f}  {row.busy:8.0%}" if row.cpu_us is not None
+               and row.busy is not None else "        -")
         print(f"{row.concurrency:>7} {len(row.proxied):>5} | {cells[0]} | {cells[1]} | {cpu}")
 
 

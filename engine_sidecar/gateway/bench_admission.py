@@ -16,6 +16,8 @@ send, read, parse the answer), block fingerprints, the queue's decision and
 reservation, to the rewritten body that would be forwarded. Printed: p50, mean and p90
 over `--requests`; then each stage alone, on the same bodies, so the total can be read
 as its parts. `--profile` prints the cProfile of the whole decisions instead.
+`--tenants N` puts N - 1 idle tenants beside the bench's own in the policy: the queue's
+decision reads a view of every tenant in the policy (`admission.pool_view`).
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ def add_parser(sub: Any) -> None:
                         help="the model's tokenizer (e.g. the tiny model's directory)")
     parser.add_argument("--chat-tokens", type=int, default=2000)
     parser.add_argument("--requests", type=int, default=500)
+    parser.add_argument("--tenants", type=int, default=1,
+                        help="tenants in the policy: the bench's own plus idle ones, each "
+                             "with a guarantee (default: %(default)s)")
     parser.add_argument("--pin", metavar="THIS_CPU,STUB_CPU",
                         help="taskset this process to one CPU and the stub to another")
     parser.add_argument("--event-loop", choices=("auto", "uvloop", "asyncio"),
@@ -83,12 +88,15 @@ async def _cpu(step: Callable[[int], Awaitable[object]], count: int) -> list[flo
 
 
 async def _measure(args: argparse.Namespace, upstream: str, workdir: Path) -> None:
+    from engine_sidecar.gateway.admission import RequestShape
     from engine_sidecar.gateway.app import Gateway, GatewayConfig
     from engine_sidecar.gateway.openai_request import Kind, parse
     from engine_sidecar.gateway.policy_source import FilePolicySource
     from engine_sidecar.gateway.prefix import prompt_fingerprints
 
-    policy_file, secrets_dir, tokens = _write_policy(workdir, "stub", {"bench": BENCH_TENANT})
+    idle = {**BENCH_TENANT, "guaranteed_blocks": 16, "max_blocks": 1024}
+    tenants = {"bench": BENCH_TENANT, **{f"idle-{i}": idle for i in range(args.tenants - 1)}}
+    policy_file, secrets_dir, tokens = _write_policy(workdir, "stub", tenants)
     gateway = Gateway(GatewayConfig(upstream=upstream, secrets_dir=secrets_dir),
                       FilePolicySource(policy_file))
     assert gateway.policy_source is not None
@@ -151,20 +159,36 @@ async def _measure(args: argparse.Namespace, upstream: str, workdir: Path) -> No
     rows = [("whole decision", total), ("  authenticate", await _cpu(auth, count)),
             ("  parse and vet the body", await _cpu(parse_step, count)),
             ("  count: cache key + /tokenize", await _cpu(count_step, count)),
-            ("  block fingerprints", await _cpu(fingerprints, count)),
-            ("release, once the engine is done", released)]
+            ("  block fingerprints", await _cpu(fingerprints, count))]
+    shapes = [RequestShape((len(ids),), parsed[i].requested_max_tokens, parsed[i].n,
+                           parsed[i].prompt_param, parsed[i].max_tokens_param, None,
+                           prompt_fingerprints((ids,), active.policy.block_size))
+              for i, (ids,) in enumerate(counted)]
+    tickets: list[Any] = []
+
+    async def queue_step(i: int) -> None:
+        ticket = gateway.queue.submit("bench", shapes[i])
+        assert ticket.reservation is not None
+        tickets.append(ticket)
+
+    rows.append(("  queue decision + reservation", await _cpu(queue_step, count)))
+    for ticket in tickets:
+        ticket.reservation.release("completed")
+    rows.append(("release, once the engine is done", released))
     ids = len(counted[0][0])
     print(f"\nadmission decision CPU, chat of {ids} tokens ({len(bodies[warm])} bytes), "
-          f"{count} unique requests, one at a time (us, thread CPU time)")
+          f"{count} unique requests, one at a time, {args.tenants} tenant(s) in the policy "
+          "(us, thread CPU time)")
     for name, samples in rows:
         print(f"{name:<32} {_us(samples)}")
-    print("the rest of the whole decision: the queue's decision and reservation, the "
-          "rewritten body, metrics")
+    print("the rest of the whole decision: the rewritten body, metrics, awaits")
     gateway.upstream.pool.close()
     await gateway.upstream.client.aclose()
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.tenants < 1:
+        raise SystemExit("--tenants: at least 1 (the bench's own tenant)")
     setup = Setup(Path(tempfile.mkdtemp(prefix="kvquota-bench-admission-")))
     args.stub_tokenizer = args.tokenizer
     args.others_cpu = None

@@ -1,0 +1,43 @@
+"""The latency bench sends every request with a prompt of its own (issue #18): a body
+seen twice would be counted from the sidecar's token cache, and the bench would report
+less CPU per request than unique traffic costs."""
+
+from __future__ import annotations
+
+import asyncio
+
+from engine_sidecar.gateway.bench import UNIQUE, Target, run_load
+
+
+async def _recording_server(bodies: list[bytes]) -> tuple[asyncio.Server, str]:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length:"))
+                bodies.append(await reader.readexactly(length))
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, f"http://127.0.0.1:{port}"
+
+
+def test_no_body_repeats_across_streams_pauses_and_runs() -> None:
+    async def scenario() -> list[bytes]:
+        bodies: list[bytes] = []
+        server, url = await _recording_server(bodies)
+        async with server:
+            targets = [Target(url, {}), Target(url, {})]
+            template = b'{"prompt": "request ' + UNIQUE + b'"}'
+            for concurrency in (8, 32):  # two rows against the same sidecar
+                await run_load(targets, template, concurrency, 40, think_ms=5.0)
+        return bodies
+
+    bodies = asyncio.run(scenario())
+    assert len(bodies) == 2 * 40 * 2
+    assert len(set(bodies)) == len(bodies)
