@@ -22,7 +22,7 @@ that error only when it has waited too long.
 from __future__ import annotations
 
 import math
-from collections.abc import Container, Mapping
+from collections.abc import Collection, Container, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -126,21 +126,45 @@ UNKNOWN_CAPACITY = PoolView(None, 0, None)
 _NO_STATS = TenantEngineStats()
 
 
+def _usable(stats: EngineStats | None) -> EngineStats | None:
+    """The plugin's stats, when they know the engine's capacity."""
+    return stats if stats is not None and stats.total_blocks > 0 else None
+
+
+def engine_holders(policy: EnginePolicy, stats: EngineStats | None) -> frozenset[str]:
+    """The policy's tenants that the plugin reports holding blocks (running, leased or
+    pinned). With the ledger's tenants they are the only ones whose view is not empty:
+    an idle tenant is `_NO_TENANT`, so a policy of a thousand tenants costs a decision
+    only the ones that hold something (computed once per stats file, not per decision)."""
+    engine = _usable(stats)
+    if engine is None:
+        return frozenset()
+    return frozenset(
+        tenant_id for tenant_id, seen in engine.tenants.items()
+        if tenant_id in policy.tenants
+        and (seen.running_blocks or seen.leased_blocks or seen.pinned_blocks or seen.leases)
+    )
+
+
 def pool_view(
-    policy: EnginePolicy, stats: EngineStats | None, ledger: Ledger
+    policy: EnginePolicy, stats: EngineStats | None, ledger: Ledger,
+    holders: Collection[str] | None = None,
 ) -> PoolView:
     """Free blocks and per-tenant holdings from the plugin's stats and the ledger.
 
     A running request's reservation is partly allocated already (it shows in the
     engine's used blocks, and a queued follow-up's prefix is pinned by its lease): only
     the excess of the tenant's reserved blocks over those is growth still to come.
-    Without stats every reservation counts and nothing is known to be reclaimable."""
+    Without stats every reservation counts and nothing is known to be reclaimable.
+    `holders`: `engine_holders(policy, stats)`, when the caller keeps it."""
     override = policy.capacity_blocks
-    engine_total = stats.total_blocks if stats and stats.total_blocks > 0 else None
-    engine = stats if engine_total is not None else None
+    engine = _usable(stats)
+    engine_total = engine.total_blocks if engine is not None else None
+    if holders is None:
+        holders = engine_holders(policy, stats)
     tenants: dict[str, _TenantView] = {}
     growth_total = 0
-    for tenant_id in {*policy.tenants, *ledger.tenants()}:
+    for tenant_id in {*holders, *ledger.tenants()}:
         seen = (engine.tenants.get(tenant_id) if engine else None) or _NO_STATS
         reserved = ledger.reserved_blocks(tenant_id)
         sessions = ledger.sessions(tenant_id)

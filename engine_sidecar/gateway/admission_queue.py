@@ -56,6 +56,7 @@ from engine_sidecar.gateway.admission import (
     blocks_for,
     decide,
     effective_max_tokens,
+    engine_holders,
     pool_view,
 )
 from engine_sidecar.gateway.errors import ApiError
@@ -131,7 +132,11 @@ class AdmissionQueue:
         self.rng = rng or random.Random()
         self.policy: EnginePolicy | None = None
         self._queues: dict[str, _TenantQueue] = {}
-        self._view_key: tuple[int, int, int] | None = None
+        # The view, rebuilt when the ledger, the stats or the policy move; the tenants
+        # the engine reports holding blocks, when the stats or the policy do.
+        self._seen: tuple[EngineStats | None, EnginePolicy | None] | None = None
+        self._holders: frozenset[str] = frozenset()
+        self._view_version = -1
         self._view: PoolView | None = None
 
     # -- the caller's side ----------------------------------------------------------
@@ -139,7 +144,7 @@ class AdmissionQueue:
     def set_policy(self, policy: EnginePolicy) -> None:
         """A new policy applies to queued tickets too; tenants it dropped are refused."""
         self.policy = policy
-        self._view_key = None
+        self._seen = None
 
     def submit(self, tenant_id: str, shape: RequestShape, payload: Any = None) -> Ticket:
         """Queue a request of a tenant the policy knows; it may settle right away."""
@@ -214,10 +219,14 @@ class AdmissionQueue:
         """The pool as admission sees it now (cached until the stats or ledger move)."""
         assert self.policy is not None
         stats = self.stats()
-        key = (id(stats), self.ledger.version, id(self.policy))
-        if key != self._view_key or self._view is None:
-            self._view = pool_view(self.policy, stats, self.ledger)
-            self._view_key = key
+        seen = self._seen
+        if seen is None or seen[0] is not stats or seen[1] is not self.policy:
+            self._seen = (stats, self.policy)
+            self._holders = engine_holders(self.policy, stats)
+            self._view = None
+        if self._view is None or self._view_version != self.ledger.version:
+            self._view = pool_view(self.policy, stats, self.ledger, self._holders)
+            self._view_version = self.ledger.version
         return self._view
 
     # -- internals ---------------------------------------------------------------------

@@ -146,6 +146,43 @@ def test_a_premium_borrower_counts_what_lower_borrowers_would_give_back() -> Non
     assert _decide(free, 10, 3 * BLOCK - 10, view=view).decision is Decision.REJECTED_WATERMARK
 
 
+def test_idle_tenants_change_no_decision_and_stay_out_of_the_view() -> None:
+    """A policy of hundreds of tenants, most idle: the same decisions as without them,
+    and the view (rebuilt on every reservation) holds only the tenants that hold
+    something, in the ledger or in the engine (a lease without a request in flight)."""
+    premium = tenant("acme", tier="premium", priority=0, guaranteed_blocks=20, max_blocks=90,
+                     max_tokens=4096)
+    free = tenant("hobby", tier="free", priority=2, guaranteed_blocks=5, max_blocks=60,
+                  max_tokens=4096)
+    leased = tenant("lessee", tier="free", priority=2, guaranteed_blocks=0, max_blocks=60)
+    idle = [tenant(f"idle-{i}", tier="free", priority=2, max_blocks=60) for i in range(300)]
+    ledger = Ledger()
+    ledger.reserve("acme", 20)
+    ledger.reserve("hobby", 50)
+    busy = {"acme": TenantEngineStats(running_blocks=20),
+            "hobby": TenantEngineStats(running_blocks=40),
+            "lessee": TenantEngineStats(leased_blocks=8, pinned_blocks=8, leases={"s": 8})}
+    small = _view(make_policy(premium, free, leased), _stats(100, 4, **busy), ledger)
+    crowded_stats = _stats(100, 4, **busy, **{t.tenant_id: TenantEngineStats() for t in idle})
+    crowded = _view(make_policy(premium, free, leased, *idle), crowded_stats, ledger)
+    assert set(crowded.tenants or {}) == {"acme", "hobby", "lessee"}
+    for requester in (premium, free, leased, idle[0]):
+        for blocks in (1, 10, 40, 48, 49, 60):
+            mine, theirs = (_decide(requester, 10, blocks * BLOCK - 10, view=view)
+                            for view in (small, crowded))
+            assert (mine.decision, mine.blocks) == (theirs.decision, theirs.blocks)
+    # The tenant whose only holding is an idle lease is in the view, and its 8 blocks
+    # are reclaimable for premium: without the lease premium may borrow 8 fewer.
+    unleased = _view(make_policy(premium, free, leased, *idle),
+                     _stats(100, 4, **{**busy, "lessee": TenantEngineStats()}), ledger)
+
+    def most(view: PoolView) -> int:
+        return max(b for b in range(1, 90)
+                   if _decide(premium, 10, b * BLOCK - 10, view=view).admitted)
+
+    assert most(crowded) == most(unleased) + 8
+
+
 def test_a_borrower_of_the_same_tier_is_not_reclaimable_but_its_idle_leases_are() -> None:
     a = tenant("a", guaranteed_blocks=10, max_blocks=90)
     b = tenant("b", guaranteed_blocks=10, max_blocks=90)
