@@ -7,7 +7,7 @@ defaults, bounds and patterns come from the fields, CEL rules from `_rules(...)`
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 from pydantic.alias_generators import to_camel
@@ -57,14 +57,28 @@ class _Model(BaseModel):
 
 
 class Condition(_Model):
-    """metav1.Condition."""
+    """One aspect of the object's state, as metav1.Condition."""
 
-    type: str = Field(max_length=316, pattern=CONDITION_TYPE_PATTERN)
-    status: Literal["True", "False", "Unknown"]
-    observed_generation: int | None = Field(None, ge=0)
-    last_transition_time: datetime
-    reason: str = Field(min_length=1, max_length=1024, pattern=CONDITION_REASON_PATTERN)
-    message: str = Field("", max_length=32768)
+    type: str = Field(
+        max_length=316, pattern=CONDITION_TYPE_PATTERN,
+        description="The aspect the condition reports, in CamelCase (e.g. Ready).",
+    )
+    status: Literal["True", "False", "Unknown"] = Field(
+        description="True, False, or Unknown when the operator cannot tell yet."
+    )
+    observed_generation: int | None = Field(
+        None, ge=0, description="The metadata.generation the condition was computed from."
+    )
+    last_transition_time: datetime = Field(
+        description="When status last changed (not when the condition was last checked)."
+    )
+    reason: str = Field(
+        min_length=1, max_length=1024, pattern=CONDITION_REASON_PATTERN,
+        description="Why the condition has its status: one CamelCase word, for programs.",
+    )
+    message: str = Field(
+        "", max_length=32768, description="The reason explained for people; may be empty."
+    )
 
 
 Conditions = Annotated[
@@ -81,34 +95,54 @@ Conditions = Annotated[
 
 
 class LocalObjectRef(_Model):
-    name: Name
+    """A reference to an object in the same namespace."""
+
+    name: Name = Field(description="The referenced object's name.")
 
 
 class SecretKeyRef(_Model):
-    name: Name
-    key: str = Field(min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")
+    """One key of a Secret in the same namespace."""
+
+    name: Name = Field(description="The Secret's name.")
+    key: str = Field(
+        min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$",
+        description="The key within the Secret.",
+    )
 
 
 class LabelSelectorRequirement(_Model):
-    key: str = Field(min_length=1, max_length=317)
-    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
-    values: list[Annotated[str, Field(max_length=63)]] = Field(
-        default_factory=list, max_length=64
+    """One requirement on a pod label."""
+
+    key: str = Field(min_length=1, max_length=317, description="The label's key.")
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"] = Field(
+        description="In/NotIn: the label's value is/is not one of values; "
+        "Exists/DoesNotExist: the pod has/lacks the label, whatever its value."
+    )
+    values: list[Annotated[str, Field(max_length=63, description="A label value.")]] = Field(
+        default_factory=list, max_length=64,
+        description="The values In and NotIn compare with; empty for Exists and DoesNotExist.",
     )
 
 
 class LabelSelector(BaseModel):
+    """metav1.LabelSelector: a pod matches when it meets every matchLabels entry and
+    every matchExpressions requirement."""
+
     model_config = _rules(
         (
             "size(self.matchLabels) + size(self.matchExpressions) > 0",
             "selector must have matchLabels or matchExpressions",
         )
     )
-    match_labels: dict[str, Annotated[str, Field(max_length=63)]] = Field(
-        default_factory=dict, json_schema_extra={"maxProperties": 32}
+    match_labels: dict[
+        str, Annotated[str, Field(max_length=63, description="The label's required value.")]
+    ] = Field(
+        default_factory=dict, json_schema_extra={"maxProperties": 32},
+        description="Labels the pod must carry, each with exactly the given value.",
     )
     match_expressions: list[LabelSelectorRequirement] = Field(
-        default_factory=list, max_length=16
+        default_factory=list, max_length=16,
+        description="Requirements on the pod's labels; the pod must meet all of them.",
     )
 
 
@@ -122,6 +156,8 @@ MAX_BLOCK_SIZE = 2048  # vLLM sets no maximum: this one catches a typo such as 1
 
 
 class KVCacheSpec(BaseModel):
+    """The engines' KV cache as vLLM runs it, and the share kept free for borrowing."""
+
     model_config = _rules(
         (
             "self.watermark >= 0.0 && self.watermark < 0.5",
@@ -139,41 +175,9 @@ class KVCacheSpec(BaseModel):
         description="KV blocks per engine; when unset, the minimum the engines report.",
     )
     watermark: float = Field(
-        0.15, description="Free-block fraction below which borrowing requests get 503."
+        0.15, description="Free-block fraction below which borrowing requests get 503. "
+        "Guarantees may total at most the pool's capacity times (1 - watermark).",
     )
-
-
-class TierSpec(BaseModel):
-    """Overrides of one tier's built-in defaults (see `TIER_DEFAULTS`)."""
-
-    model_config = _rules(
-        (
-            "!has(self.defaultMaxTokens) || !has(self.maxTokens) || "
-            "self.defaultMaxTokens <= self.maxTokens",
-            "defaultMaxTokens must be <= maxTokens",
-        )
-    )
-    priority: int | None = Field(None, ge=0, le=2, description="vLLM priority; 0 runs first.")
-    lease_seconds: int | None = Field(None, ge=0, le=86_400)
-    max_tokens: int | None = Field(
-        None, ge=1, le=1_048_576, description="Ceiling max_tokens is clamped to."
-    )
-    default_max_tokens: int | None = Field(None, ge=1, le=1_048_576)
-    max_queue_seconds: int | None = Field(
-        None, ge=0, le=3600,
-        description="How long a request the sidecar cannot admit yet waits in its "
-        "tenant's queue before it is refused with 429/503 (0: refused at once).",
-    )
-    max_queued_requests: int | None = Field(
-        None, ge=0, le=1_000_000,
-        description="Requests one tenant of the tier may have waiting, pool-wide.",
-    )
-
-
-class TiersSpec(_Model):
-    premium: TierSpec = Field(default_factory=TierSpec)
-    standard: TierSpec = Field(default_factory=TierSpec)
-    free: TierSpec = Field(default_factory=TierSpec)
 
 
 class TierDefaults(NamedTuple):
@@ -196,14 +200,76 @@ TIER_DEFAULTS: dict[Tier, TierDefaults] = {
 }
 
 
+class TierSpec(BaseModel):
+    """Overrides of one tier's built-in defaults (see `TIER_DEFAULTS`); an unset field
+    keeps the default."""
+
+    model_config = _rules(
+        (
+            "!has(self.defaultMaxTokens) || !has(self.maxTokens) || "
+            "self.defaultMaxTokens <= self.maxTokens",
+            "defaultMaxTokens must be <= maxTokens",
+        )
+    )
+    priority: int | None = Field(None, ge=0, le=2, description="vLLM priority; 0 runs first.")
+    lease_seconds: int | None = Field(
+        None, ge=0, le=86_400,
+        description="How long (seconds) an idle session's KV blocks stay pinned after its "
+        "request finishes, so its next turn reuses them (0: no lease).",
+    )
+    max_tokens: int | None = Field(
+        None, ge=1, le=1_048_576, description="Ceiling max_tokens is clamped to."
+    )
+    default_max_tokens: int | None = Field(
+        None, ge=1, le=1_048_576,
+        description="max_tokens for a request that sends none (at most maxTokens).",
+    )
+    max_queue_seconds: int | None = Field(
+        None, ge=0, le=3600,
+        description="How long a request the sidecar cannot admit yet waits in its "
+        "tenant's queue before it is refused with 429/503 (0: refused at once).",
+    )
+    max_queued_requests: int | None = Field(
+        None, ge=0, le=1_000_000,
+        description="Requests one tenant of the tier may have waiting, pool-wide.",
+    )
+
+
+def _tier_field(tier: Tier) -> Any:
+    d = TIER_DEFAULTS[tier]
+    return Field(
+        default_factory=TierSpec,
+        description=f"Overrides of the {tier.value} tier's defaults: priority {d.priority}, "
+        f"leaseSeconds {d.lease_seconds}, maxTokens {d.max_tokens}, defaultMaxTokens "
+        f"{d.default_max_tokens}, maxQueueSeconds {d.max_queue_seconds}, "
+        f"maxQueuedRequests {d.max_queued_requests}.",
+    )
+
+
+class TiersSpec(_Model):
+    """Per-tier settings for this pool's tenants; a TenantQuota's own limits and lease
+    override its tier's."""
+
+    premium: TierSpec = _tier_field(Tier.PREMIUM)
+    standard: TierSpec = _tier_field(Tier.STANDARD)
+    free: TierSpec = _tier_field(Tier.FREE)
+
+
 class PreemptionSpec(_Model):
+    """What happens to the requests the scheduler plugin preempts."""
+
     recompute_below_blocks: int = Field(
         128, ge=0, le=1_000_000,
-        description="With KV offloading configured, swap victims holding more blocks.",
+        description="With KV offloading configured, a preempted request holding at least "
+        "this many KV blocks reloads them from the offload tier when it resumes; a smaller "
+        "one recomputes them. Without offloading every victim recomputes.",
     )
 
 
 class JwtSpec(BaseModel):
+    """Bearer-token (JWT) authentication: the sidecar verifies each token and takes the
+    tenant id from one of its claims."""
+
     model_config = _rules(
         (
             "self.algorithms.all(a, a.startsWith('HS')) || "
@@ -211,13 +277,28 @@ class JwtSpec(BaseModel):
             "jwt.algorithms must not mix HMAC (HS*) with public-key algorithms",
         )
     )
-    secret_ref: SecretKeyRef
-    algorithms: list[JwtAlgorithm] = Field(
-        default_factory=default_algorithms, min_length=1, max_length=8
+    secret_ref: SecretKeyRef = Field(
+        description="The Secret key holding the verification key: a PEM public key or a "
+        "JWKS, or the shared secret for HS* algorithms. The engine pods mount the Secret; "
+        "the operator passes the sidecar only the key's name."
     )
-    issuer: ShortString | None = None
-    audience: ShortString | None = None
-    tenant_claim: str = Field("tenant_id", min_length=1, max_length=128)
+    algorithms: list[
+        Annotated[JwtAlgorithm, Field(description="A JWT signing algorithm (alg).")]
+    ] = Field(
+        default_factory=default_algorithms, min_length=1, max_length=8,
+        description="The algorithms accepted; a token signed with any other gets 401. "
+        "Either all HMAC (HS*) or all public-key.",
+    )
+    issuer: ShortString | None = Field(
+        None, description="The iss claim every token must carry; unset: iss is not checked."
+    )
+    audience: ShortString | None = Field(
+        None, description="The aud claim every token must carry; unset: aud is not checked."
+    )
+    tenant_claim: str = Field(
+        "tenant_id", min_length=1, max_length=128,
+        description="The claim holding the tenant id (a TenantQuota's tenantId).",
+    )
     max_token_lifetime_seconds: int | None = Field(
         None, ge=1, le=MAX_TOKEN_LIFETIME_SECONDS,
         description="Refuse tokens whose exp is further than this many seconds ahead, or "
@@ -227,15 +308,28 @@ class JwtSpec(BaseModel):
 
 
 class AnonymousSpec(BaseModel):
+    """Requests that carry no token."""
+
     model_config = _rules(
         ("!self.allowed || has(self.tenantId)", "anonymous.tenantId is required when allowed")
     )
-    allowed: bool = False
-    tenant_id: str | None = Field(None, max_length=63, pattern=TENANT_ID_PATTERN)
+    allowed: bool = Field(
+        False, description="Serve requests without a token (every request, when jwt is "
+        "unset) as tenantId; false: they get 401.",
+    )
+    tenant_id: str | None = Field(
+        None, max_length=63, pattern=TENANT_ID_PATTERN,
+        description="The tenant anonymous requests count as (it needs a TenantQuota in this "
+        "pool); required when allowed.",
+    )
 
 
 class AuthSpec(_Model):
-    jwt: JwtSpec | None = None
+    """How the sidecar learns each request's tenant."""
+
+    jwt: JwtSpec | None = Field(
+        None, description="Verify bearer tokens; unset: tokens are ignored."
+    )
     anonymous: AnonymousSpec = Field(default_factory=AnonymousSpec)
     trusted_tenant_header: str | None = Field(
         None, max_length=128, pattern=r"^[A-Za-z0-9-]+$",
@@ -250,9 +344,19 @@ class InferencePoolSpec(BaseModel):
             "exactly one of selector or gatewayPoolRef must be set",
         )
     )
-    selector: LabelSelector | None = None
-    gateway_pool_ref: LocalObjectRef | None = None
-    model: str = Field(min_length=1, max_length=512)
+    selector: LabelSelector | None = Field(
+        None, description="The engine pods (in this namespace) that serve the pool. Exactly "
+        "one of selector and gatewayPoolRef is set.",
+    )
+    gateway_pool_ref: LocalObjectRef | None = Field(
+        None, description="A Gateway API Inference Extension InferencePool in this namespace "
+        "whose selector names the engine pods, instead of selector.",
+    )
+    model: str = Field(
+        min_length=1, max_length=512,
+        description="The model name clients send and /v1/models lists; the sidecar maps it "
+        "to the engine's own model name.",
+    )
     kv_cache: KVCacheSpec = Field(default_factory=KVCacheSpec)
     tiers: TiersSpec = Field(default_factory=TiersSpec)
     preemption: PreemptionSpec = Field(default_factory=PreemptionSpec)
@@ -260,32 +364,75 @@ class InferencePoolSpec(BaseModel):
 
 
 class EngineCounts(_Model):
-    ready: int = 0
-    synced: int = 0
+    """The pool's engine pods, as the operator last polled them."""
+
+    ready: int = Field(0, description="Ready engine pods the pool's selector matches.")
+    synced: int = Field(
+        0, description="Ready engines whose sidecar runs the current policy (policyHash)."
+    )
 
 
 class InferencePoolStatus(_Model):
-    observed_generation: int | None = None
-    conditions: Conditions
+    observed_generation: int | None = Field(
+        None, description="The metadata.generation this status was computed from."
+    )
+    conditions: Conditions = Field(
+        description="Ready (engine pods found and ready), Synced (every ready engine runs "
+        "the current policy), Oversubscribed (the TenantQuotas ask for more guaranteed "
+        "blocks than the pool can guarantee)."
+    )
     engines: EngineCounts = Field(default_factory=EngineCounts)
-    capacity_blocks: int | None = None
-    guaranteed_blocks: int | None = None
-    used_blocks: int | None = None
-    leased_blocks: int | None = None
-    tenants: int | None = None
-    policy_hash: str | None = Field(None, max_length=128)
+    capacity_blocks: int | None = Field(
+        None, description="Pool-wide KV blocks: the per-engine capacity times the ready "
+        "engines (at least 1). Unset until the capacity is known.",
+    )
+    guaranteed_blocks: int | None = Field(
+        None, description="KV blocks guaranteed to accepted TenantQuotas, pool-wide."
+    )
+    used_blocks: int | None = Field(
+        None, description="KV blocks in use, summed over the engines that answered the last "
+        "poll (unset in local mode).",
+    )
+    leased_blocks: int | None = Field(
+        None, description="KV blocks pinned by idle sessions' leases, summed over the "
+        "engines that answered the last poll.",
+    )
+    tenants: int | None = Field(None, description="Tenants in the pool's current policy.")
+    policy_hash: str | None = Field(
+        None, max_length=128,
+        description="Content hash of the policy the operator rendered for the pool; each "
+        "engine's sidecar reports the hash it runs.",
+    )
 
 
 # ---------------------------------------------------------------- TenantQuota
 
 
 class LeaseSpec(_Model):
-    seconds: int | None = Field(None, ge=0, le=86_400, description="Overrides the tier's.")
-    max_sessions: int | None = Field(None, ge=0, le=1_000_000)
-    max_blocks: int | None = Field(None, ge=0, le=100_000_000)
+    """Keeping an idle session's KV blocks pinned between turns, so its next turn is a
+    prefix-cache hit. The caps are pool-wide; each engine enforces them divided by the
+    ready engines, rounded up."""
+
+    seconds: int | None = Field(
+        None, ge=0, le=86_400,
+        description="How long (seconds) a lease may last after the session's last "
+        "activity (0: no lease). Overrides the tier's.",
+    )
+    max_sessions: int | None = Field(
+        None, ge=0, le=1_000_000,
+        description="Sessions that may hold a lease at once, pool-wide (unset or 0: no cap).",
+    )
+    max_blocks: int | None = Field(
+        None, ge=0, le=100_000_000,
+        description="Distinct KV blocks the tenant's leases may pin, pool-wide (unset or 0: "
+        "no cap).",
+    )
 
 
 class TenantKVCacheSpec(BaseModel):
+    """The tenant's KV-cache quota in KV blocks, pool-wide. The operator splits it evenly
+    over the pool's ready engines: guarantees rounded down, ceilings rounded up."""
+
     model_config = _rules(
         (
             "self.maxBlocks >= self.guaranteedBlocks",
@@ -300,12 +447,24 @@ class TenantKVCacheSpec(BaseModel):
             "+ string(self.maxBlocks) + ')'",
         ),
     )
-    guaranteed_blocks: int = Field(0, ge=0, le=100_000_000)
-    max_blocks: int = Field(ge=0, le=100_000_000)
+    guaranteed_blocks: int = Field(
+        0, ge=0, le=100_000_000,
+        description="KV blocks reserved for the tenant. Granted (condition Accepted) when "
+        "it fits, after the older TenantQuotas' guarantees, in the pool's capacity times "
+        "(1 - watermark).",
+    )
+    max_blocks: int = Field(
+        ge=0, le=100_000_000,
+        description="Most KV blocks the tenant's requests may hold; beyond guaranteedBlocks "
+        "they borrow free capacity.",
+    )
     lease: LeaseSpec = Field(default_factory=LeaseSpec)
 
 
 class LimitsSpec(BaseModel):
+    """Request limits; an unset one takes the tier's value or, where the tier has none,
+    is no limit."""
+
     model_config = _rules(
         (
             "!has(self.defaultMaxTokens) || !has(self.maxTokens) || "
@@ -313,10 +472,25 @@ class LimitsSpec(BaseModel):
             "limits.defaultMaxTokens must be <= limits.maxTokens",
         )
     )
-    max_tokens: int | None = Field(None, ge=1, le=1_048_576)
-    default_max_tokens: int | None = Field(None, ge=1, le=1_048_576)
-    max_prompt_tokens: int | None = Field(None, ge=1, le=10_485_760)
-    max_concurrent_requests: int | None = Field(None, ge=1, le=1_000_000)
+    max_tokens: int | None = Field(
+        None, ge=1, le=1_048_576,
+        description="Ceiling max_tokens is clamped to (overrides the tier's).",
+    )
+    default_max_tokens: int | None = Field(
+        None, ge=1, le=1_048_576,
+        description="max_tokens for a request that sends none (overrides the tier's; at "
+        "most the effective maxTokens).",
+    )
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, le=10_485_760,
+        description="Longest prompt a request may send, in tokens; a longer one gets 400. "
+        "Unset: only the model's context limits it.",
+    )
+    max_concurrent_requests: int | None = Field(
+        None, ge=1, le=1_000_000,
+        description="Requests in flight at once, pool-wide; more wait in the queue. Unset: "
+        "no limit.",
+    )
     max_queued_requests: int | None = Field(
         None, ge=0, le=1_000_000,
         description="Requests that may wait for admission at once, pool-wide (overrides "
@@ -325,7 +499,14 @@ class LimitsSpec(BaseModel):
 
 
 class PrefixCacheSpec(_Model):
-    isolation: Isolation = Isolation.TENANT
+    """Whether the tenant's prompts share vLLM's prefix cache with other tenants."""
+
+    isolation: Isolation = Field(
+        Isolation.TENANT,
+        description="Tenant: the sidecar gives the tenant's requests their own cache_salt, "
+        "so no other tenant can probe its prompts by timing. Shared: no salt, cached "
+        "prefixes are shared.",
+    )
 
 
 class TenantQuotaSpec(BaseModel):
@@ -337,63 +518,132 @@ class TenantQuotaSpec(BaseModel):
     )
     tenant_id: str | None = Field(
         None, max_length=63, pattern=TENANT_ID_PATTERN,
-        description="Defaults to metadata.name.",
+        description="The tenant, as the JWT's tenant claim names it. Defaults to "
+        "metadata.name; immutable once set.",
     )
-    pool_ref: LocalObjectRef
-    tier: Tier
+    pool_ref: LocalObjectRef = Field(
+        description="The InferencePool, in this namespace, that serves the tenant."
+    )
+    tier: Tier = Field(
+        description="premium, standard or free: the tenant's vLLM priority and the pool's "
+        "defaults for its leases, token limits and queue."
+    )
     kv_cache: TenantKVCacheSpec
     limits: LimitsSpec = Field(default_factory=LimitsSpec)
     prefix_cache: PrefixCacheSpec = Field(default_factory=PrefixCacheSpec)
 
 
 class EffectiveSettings(_Model):
-    tenant_id: str | None = None
-    tier: Tier | None = None
-    priority: int | None = None
-    guaranteed_blocks: int | None = None
-    max_blocks: int | None = None
-    replicas: int | None = None
-    guaranteed_blocks_per_engine: int | None = None
-    max_blocks_per_engine: int | None = None
-    lease_seconds: int | None = None
-    lease_max_sessions: int | None = None
-    lease_max_blocks: int | None = None
-    max_tokens: int | None = None
-    default_max_tokens: int | None = None
-    max_prompt_tokens: int | None = None
-    max_concurrent_requests: int | None = None
-    max_queue_seconds: int | None = None
-    max_queued_requests: int | None = None
-    prefix_cache_isolation: Isolation | None = None
+    """The tenant's settings as resolved and rendered into the pool's policy: tier
+    defaults, then the pool's tier overrides, then this TenantQuota's. Pool-wide figures,
+    with the per-engine shares the engines enforce."""
+
+    tenant_id: str | None = Field(None, description="spec.tenantId, or metadata.name.")
+    tier: Tier | None = Field(None, description="The tenant's tier.")
+    priority: int | None = Field(None, description="vLLM priority; 0 runs first.")
+    guaranteed_blocks: int | None = Field(
+        None, description="Guaranteed KV blocks granted, pool-wide (0 while not Accepted)."
+    )
+    max_blocks: int | None = Field(None, description="The KV-block ceiling, pool-wide.")
+    replicas: int | None = Field(
+        None, description="Ready engines the quotas are split over (at least 1)."
+    )
+    guaranteed_blocks_per_engine: int | None = Field(
+        None, description="guaranteedBlocks / replicas, rounded down."
+    )
+    max_blocks_per_engine: int | None = Field(
+        None, description="maxBlocks / replicas, rounded up (at least the per-engine "
+        "guarantee).",
+    )
+    lease_seconds: int | None = Field(
+        None, description="Longest lease of an idle session, in seconds (0: no lease)."
+    )
+    lease_max_sessions: int | None = Field(
+        None, description="Leased sessions at once, pool-wide (0: no cap)."
+    )
+    lease_max_blocks: int | None = Field(
+        None, description="KV blocks the leases may pin, pool-wide (0: no cap)."
+    )
+    max_tokens: int | None = Field(None, description="Ceiling max_tokens is clamped to.")
+    default_max_tokens: int | None = Field(
+        None, description="max_tokens for a request that sends none."
+    )
+    max_prompt_tokens: int | None = Field(
+        None, description="Longest prompt in tokens; absent: no limit of its own."
+    )
+    max_concurrent_requests: int | None = Field(
+        None, description="Requests in flight at once, pool-wide; absent: no limit."
+    )
+    max_queue_seconds: int | None = Field(
+        None, description="How long a request may wait for admission, in seconds."
+    )
+    max_queued_requests: int | None = Field(
+        None, description="Requests that may wait for admission at once, pool-wide."
+    )
+    prefix_cache_isolation: Isolation | None = Field(
+        None, description="Tenant (own cache_salt) or Shared."
+    )
 
 
 class Usage(_Model):
-    blocks: int = 0
-    reserved_blocks: int = 0
-    leased_blocks: int = 0
-    leased_sessions: int = 0
-    inflight: int = 0
+    """What the engines reported at the operator's last poll, summed over the engines
+    that answered."""
+
+    blocks: int = Field(
+        0, description="KV blocks the tenant holds: its running requests' and its idle "
+        "leases' (the sidecars' reservations where the scheduler's stats are missing).",
+    )
+    reserved_blocks: int = Field(
+        0, description="KV blocks the sidecars reserved for the tenant's requests in flight."
+    )
+    leased_blocks: int = Field(
+        0, description="KV blocks idle leases pin that no running request holds."
+    )
+    leased_sessions: int = Field(0, description="Sessions holding a lease.")
+    inflight: int = Field(0, description="Admitted requests not yet finished.")
     queued: int = Field(0, description="Requests waiting in the sidecars' queues.")
     queue_wait_seconds: float = Field(
-        0.0, description="How long the oldest queued request has waited."
+        0.0, description="How long the oldest queued request has waited, in seconds (the "
+        "longest over the engines).",
     )
 
 
 class Counters(_Model):
-    admitted: int = 0
-    rejected_quota: int = 0
-    rejected_watermark: int = 0
-    preemptions: int = 0
-    lease_breaks: int = 0
+    """Cumulative counts per engine, summed over the engines that answered the operator's
+    last poll; an engine that restarts counts from 0 again."""
+
+    admitted: int = Field(0, description="Requests the sidecars admitted.")
+    rejected_quota: int = Field(
+        0, description="Requests refused for the tenant's block quota or concurrency limit."
+    )
+    rejected_watermark: int = Field(
+        0, description="Requests refused with 503 because free blocks were below the "
+        "watermark.",
+    )
+    preemptions: int = Field(
+        0, description="Running requests preempted and leases broken to free KV blocks."
+    )
+    lease_breaks: int = Field(
+        0, description="Leases released early to free KV blocks (not lapsed or capped)."
+    )
 
 
 class TenantQuotaStatus(_Model):
-    observed_generation: int | None = None
-    conditions: Conditions
+    observed_generation: int | None = Field(
+        None, description="The metadata.generation this status was computed from."
+    )
+    conditions: Conditions = Field(
+        description="Accepted (the guarantee fits the pool), Ready (the settings run on "
+        "every ready engine), Degraded (lease breaks, premium preemptions or degraded-mode "
+        "releases in the recent window)."
+    )
     effective: EffectiveSettings | None = None
     usage: Usage | None = None
     counters: Counters | None = None
-    last_sync_time: datetime | None = None
+    last_sync_time: datetime | None = Field(
+        None, description="When Ready last turned True: the settings reached every ready "
+        "engine.",
+    )
 
 
 # ---------------------------------------------------------------- objects

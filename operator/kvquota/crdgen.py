@@ -96,6 +96,23 @@ KINDS: dict[str, dict[str, Any]] = {
 }
 
 
+# The descriptions of the nodes every Kubernetes object has (the API conventions').
+_API_VERSION_DOC = (
+    "The API group and version this object is written in (group/version). The API server "
+    "converts between the versions it serves and may refuse ones it does not know."
+)
+_KIND_DOC = (
+    "The type of the object ({kind}), in CamelCase: the REST resource it represents. The "
+    "API server can tell it from the endpoint a request is sent to."
+)
+_METADATA_DOC = (
+    "Standard object metadata: name, namespace, labels, annotations and what the API "
+    "server records (uid, generation, timestamps)."
+)
+_SPEC_DOC = "The desired state, written by the user."
+_STATUS_DOC = "The observed state, written by the operator; users do not set it."
+
+
 class _WithFactoryDefaults(GenerateJsonSchema):
     """Emit `default` for fields with a default_factory, so nested defaults apply."""
 
@@ -148,6 +165,8 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
             out[key] = _structural(value, defs)
         elif key == "default":
             out[key] = _strip_nulls(value)
+        elif key == "description":  # a docstring's line breaks are the source's wrapping
+            out[key] = " ".join(value.split())
         elif key in _KEEP_KEYS:
             out[key] = value
         elif key not in _DROP_KEYS and key != "$defs":
@@ -176,11 +195,11 @@ def build_crd(kind: str) -> dict[str, Any]:
         "description": info["doc"],
         "required": ["spec"],
         "properties": {
-            "apiVersion": {"type": "string"},
-            "kind": {"type": "string"},
-            "metadata": {"type": "object"},
-            "spec": spec_schema,
-            "status": status_schema,
+            "apiVersion": {"type": "string", "description": _API_VERSION_DOC},
+            "kind": {"type": "string", "description": _KIND_DOC.format(kind=kind)},
+            "metadata": {"type": "object", "description": _METADATA_DOC},
+            "spec": {**spec_schema, "description": _SPEC_DOC},
+            "status": {**status_schema, "description": _STATUS_DOC},
         },
     }
     if info.get("rules"):

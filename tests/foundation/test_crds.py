@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,26 +54,40 @@ def test_crd_shape(kind: str) -> None:
     assert "pattern" in item["properties"]["reason"]
 
 
+def _nodes(node: dict[str, Any], path: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Every schema node under `node` (itself included) with its path, as kubectl
+    explain walks them: properties, list items ([]) and map values ({})."""
+    yield path, node
+    for name, sub in node.get("properties", {}).items():
+        yield from _nodes(sub, f"{path}.{name}")
+    if isinstance(node.get("items"), dict):
+        yield from _nodes(node["items"], f"{path}[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        yield from _nodes(node["additionalProperties"], f"{path}{{}}")
+
+
 def _unbounded(node: dict[str, Any], path: str) -> list[str]:
     """Strings without a length/enum bound and lists without maxItems blow the CEL budget."""
-    found = []
-    if node.get("type") == "string" and not ({"maxLength", "enum", "format"} & node.keys()):
-        found.append(path)
-    if node.get("type") == "array" and "maxItems" not in node:
-        found.append(path)
-    for name, sub in node.get("properties", {}).items():
-        found += _unbounded(sub, f"{path}.{name}")
-    if isinstance(node.get("items"), dict):
-        found += _unbounded(node["items"], f"{path}[]")
-    if isinstance(node.get("additionalProperties"), dict):
-        found += _unbounded(node["additionalProperties"], f"{path}{{}}")
-    return found
+    return [
+        where for where, sub in _nodes(node, path)
+        if (sub.get("type") == "string" and not ({"maxLength", "enum", "format"} & sub.keys()))
+        or (sub.get("type") == "array" and "maxItems" not in sub)
+    ]
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_spec_strings_and_lists_are_bounded(kind: str) -> None:
     schema = build_crd(kind)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     assert _unbounded(schema["properties"]["spec"], "spec") == []
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_every_field_explains_itself(kind: str) -> None:
+    """`kubectl explain` on any path of either kind prints a description."""
+    schema = build_crd(kind)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    undocumented = [path for path, node in _nodes(schema, kind.lower())
+                    if not node.get("description", "").strip()]
+    assert undocumented == [], f"schema nodes without a description: {undocumented}"
 
 
 def test_nested_defaults_are_declared_for_kubectl_apply() -> None:
