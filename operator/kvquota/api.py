@@ -387,10 +387,30 @@ class Counters(_Model):
     lease_breaks: int = 0
 
 
+class EngineSplitStatus(_Model):
+    """The tenant's blocks on one ready engine: the even split, or what the demand-driven
+    split moved there."""
+
+    pod: str = Field(max_length=253, description="The engine pod.")
+    guaranteed_blocks: int = Field(0, ge=0)
+    max_blocks: int = Field(0, ge=0)
+
+
+MAX_STATUS_ENGINES = 1024  # a longer pool lists its first engines by name
+
+
 class TenantQuotaStatus(_Model):
     observed_generation: int | None = None
     conditions: Conditions
     effective: EffectiveSettings | None = None
+    engines: list[EngineSplitStatus] | None = Field(
+        None, max_length=MAX_STATUS_ENGINES,
+        description="The per-engine split of the quota over the pool's ready engines "
+        "(sorted by pod): the even split, moved toward the engines where the tenant's "
+        "demand is (the demand-driven split).",
+        json_schema_extra={"x-kubernetes-list-type": "map",
+                           "x-kubernetes-list-map-keys": ["pod"]},
+    )
     usage: Usage | None = None
     counters: Counters | None = None
     last_sync_time: datetime | None = None

@@ -10,7 +10,7 @@ The quotas are the scenario's per engine (its percentages are of one engine's
 capacity), so a tenant's pool-wide guarantee is `replicas x` its per-engine one, and
 the load scales with the pool (`scale_load`: arrival rates and burst sizes x N, done
 by the caller, so the report counts the sessions that ran). With
-`split="even"` every engine keeps the even share, as the operator renders today; with
+`split="even"` every engine keeps the even share (where the operator starts); with
 `split="demand"` the operator's own `kvquota.rebalance.rebalance_pool` runs every
 `rebalance_interval` virtual seconds (the operator's poll interval) on what each
 engine's sidecar would report, and each engine whose split changed gets the new
