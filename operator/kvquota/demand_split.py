@@ -56,7 +56,11 @@ class PoolSplit:
         not answer counts as having no demand; with fewer than two engines or an
         unknown capacity there is nothing to move (the even split)."""
         engines = sorted(ready)
-        previous, self._previous = self._previous, dict(reports)
+        previous = self._previous
+        # An engine that did not answer keeps its last report: its next answer's
+        # counters count from there, not from its start.
+        self._previous = {**{pod: r for pod, r in previous.items() if pod in engines},
+                          **reports}
         if len(engines) < 2 or not inputs.capacity_per_engine:
             self.splits = {}
             return
