@@ -388,12 +388,11 @@ class Counters(_Model):
 
 
 class EngineSplitStatus(_Model):
-    """The tenant's blocks on one ready engine: the even split, or what the demand-driven
-    split moved there."""
+    """The tenant's blocks on one ready engine (even, or moved by the demand split)."""
 
     pod: str = Field(max_length=253, description="The engine pod.")
-    guaranteed_blocks: int = Field(0, ge=0)
-    max_blocks: int = Field(0, ge=0)
+    guaranteed_blocks: int = Field(0, ge=0, description="Blocks guaranteed on this engine.")
+    max_blocks: int = Field(0, ge=0, description="The tenant's ceiling on this engine.")
 
 
 MAX_STATUS_ENGINES = 1024  # a longer pool lists its first engines by name
