@@ -15,7 +15,13 @@ from typing import Any
 
 from engine_sidecar.gateway.engine_auth import KEY_ENV, KEY_FILE_ENV, load_engine_key
 from engine_sidecar.gateway.request_body import BODY_BYTES_PER_TOKEN
-from engine_sidecar.stats import ADMIN_PORT, POLICY_PATH_ENV, STATS_PATH_ENV, STATUS_ROUTE
+from engine_sidecar.stats import (
+    ADMIN_PORT,
+    ENGINE_NAME_ENV,
+    POLICY_PATH_ENV,
+    STATS_PATH_ENV,
+    STATUS_ROUTE,
+)
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -194,7 +200,7 @@ def _run_sidecar(args: argparse.Namespace) -> int:
         body_bytes_per_token=args.body_bytes_per_token,
         body_timeout=args.body_timeout,
         engine_key=load_engine_key(args.engine_api_key_file),
-        engine_id=os.environ.get("POD_NAME") or None,
+        engine_id=os.environ.get(ENGINE_NAME_ENV) or None,
     )
     gateway = Gateway(config, source)
     if args.tokenizer:

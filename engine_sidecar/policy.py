@@ -15,7 +15,14 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 
 API_VERSION = "kvquota.dev/v1alpha1"
@@ -93,6 +100,20 @@ class TenantPolicy(_Model):
         return self
 
 
+class EngineShare(_Model):
+    """A tenant's blocks on one engine when they differ from the even split."""
+
+    guaranteed_blocks: int = Field(ge=0)
+    max_blocks: int = Field(ge=0)
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> EngineShare:
+        if self.max_blocks < self.guaranteed_blocks:
+            raise ValueError(f"maxBlocks ({self.max_blocks}) must be >= guaranteedBlocks "
+                             f"({self.guaranteed_blocks})")
+        return self
+
+
 class JwtPolicy(_Model):
     """Where the sidecar finds the verification key: `keyFile` names a file inside the
     mounted Secret directory (the Secret itself never enters the policy)."""
@@ -150,6 +171,13 @@ class EnginePolicy(_Model):
     replicas: int = Field(1, ge=1, description="Ready replicas the quotas were split over.")
     auth: AuthPolicy = AuthPolicy()
     tenants: dict[str, TenantPolicy] = Field(default_factory=dict)
+    engines: dict[str, dict[str, EngineShare]] = Field(
+        default_factory=dict, max_length=4096,
+        description="The demand-driven split: engine pod name -> tenant id -> its "
+        "blocks there. A tenant absent for an engine has its `tenants` entry's blocks "
+        "there (the even split). Left out of the JSON when empty, so a policy without "
+        "overrides reads as before.",
+    )
     version: str = Field("", description="Content hash; set by with_version().")
 
     @model_validator(mode="after")
@@ -157,7 +185,32 @@ class EnginePolicy(_Model):
         for key, tenant in self.tenants.items():
             if key != tenant.tenant_id:
                 raise ValueError(f"tenants[{key!r}] holds tenantId {tenant.tenant_id!r}")
+        for engine, shares in self.engines.items():
+            unknown = sorted(set(shares) - set(self.tenants))
+            if unknown:
+                raise ValueError(f"engines[{engine!r}] names tenants not in the policy: "
+                                 f"{', '.join(unknown[:5])}")
         return self
+
+    @model_serializer(mode="wrap")
+    def _omit_no_engines(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if not self.engines:
+            data.pop("engines", None)
+        return data
+
+    def for_engine(self, engine: str | None) -> EnginePolicy:
+        """What the engine named `engine` (its pod name; None: unnamed) enforces: each
+        tenant's blocks from its `engines` entry where there is one, else the even
+        split. Same version: it is the same policy, read by one engine."""
+        shares = self.engines.get(engine) if engine else None
+        if not shares:
+            return self
+        tenants = dict(self.tenants)
+        for tenant_id, share in shares.items():
+            tenants[tenant_id] = tenants[tenant_id].model_copy(update={
+                "guaranteed_blocks": share.guaranteed_blocks, "max_blocks": share.max_blocks})
+        return self.model_copy(update={"tenants": tenants})
 
     def content_hash(self) -> str:
         body = self.model_dump(mode="json", by_alias=True, exclude={"version"})

@@ -16,6 +16,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from engine_sidecar.policy import EnginePolicy
+from engine_sidecar.stats import ENGINE_NAME_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +30,9 @@ class PolicyWatcher:
     """Holds the current policy and reloads it when the file changes.
 
     `poll()` stats the file at most every `interval` seconds (by `clock`) and reads it
-    only when its (inode, size, mtime) signature changed.
+    only when its (inode, size, mtime) signature changed. `policy` is what this engine
+    enforces: its entry of the per-engine split (`EnginePolicy.for_engine`) by `engine`,
+    by default the pod name from the environment.
     """
 
     def __init__(
@@ -39,8 +42,10 @@ class PolicyWatcher:
         interval: float = POLL_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
         log: bool = True,
+        engine: str | None = None,
     ) -> None:
         self.path = Path(path) if path else None
+        self.engine = engine or os.environ.get(ENGINE_NAME_ENV) or None
         self.log = log
         self.interval = interval
         self.clock = clock
@@ -84,7 +89,7 @@ class PolicyWatcher:
         assert self.path is not None
         try:
             raw = self.path.read_bytes()
-            policy = EnginePolicy.from_json(raw)
+            policy = EnginePolicy.from_json(raw).for_engine(self.engine)
         except OSError as exc:
             self._fail(f"cannot read policy file {self.path}: {exc.strerror or exc}")
             return False

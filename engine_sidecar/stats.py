@@ -16,6 +16,9 @@ from pydantic.alias_generators import to_camel
 
 POLICY_PATH_ENV = "KVQUOTA_POLICY_PATH"
 STATS_PATH_ENV = "KVQUOTA_STATS_PATH"
+# The engine's pod name, in both containers: the sidecar names it in the lease-engine
+# header; both pick their entry of the policy's per-engine split by it.
+ENGINE_NAME_ENV = "POD_NAME"
 STATUS_ROUTE = "/kvquota/status"
 ADMIN_PORT = 9100  # the sidecar's admin port: status, metrics, probes
 ADMIN_PORT_NAME = "admin"  # its container port name in the engine pod

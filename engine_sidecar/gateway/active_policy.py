@@ -33,7 +33,7 @@ class PolicyRejected(ValueError):
 
 @dataclass(frozen=True)
 class ActivePolicy:
-    policy: EnginePolicy
+    policy: EnginePolicy  # as this engine enforces it (`EnginePolicy.for_engine`)
     auth: Authenticator
     cache_salts: dict[str, str]  # tenant id -> salt, only for Tenant isolation
 
@@ -93,7 +93,9 @@ class PolicyHolder:
     """The last good policy, the latest error, and the copy written for the plugin.
 
     Every source (file poll, ConfigMap watch) feeds raw documents into `offer()`; the
-    holder validates, swaps atomically (one attribute assignment) and notifies.
+    holder validates, swaps atomically (one attribute assignment) and notifies. The
+    active policy is `engine`'s entry of the per-engine split; the plugin gets the
+    policy as offered (it picks the same entry by the same pod name).
     """
 
     def __init__(
@@ -102,7 +104,9 @@ class PolicyHolder:
         plugin_policy_path: Path | None,
         on_error: Callable[[str], None] | None = None,
         on_change: Callable[[ActivePolicy], None] | None = None,
+        engine: str | None = None,
     ) -> None:
+        self.engine = engine
         self.secrets_dir = secrets_dir
         self.plugin_policy_path = plugin_policy_path
         self.active: ActivePolicy | None = None
@@ -111,6 +115,7 @@ class PolicyHolder:
         self._on_change = on_change  # after a new policy version became active
         self._last_raw: bytes | None = None
         self._latest: EnginePolicy | None = None  # last well-formed policy offered
+        self._offered: EnginePolicy | None = None  # the active one, as offered
         self._secret_prints: dict[Path, tuple[int, int] | None] = {}
 
     def offer(self, raw: str | bytes, origin: str) -> bool:
@@ -146,8 +151,8 @@ class PolicyHolder:
             self.active is None or self._latest.version != self.active.version
         ):
             self._activate(self._latest, "secrets")  # the refused one may work now
-        elif self.active is not None:
-            self._activate(self.active.policy, "secrets")
+        elif self._offered is not None:
+            self._activate(self._offered, "secrets")
 
     def _fingerprints(self) -> dict[Path, tuple[int, int] | None]:
         if self.secrets_dir is None:
@@ -162,11 +167,11 @@ class PolicyHolder:
 
     def _activate(self, policy: EnginePolicy, origin: str) -> bool:
         try:
-            active = build(policy, self.secrets_dir)
+            active = build(policy.for_engine(self.engine), self.secrets_dir)
         except PolicyRejected as exc:
             return self._reject(f"{origin}: {exc}")
         previous = self.active
-        self.active = active
+        self.active, self._offered = active, policy
         self.error = None
         self._secret_prints = self._fingerprints()
         if previous is None or previous.version != active.version:

@@ -124,6 +124,7 @@ class Gateway:
             config.secrets_dir, config.plugin_policy_path,
             on_error=lambda _message: self.metrics.policy_errors.inc(),
             on_change=lambda active: self.metrics.retain_tenants(active.policy.tenants),
+            engine=config.engine_id,
         )
         self.policy_source = policy_source
         self.ledger = Ledger(on_release=lambda _reservation: self._queue_changed.set())

@@ -628,6 +628,17 @@ class Counters(_Model):
     )
 
 
+class EngineSplitStatus(_Model):
+    """The tenant's blocks on one ready engine (even, or moved by the demand split)."""
+
+    pod: str = Field(max_length=253, description="The engine pod.")
+    guaranteed_blocks: int = Field(0, ge=0, description="Blocks guaranteed on this engine.")
+    max_blocks: int = Field(0, ge=0, description="The tenant's ceiling on this engine.")
+
+
+MAX_STATUS_ENGINES = 1024  # a longer pool lists its first engines by name
+
+
 class TenantQuotaStatus(_Model):
     observed_generation: int | None = Field(
         None, description="The metadata.generation this status was computed from."
@@ -638,6 +649,14 @@ class TenantQuotaStatus(_Model):
         "releases in the recent window)."
     )
     effective: EffectiveSettings | None = None
+    engines: list[EngineSplitStatus] | None = Field(
+        None, max_length=MAX_STATUS_ENGINES,
+        description="The per-engine split of the quota over the pool's ready engines "
+        "(sorted by pod): the even split, moved toward the engines where the tenant's "
+        "demand is (the demand-driven split).",
+        json_schema_extra={"x-kubernetes-list-type": "map",
+                           "x-kubernetes-list-map-keys": ["pod"]},
+    )
     usage: Usage | None = None
     counters: Counters | None = None
     last_sync_time: datetime | None = Field(

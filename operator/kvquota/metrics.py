@@ -21,6 +21,11 @@ Names and labels (the contract with dashboards and alerts):
         reason (Oversubscribed, InvalidSpec, DuplicateTenant)
     kvquota_operator_webhook_calls_total{kind,operation,result} counter
         result: allowed | denied | error (record with `record_webhook_call`)
+    kvquota_operator_engine_guaranteed_blocks{namespace,pool,tenant_id,engine} gauge
+    kvquota_operator_engine_max_blocks{namespace,pool,tenant_id,engine}        gauge
+        the demand-driven split: a tenant's blocks on each ready engine, for the
+        tenants it moved off the even split (at most SPLIT_TENANT_LIMIT per pool, by
+        tenant id; the even share is `status.effective.*PerEngine`)
 """
 
 from __future__ import annotations
@@ -81,7 +86,19 @@ WEBHOOK_CALLS = Counter(
     "kvquota_operator_webhook_calls", "Admission webhook calls by kind, operation, result.",
     ["kind", "operation", "result"],
 )
+ENGINE_GUARANTEED = Gauge(
+    "kvquota_operator_engine_guaranteed_blocks",
+    "A tenant's guaranteed blocks on one engine (tenants the demand-driven split moved).",
+    ["namespace", "pool", "tenant_id", "engine"],
+)
+ENGINE_MAX = Gauge(
+    "kvquota_operator_engine_max_blocks",
+    "A tenant's block ceiling on one engine (tenants the demand-driven split moved).",
+    ["namespace", "pool", "tenant_id", "engine"],
+)
+SPLIT_TENANT_LIMIT = 100  # tenants per pool with per-engine series (label cardinality)
 REFUSAL_REASONS = ("Oversubscribed", "InvalidSpec", "DuplicateTenant")
+_split_series: dict[tuple[str, str], set[tuple[str, str]]] = {}  # pool -> (tenant, engine)
 
 
 def record_webhook_call(kind: str, operation: str, result: str) -> None:
@@ -113,8 +130,28 @@ def set_refused(namespace: str, pool: str, counts: Mapping[str, int]) -> None:
             counts.get(reason, 0))
 
 
+def set_engine_split(namespace: str, pool: str,
+                     rows: Mapping[tuple[str, str], tuple[int, int]]) -> None:
+    """The pool's per-engine split, `(tenant_id, engine) -> (guaranteed, maximum)`:
+    these series replace the pool's previous ones."""
+    tenants = sorted({tenant for tenant, _ in rows})[:SPLIT_TENANT_LIMIT]
+    keep = {key for key in rows if key[0] in set(tenants)}
+    for tenant, engine in _split_series.get((namespace, pool), set()) - keep:
+        for gauge in (ENGINE_GUARANTEED, ENGINE_MAX):
+            with suppress(KeyError):
+                gauge.remove(namespace, pool, tenant, engine)
+    for tenant, engine in sorted(keep):
+        guaranteed, maximum = rows[(tenant, engine)]
+        labels = {"namespace": namespace, "pool": pool, "tenant_id": tenant, "engine": engine}
+        ENGINE_GUARANTEED.labels(**labels).set(guaranteed)
+        ENGINE_MAX.labels(**labels).set(maximum)
+    _split_series[(namespace, pool)] = keep
+
+
 def forget_pool(namespace: str, pool: str) -> None:
     """A deleted pool's series go (a scrape would otherwise keep its last values)."""
+    set_engine_split(namespace, pool, {})
+    _split_series.pop((namespace, pool), None)
     for gauge in (ENGINES_OBSERVED, ENGINES_STALE):
         with suppress(KeyError):
             gauge.remove(namespace, pool)

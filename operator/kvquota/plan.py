@@ -25,7 +25,9 @@ from kvquota.capacity import (
     guaranteeable_blocks,
 )
 from kvquota.conditions import Want
+from kvquota.demand_split import SplitInputs, Splits, engine_overrides
 from kvquota.policy_text import RenderedPolicy, RenderedTenant, render_tenant
+from kvquota.rebalance import TenantTotals
 from kvquota.render import compose_policy
 from kvquota.resolve import effective_settings, tenant_policy
 
@@ -95,6 +97,19 @@ class PoolPlan:
         """Tenant id -> digest of its settings in this plan's policy."""
         return {t.tenant_id: t.digest for t in (self.tenants or {}).values()
                 if t.tenant_id and t.digest and t.policy is not None}
+
+    @property
+    def split_inputs(self) -> SplitInputs:
+        """What the demand-driven split needs of this plan: each tenant in the policy
+        with its pool-wide granted guarantee and ceiling."""
+        tenants = [
+            TenantTotals(t.tenant_id, t.effective.guaranteed_blocks or 0,
+                         t.effective.max_blocks or 0, t.policy.priority)
+            for t in (self.tenants or {}).values()
+            if t.tenant_id and t.policy is not None and t.effective is not None
+        ]
+        return SplitInputs(sorted(tenants, key=lambda t: t.tenant_id),
+                           self.capacity_per_engine if self.exists else None, self.watermark)
 
     @property
     def rejected(self) -> list[TenantPlan]:
@@ -322,10 +337,13 @@ def plan_pool(
     ready_replicas: int,
     reported_capacities: Sequence[int] = (),
     memo: PlanMemo | None = None,
+    engine_splits: Splits | None = None,
 ) -> PoolPlan:
     """Decide every quota of one pool. `tenants` come in tie-break order (file order in
     local mode, name order in the cluster); creationTimestamp sorts first. A `memo`
-    kept between calls for the same pool makes re-planning cost what changed."""
+    kept between calls for the same pool makes re-planning cost what changed.
+    `engine_splits` (the demand-driven split, `demand_split.PoolSplit.splits`) become
+    the policy's per-engine overrides where they still fit the quotas."""
     memo = memo if memo is not None else PlanMemo()
     keyed = [(_key(body), body) for body in tenants]
     memo.keep_only({key for key, _ in keyed})
@@ -373,8 +391,11 @@ def plan_pool(
         )
         if not isinstance(derived, ValidationError):
             rendered.append(derived[1])
+    overrides = engine_overrides({t.policy.tenant_id: t.policy for t in rendered},
+                                 engine_splits or {}, replicas)
     try:
-        policy = compose_policy(namespace, name, spec, rendered, replicas=replicas)
+        policy = compose_policy(namespace, name, spec, rendered, replicas=replicas,
+                                engines=overrides)
     except ValidationError as error:
         return _plan_invalid_pool(namespace, name, bodies, describe_errors(error, "policy"))
     return PoolPlan(

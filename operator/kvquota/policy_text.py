@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import TypeAdapter
 
-from engine_sidecar.policy import EnginePolicy, TenantPolicy, version_of
+from engine_sidecar.policy import EnginePolicy, EngineShare, TenantPolicy, version_of
 
 _CANONICAL: dict[str, Any] = {"sort_keys": True, "separators": (",", ":")}
 _ENTRIES = TypeAdapter(dict[str, TenantPolicy])
@@ -59,11 +59,22 @@ def render_tenant(policy: TenantPolicy) -> RenderedTenant:
     return RenderedTenant(policy, canonical, indented, tenant_digest(policy))
 
 
-def compose(head: EnginePolicy, tenants: Iterable[RenderedTenant]) -> RenderedPolicy:
-    """`head` (a policy's settings; its tenants and version are ignored) with `tenants`
-    sorted by tenant id (the last one of an id counts), versioned."""
+def compose(
+    head: EnginePolicy, tenants: Iterable[RenderedTenant],
+    engines: Mapping[str, Mapping[str, EngineShare]] | None = None,
+) -> RenderedPolicy:
+    """`head` (a policy's settings; its tenants, engines and version are ignored) with
+    `tenants` sorted by tenant id (the last one of an id counts) and the per-engine
+    overrides `engines` (pod -> tenant id -> share; sorted, empty ones dropped: they
+    are few, so they are serialised whole), versioned."""
     by_id = {t.policy.tenant_id: t for t in tenants}
     entries = [by_id[tenant_id] for tenant_id in sorted(by_id)]
+    overrides = {pod: {tid: shares[tid] for tid in sorted(shares)}
+                 for pod, shares in sorted((engines or {}).items()) if shares}
+    unknown = sorted({tid for shares in overrides.values() for tid in shares} - set(by_id))
+    if unknown:
+        raise ValueError(f"per-engine overrides for tenants not in the policy: {unknown[:5]}")
+    head = head.model_copy(update={"engines": overrides})
     body = head.model_dump(mode="json", by_alias=True, exclude={"version", "tenants"})
     body["tenants"] = None  # a placeholder, for its place among the sorted keys
     canonical_tenants = "{" + ",".join(t.canonical for t in entries) + "}"

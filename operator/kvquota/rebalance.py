@@ -109,7 +109,7 @@ class RebalanceSettings:
 
 
 def even_split(guaranteed: int, maximum: int, engines: Sequence[str]) -> dict[str, EngineSplit]:
-    """What the operator renders today: the same share on every engine."""
+    """The same share on every engine (the split a rebalance starts from)."""
     share = split_quota(guaranteed, maximum, len(engines))
     return {engine: EngineSplit(share.guaranteed, share.maximum) for engine in engines}
 

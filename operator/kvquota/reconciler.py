@@ -30,6 +30,7 @@ from engine_sidecar.policy import EnginePolicy
 from kvquota import metrics
 from kvquota.api import InferencePoolSpec, LabelSelector
 from kvquota.conditions import Want
+from kvquota.demand_split import PoolSplit, moved_tenants_split
 from kvquota.engines import gateway_selector
 from kvquota.plan import ObjKey, PlanMemo, PoolPlan, TenantPlan, plan_pool
 from kvquota.policy_text import RenderedPolicy
@@ -38,6 +39,7 @@ from kvquota.status import (
     POOL_FIELDS,
     TENANT_FIELDS,
     EngineView,
+    engine_split,
     event_worthy,
     pool_status,
     status_patch,
@@ -117,7 +119,8 @@ def _tenant_inputs(
                                       tenant.digest)
                    if history is not None and tenant.tenant_id and tenant.digest else None)
         seen = engines.usage.tenants.get(tenant.tenant_id) if tenant.tenant_id else None
-        observed = (engines.ready, engines.window_seconds, applied, seen)
+        observed = (engines.ready, engines.window_seconds, applied, seen,
+                    tuple(engine_split(tenant, plan, engines)))
     return (tenant, plan.exists, plan.error, plan.ref, engines is None, observed,
             disruptions, generation)
 
@@ -159,6 +162,7 @@ class PoolReconciler:
         self._polled_at: dict[PoolKey, float] = {}
         self._histories: dict[PoolKey, PolicyHistory] = {}
         self._windows: dict[PoolKey, DisruptionWindow] = {}
+        self._splits: dict[PoolKey, PoolSplit] = {}  # the demand-driven split per pool
         # Policy hash the pool's ConfigMap holds, as far as we know; checked against the
         # API on every engine poll (someone may edit or delete the ConfigMap).
         self._configmaps: dict[PoolKey, str] = {}
@@ -200,7 +204,11 @@ class PoolReconciler:
         if pool is None:
             return
         self._polled_at[key] = time.monotonic()
-        await self._observe(key, pool)
+        observation = await self._observe(key, pool)
+        planned = self._planned.get(key)
+        if planned is not None:  # one round of the demand-driven split per poll
+            self._splits.setdefault(key, PoolSplit()).poll_round(
+                planned.plan.split_inputs, observation.ready, observation.reports)
         self._verify.add(key)
         await self.reconcile(key, since)
 
@@ -214,6 +222,7 @@ class PoolReconciler:
             self._polled_at.pop(key, None)
             self._histories.pop(key, None)
             self._windows.pop(key, None)
+            self._splits.pop(key, None)
             self._configmaps.pop(key, None)
             self._memos.pop(key, None)
             metrics.forget_pool(namespace, name)
@@ -271,11 +280,12 @@ class PoolReconciler:
         observation = self._observations.get(key)
         if observation is None:  # first sight since start: know the replicas before rendering
             observation = await self._observe(key, pool)
+        split = self._splits.get(key)
         plan = plan_pool(
             pool, tenants, namespace=namespace, name=name,
             ready_replicas=observation.replicas,
             reported_capacities=observation.reported_capacities(),
-            memo=memo,
+            memo=memo, engine_splits=split.splits if split is not None else None,
         )
         metrics.set_refused(namespace, name, Counter(
             t.accepted.reason for t in (plan.tenants or {}).values()
@@ -304,6 +314,8 @@ class PoolReconciler:
         version = plan.policy.version if plan.policy is not None else None
         metrics.set_engines(namespace, name, observed=engines.ready,
                             stale=engines.ready - engines.synced(version))
+        metrics.set_engine_split(namespace, name, moved_tenants_split(
+            plan.policy, observation.ready) if plan.policy is not None else {})
         self._planned[key] = _Planned(plan, engines, _meta(pool).get("generation"), generations)
 
     async def _publish_status(self, key: PoolKey) -> None:

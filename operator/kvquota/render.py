@@ -7,13 +7,14 @@ a file, and tests assert on both without an API server.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from engine_sidecar.policy import (
     AnonymousPolicy,
     AuthPolicy,
     EnginePolicy,
+    EngineShare,
     JwtPolicy,
     TenantPolicy,
 )
@@ -81,9 +82,11 @@ def compose_policy(
     tenants: Iterable[RenderedTenant],
     *,
     replicas: int,
+    engines: Mapping[str, Mapping[str, EngineShare]] | None = None,
 ) -> RenderedPolicy:
     """`render_policy` from tenants already serialised (`render_tenant`, kept while
-    they do not change), with the policy's JSON."""
+    they do not change), with the policy's JSON; `engines`: the per-engine overrides
+    of the demand-driven split (`EnginePolicy.engines`)."""
     head = EnginePolicy(
         pool=f"{namespace}/{name}",
         model=spec.model,
@@ -94,7 +97,7 @@ def compose_policy(
         replicas=max(replicas, 1),
         auth=render_auth(spec.auth),
     )
-    return compose(head, tenants)
+    return compose(head, tenants, engines)
 
 
 def build_configmap(

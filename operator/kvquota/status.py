@@ -15,8 +15,9 @@ from typing import Any
 
 from engine_sidecar.policy import Tier
 from engine_sidecar.stats import TenantStatus
-from kvquota.api import Counters, Usage
+from kvquota.api import MAX_STATUS_ENGINES, Counters, Usage
 from kvquota.conditions import Want, find, merge_conditions, timestamp
+from kvquota.demand_split import tenant_engine_split
 from kvquota.plan import MAX_BLOCKS_ABOVE_CAPACITY, PoolPlan, TenantPlan
 from kvquota.sync import PolicyHistory
 from kvquota.usage import Disruptions, PoolUsage
@@ -48,6 +49,16 @@ class EngineView:
 
     def synced(self, version: str | None) -> int:
         return sum(1 for v in self.versions.values() if version and v == version)
+
+
+def engine_split(tenant: TenantPlan, plan: PoolPlan,
+                 engines: EngineView | None) -> list[tuple[str, int, int]]:
+    """The tenant's (pod, guaranteed, maximum) on each ready engine, as its policy
+    gives them (the first MAX_STATUS_ENGINES pods by name)."""
+    if engines is None or plan.policy is None or tenant.policy is None:
+        return []
+    pods = sorted(engines.versions)[:MAX_STATUS_ENGINES]
+    return tenant_engine_split(plan.policy, tenant.policy.tenant_id, pods)
 
 
 def _window(seconds: float) -> str:
@@ -150,6 +161,10 @@ def tenant_status(
         counters = seen.counters.model_dump(by_alias=True)
         status["usage"] = {k: usage[k] for k in _USAGE_KEYS}
         status["counters"] = {k: counters[k] for k in _COUNTER_KEYS}
+        status["engines"] = [
+            {"pod": pod, "guaranteedBlocks": guaranteed, "maxBlocks": maximum}
+            for pod, guaranteed, maximum in engine_split(tenant, plan, engines)
+        ] or None
     was_ready = (find(old_conditions, "Ready") or {}).get("status") == "True"
     if ready.status == "True" and not was_ready:
         status["lastSyncTime"] = timestamp(now)
@@ -255,7 +270,7 @@ def pool_status(
 
 
 TENANT_FIELDS = ("observedGeneration", "conditions", "effective", "usage", "counters",
-                 "lastSyncTime")
+                 "engines", "lastSyncTime")
 POOL_FIELDS = ("observedGeneration", "conditions", "engines", "capacityBlocks",
                "guaranteedBlocks", "usedBlocks", "leasedBlocks", "tenants", "policyHash")
 

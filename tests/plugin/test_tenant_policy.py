@@ -8,10 +8,12 @@ import logging
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from plugin_policies import engine_policy, tenant, write_policy
 
+from engine_sidecar.policy import EnginePolicy
 from engine_sidecar.policy_watch import PolicyWatcher
 from engine_sidecar.stats import EngineStats, TenantEngineStats
 from engine_sidecar.stats_publisher import LeaseView, StatsPublisher, StatsSnapshot
@@ -345,3 +347,33 @@ def test_publisher_writes_the_latest_snapshot(tmp_path: Path):
     finally:
         publisher.close()
     assert EngineStats.model_validate_json(path.read_text()).free_blocks == 50
+
+
+def test_policy_watcher_enforces_its_own_engines_split_else_the_even_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    path = tmp_path / "policy.json"
+    even = tenant("acme", guaranteed=200, max_blocks=300)
+    policy = EnginePolicy.model_validate({
+        **engine_policy(even, tenant("other", guaranteed=50)).model_dump(),
+        "engines": {"engine-a": {"acme": {"guaranteed_blocks": 350, "max_blocks": 450}},
+                    "engine-b": {"acme": {"guaranteed_blocks": 50, "max_blocks": 150}}},
+        "version": "",
+    }).with_version()
+    write_policy(path, policy)
+
+    def seen(**kwargs: Any) -> tuple[int, int, int, str | None]:
+        watcher = PolicyWatcher(path, clock=FakeClock(), **kwargs)
+        watcher.poll()
+        assert watcher.policy is not None
+        acme = watcher.policy.tenants["acme"]
+        return (acme.guaranteed_blocks, acme.max_blocks,
+                watcher.policy.tenants["other"].guaranteed_blocks, watcher.version)
+
+    assert seen(engine="engine-a") == (350, 450, 50, policy.version)  # same version
+    assert seen(engine="engine-b") == (50, 150, 50, policy.version)
+    assert seen(engine="engine-new") == (200, 300, 50, policy.version)  # not in the split
+    monkeypatch.delenv("POD_NAME", raising=False)
+    assert seen() == (200, 300, 50, policy.version)  # unnamed: the even split
+    monkeypatch.setenv("POD_NAME", "engine-a")  # the env var the injected pod sets
+    assert seen() == (350, 450, 50, policy.version)

@@ -154,3 +154,31 @@ def test_a_policy_waiting_for_its_key_is_applied_when_the_key_is_mounted(
     (secrets_dir / "rotated.pem").write_bytes(keys.rsa_public_pem())
     holder.refresh_secrets()
     assert holder.error is None and holder.active.version == waiting.version
+
+
+def test_the_sidecar_enforces_its_engines_split_and_hands_the_plugin_the_whole_policy(
+    tmp_path: Path,
+) -> None:
+    secrets_dir = Keys(tmp_path / "secrets").write().dir
+    plugin_file = tmp_path / "run" / "policy.json"
+    even = make_policy(tenant("acme", guaranteed_blocks=200, max_blocks=300))
+    split = EnginePolicy.model_validate({
+        **even.model_dump(), "version": "",
+        "engines": {"engine-a": {"acme": {"guaranteed_blocks": 320, "max_blocks": 420}}},
+    }).with_version()
+    on_a = PolicyHolder(secrets_dir, plugin_file, engine="engine-a")
+    assert on_a.offer(split.to_json(), "test")
+    assert on_a.active is not None and on_a.active.version == split.version
+    acme = on_a.active.policy.tenants["acme"]
+    assert (acme.guaranteed_blocks, acme.max_blocks) == (320, 420)
+    # The plugin reads the policy as the operator rendered it (its hash still checks)
+    # and picks the same entry by the same pod name.
+    assert EnginePolicy.from_json(plugin_file.read_text()) == split
+    (secrets_dir / "cache-salt").write_bytes(secrets.token_bytes(40))
+    on_a.refresh_secrets()  # rebuilt from the policy as offered, not the local view
+    assert EnginePolicy.from_json(plugin_file.read_text()) == split
+    assert on_a.active.policy.tenants["acme"].guaranteed_blocks == 320
+
+    on_b = PolicyHolder(secrets_dir, None, engine="engine-b")  # no entry: the even split
+    assert on_b.offer(split.to_json(), "test") and on_b.active is not None
+    assert on_b.active.policy.tenants["acme"].guaranteed_blocks == 200

@@ -10,7 +10,7 @@ The quotas are the scenario's per engine (its percentages are of one engine's
 capacity), so a tenant's pool-wide guarantee is `replicas x` its per-engine one, and
 the load scales with the pool (`scale_load`: arrival rates and burst sizes x N, done
 by the caller, so the report counts the sessions that ran). With
-`split="even"` every engine keeps the even share, as the operator renders today; with
+`split="even"` every engine keeps the even share (where the operator starts); with
 `split="demand"` the operator's own `kvquota.rebalance.rebalance_pool` runs every
 `rebalance_interval` virtual seconds (the operator's poll interval) on what each
 engine's sidecar would report, and each engine whose split changed gets the new
@@ -18,8 +18,9 @@ policy the way a real one does: the plugin's policy file is replaced (the plugin
 it) and the sidecar's queue takes it.
 
 The engines advance in time order: the next thing to happen is an arrival, a
-rebalance, or the step of the engine whose clock is furthest behind; an idle engine's
-clock jumps to its next arrival. Nothing reads the wall clock except to report the
+rebalance, or the step of the engine whose clock is furthest behind (kept in a heap by
+`_EngineClock`, so a step costs log N, not N); an idle engine's clock jumps to its next
+arrival. Nothing reads the wall clock except to report the
 run's cost (the report divides it by the `engineHours` simulated).
 """
 
@@ -212,6 +213,42 @@ class _Engine(TwinRun):
             del harness.steps[:-1]
 
 
+class _EngineClock:
+    """Which engine runs next: the one with the earliest `next_time` (the lowest index
+    on a tie), without asking every engine at every step. An engine's next time changes
+    only when something happens to it (a step, a routed turn, a new split: the caller
+    says so with `moved`), so engines wait in a heap keyed on it; only a blocked engine
+    with work (its next time is the pool's next news) is asked each time."""
+
+    def __init__(self, engines: list[_Engine]) -> None:
+        self._engines = engines
+        self._heap: list[tuple[float, int, int]] = []  # (next time, index, stamp)
+        self._stamps = [0] * len(engines)
+        self._on_news: set[int] = set()
+        for engine in engines:
+            self.moved(engine)
+
+    def moved(self, engine: _Engine) -> None:
+        index = engine.index
+        self._stamps[index] += 1
+        if engine.blocked and engine.harness.has_unfinished():
+            self._on_news.add(index)
+            return
+        self._on_news.discard(index)
+        at = engine.next_time(INF)  # not blocked: its time does not depend on news
+        if at < INF:
+            heapq.heappush(self._heap, (at, index, self._stamps[index]))
+
+    def next(self, news: float) -> tuple[float, _Engine | None]:
+        heap = self._heap
+        while heap and heap[0][2] != self._stamps[heap[0][1]]:
+            heapq.heappop(heap)  # an engine's older entry
+        best = (heap[0][0], heap[0][1]) if heap else (INF, -1)
+        for index in self._on_news:
+            best = min(best, (self._engines[index].next_time(news), index))
+        return best[0], (self._engines[best[1]] if best[1] >= 0 else None)
+
+
 class PoolRun:
     """One policy over one scenario on a pool. `run()` returns what it measured."""
 
@@ -292,7 +329,7 @@ class PoolRun:
 
         return result
 
-    def _route(self, event: TwinEvent) -> None:
+    def _route(self, event: TwinEvent) -> _Engine:
         at, _, session, turn, _ = event
         key = (session.session_id, turn)
         prompt = self.prompts.get(key)
@@ -307,8 +344,10 @@ class PoolRun:
         engine.catch_up(at)
         engine.blocked = False
         engine._arrive(engine.harness, event)
+        return engine
 
-    def _rebalance(self, at: float) -> None:
+    def _rebalance(self, at: float) -> list[_Engine]:
+        """One operator round; returns the engines whose split changed."""
         names = [e.name for e in self.engines]
         demand = {
             t.tenant_id: {e.name: e.demand(t.tenant_id) for e in self.engines}
@@ -319,12 +358,15 @@ class PoolRun:
             guaranteeable_per_engine=self.guaranteeable,
         )
         self.rebalances += 1
+        changed = []
         for engine in self.engines:
             engine.refusals.clear()
             engine.admitted.clear()
             split = {tid: per_engine[engine.name] for tid, per_engine in self._splits.items()}
             if engine.apply_split(split):
                 self.policy_updates += 1
+                changed.append(engine)
+        return changed
 
     def _loop(self) -> RunResult:
         for session in self.sessions:
@@ -340,14 +382,11 @@ class PoolRun:
         notes: list[str] = []
         last_report = -1.0
         now = 0.0
+        clock = _EngineClock(self.engines)
         while True:
             t_event = self.events[0][0] if self.events else INF
             news = min(t_event, next_rebalance)
-            t_engine, engine = INF, None
-            for candidate in self.engines:
-                at = candidate.next_time(news)
-                if at < t_engine:
-                    t_engine, engine = at, candidate
+            t_engine, engine = clock.next(news)
             if t_event == INF and t_engine == INF:
                 break
             t = min(t_event, t_engine, next_rebalance)
@@ -358,14 +397,16 @@ class PoolRun:
                 break
             now = max(now, t)
             if t_event <= t:
-                self._route(heapq.heappop(self.events))
+                clock.moved(self._route(heapq.heappop(self.events)))
             elif next_rebalance <= t:
-                self._rebalance(t)
+                for changed in self._rebalance(t):
+                    clock.moved(changed)
                 next_rebalance = t + self.pool.rebalance_interval
             else:
                 assert engine is not None
                 engine.catch_up(t)
                 engine.turn()
+                clock.moved(engine)
             if now >= next_sample:
                 self._sample(timeline, now)
                 next_sample = now + interval

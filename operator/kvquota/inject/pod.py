@@ -23,7 +23,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-from engine_sidecar.stats import POLICY_PATH_ENV, STATS_PATH_ENV
+from engine_sidecar.stats import ENGINE_NAME_ENV, POLICY_PATH_ENV, STATS_PATH_ENV
 from kvquota import GROUP
 from kvquota.inject.engine_key import KeyRefused, engine_key_env
 from kvquota.inject.vllm_argv import (
@@ -266,6 +266,8 @@ def _add_plugin_env(vllm: dict[str, Any]) -> None:
             by_name[name].update(name=name, value=value)
         else:
             env.append({"name": name, "value": value})
+    if ENGINE_NAME_ENV not in by_name:  # the plugin picks its pod's per-engine split
+        env.append({"name": ENGINE_NAME_ENV, "valueFrom": _field("metadata.name")})
     mounts: list[dict[str, Any]] = vllm.setdefault("volumeMounts", [])
     mounts.append({"name": "kvquota-python", "mountPath": PLUGIN_DIR, "readOnly": True})
     mounts.append({"name": "kvquota-run", "mountPath": RUN_DIR})
@@ -292,7 +294,7 @@ def _sidecar(options: InjectionOptions, serve_port: int, engine_port: int,
         "env": [
             {"name": "POD_NAMESPACE", "valueFrom": _field("metadata.namespace")},
             {"name": "POD_IP", "valueFrom": _field("status.podIP")},
-            {"name": "POD_NAME", "valueFrom": _field("metadata.name")},
+            {"name": ENGINE_NAME_ENV, "valueFrom": _field("metadata.name")},
             # The pool this engine serves: its label (set above to `pool`).
             {"name": "KVQUOTA_POOL",
              "valueFrom": _field(f"metadata.labels['{POOL_LABEL}']")},
