@@ -7,6 +7,7 @@ defaults, bounds and patterns come from the fields, CEL rules from `_rules(...)`
 from __future__ import annotations
 
 from datetime import datetime
+from enum import StrEnum
 from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
@@ -337,6 +338,13 @@ class AuthSpec(_Model):
     )
 
 
+class QuotaSplit(StrEnum):
+    """How a tenant's pool-wide quota is divided over the pool's ready engines."""
+
+    EVEN = "Even"
+    DEMAND = "Demand"
+
+
 class InferencePoolSpec(BaseModel):
     model_config = _rules(
         (
@@ -361,6 +369,15 @@ class InferencePoolSpec(BaseModel):
     tiers: TiersSpec = Field(default_factory=TiersSpec)
     preemption: PreemptionSpec = Field(default_factory=PreemptionSpec)
     auth: AuthSpec = Field(default_factory=AuthSpec)
+    quota_split: QuotaSplit = Field(
+        QuotaSplit.EVEN,
+        description="How each tenant's pool-wide quota is divided over the ready engines. "
+        "Even: the same share on every engine. Demand: every engine poll moves a tenant's "
+        "per-engine guarantee toward the engines its traffic reaches (pool-wide totals "
+        "kept, at most half an even share per engine per poll, never below what an "
+        "engine's running work holds; shown in TenantQuota status.engines), for routers "
+        "that keep a tenant's sessions on a few engines (prefix- or session-affine).",
+    )
 
 
 class EngineCounts(_Model):

@@ -17,7 +17,13 @@ from typing import Any, TypeVar, cast
 from pydantic import ValidationError
 
 from engine_sidecar.policy import EnginePolicy, TenantPolicy, Tier
-from kvquota.api import EffectiveSettings, InferencePoolSpec, ObjectMeta, TenantQuotaSpec
+from kvquota.api import (
+    EffectiveSettings,
+    InferencePoolSpec,
+    ObjectMeta,
+    QuotaSplit,
+    TenantQuotaSpec,
+)
 from kvquota.capacity import (
     Admission,
     admit_oldest_first,
@@ -71,6 +77,7 @@ class PoolPlan:
     watermark: float = 0.0
     rendered: RenderedPolicy | None = None  # the policy and its JSON
     tenants: Mapping[ObjKey, TenantPlan] | None = None
+    demand_split: bool = False  # spec.quotaSplit: Demand
 
     @property
     def policy(self) -> EnginePolicy | None:
@@ -403,7 +410,7 @@ def plan_pool(
         capacity_per_engine=per_engine, budget=budget,
         requested_blocks=sum(q.spec.kv_cache.guaranteed_blocks for q in quotas),
         guaranteed_blocks=granted_total, watermark=watermark,
-        rendered=policy, tenants=plans,
+        rendered=policy, tenants=plans, demand_split=spec.quota_split is QuotaSplit.DEMAND,
     )
 
 

@@ -206,9 +206,11 @@ class PoolReconciler:
         self._polled_at[key] = time.monotonic()
         observation = await self._observe(key, pool)
         planned = self._planned.get(key)
-        if planned is not None:  # one round of the demand-driven split per poll
+        if planned is not None and planned.plan.demand_split:  # one round per poll
             self._splits.setdefault(key, PoolSplit()).poll_round(
                 planned.plan.split_inputs, observation.ready, observation.reports)
+        else:  # spec.quotaSplit: Even (the default), or back to it
+            self._splits.pop(key, None)
         self._verify.add(key)
         await self.reconcile(key, since)
 

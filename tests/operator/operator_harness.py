@@ -151,6 +151,7 @@ class FakeEngine:
     follow: bool = True
     version: str | None = None
     server: aiohttp.test_utils.TestServer | None = None
+    polls: int = 0  # status requests answered: the operator's poll rounds, as seen here
 
     def report(self, tenant_id: str, **tenant_status: Any) -> None:
         """Set what this engine reports for one tenant (SidecarStatus JSON fields)."""
@@ -177,6 +178,7 @@ class FakeEngines:
                                                 free_blocks=total_blocks), follow)
 
         async def serve(_: aiohttp.web.Request) -> aiohttp.web.Response:
+            engine.polls += 1
             version = await self._current_version() if engine.follow else engine.version
             body = engine.status.model_copy(update={"policy_version": version})
             return aiohttp.web.json_response(body.model_dump(mode="json", by_alias=True))

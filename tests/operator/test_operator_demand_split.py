@@ -1,6 +1,7 @@
-"""The operator moves a tenant's per-engine split toward the engine with its demand
-(kopf against the KMock emulator, fake sidecar status endpoints): the ConfigMap's
-per-engine entries, the TenantQuota status and the metrics all show it."""
+"""With `spec.quotaSplit: Demand` the operator moves a tenant's per-engine split toward
+the engine with its demand (kopf against the KMock emulator, fake sidecar status
+endpoints): the ConfigMap's per-engine entries, the TenantQuota status and the metrics
+all show it. The default, Even, moves nothing whatever the demand."""
 
 from __future__ import annotations
 
@@ -39,6 +40,20 @@ async def test_split_follows_demand_over_poll_rounds_and_keeps_the_totals(
     # and are refused there, while engine-b holds acme's other half idle.
     busy.report("acme", usage={"reservedBlocks": 190, "inflight": 10, "queued": 20},
                 counters={"admitted": 40, "rejectedQuota": 6})
+    # The pool's default split is Even: over six poll rounds that saw the demand (with
+    # Demand, two rounds of half an even share each would have moved it all), nothing
+    # moves and no per-engine gauge appears.
+    rounds = busy.polls + 6
+
+    async def polled() -> bool:
+        return busy.polls >= rounds
+
+    await cluster.wait_for(polled, "six poll rounds after the demand")
+    policy = await cluster.wait_for(even, "the even split over two engines")
+    assert policy.engines == {}
+    assert REGISTRY.get_sample_value("kvquota_operator_engine_guaranteed_blocks",
+                                     {**SPLIT, "engine": "engine-a"}) is None
+    await cluster.patch("InferencePool", "demo-pool", {"spec": {"quotaSplit": "Demand"}})
 
     seen: list[int] = []
 
