@@ -212,6 +212,15 @@ class EnginePolicy(_Model):
                 "guaranteed_blocks": share.guaranteed_blocks, "max_blocks": share.max_blocks})
         return self.model_copy(update={"tenants": tenants})
 
+    def blocks_on(self, engine: str, tenant_id: str) -> tuple[int, int]:
+        """(guaranteed, maximum) of one tenant on the engine named `engine`, as
+        `for_engine(engine)` gives them, without copying the policy."""
+        share = self.engines.get(engine, {}).get(tenant_id)
+        if share is not None:
+            return share.guaranteed_blocks, share.max_blocks
+        even = self.tenants[tenant_id]
+        return even.guaranteed_blocks, even.max_blocks
+
     def content_hash(self) -> str:
         body = self.model_dump(mode="json", by_alias=True, exclude={"version"})
         return version_of(json.dumps(body, sort_keys=True, separators=(",", ":")))

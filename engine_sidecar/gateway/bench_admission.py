@@ -17,7 +17,8 @@ reservation, to the rewritten body that would be forwarded. Printed: p50, mean a
 over `--requests`; then each stage alone, on the same bodies, so the total can be read
 as its parts. `--profile` prints the cProfile of the whole decisions instead.
 `--tenants N` puts N - 1 idle tenants beside the bench's own in the policy: the queue's
-decision reads a view of every tenant in the policy (`admission.pool_view`).
+decision should not grow with them (`admission.pool_view` holds only the tenants that
+hold something).
 """
 
 from __future__ import annotations

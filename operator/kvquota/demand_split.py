@@ -104,16 +104,10 @@ def engine_overrides(
 def tenant_engine_split(policy: EnginePolicy, tenant_id: str,
                         pods: Sequence[str]) -> list[tuple[str, int, int]]:
     """(pod, guaranteed, maximum) of the tenant on each of `pods`, sorted by pod, as
-    `policy.for_engine(pod)` gives it (without copying the policy per pod)."""
-    even = policy.tenants.get(tenant_id)
-    if even is None:
+    `policy.for_engine(pod)` gives it (`EnginePolicy.blocks_on`)."""
+    if tenant_id not in policy.tenants:
         return []
-    out = []
-    for pod in sorted(pods):
-        share = policy.engines.get(pod, {}).get(tenant_id)
-        out.append((pod, even.guaranteed_blocks, even.max_blocks) if share is None
-                   else (pod, share.guaranteed_blocks, share.max_blocks))
-    return out
+    return [(pod, *policy.blocks_on(pod, tenant_id)) for pod in sorted(pods)]
 
 
 def moved_tenants_split(policy: EnginePolicy, pods: Sequence[str]
