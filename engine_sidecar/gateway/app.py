@@ -49,6 +49,7 @@ from engine_sidecar.gateway.forward import (
     exchange,
     request_headers,
     send_error,
+    server_timing,
     wait_for_disconnect,
 )
 from engine_sidecar.gateway.ledger import Ledger, Reservation
@@ -377,6 +378,7 @@ class Gateway:
         await self._generate(scope, receive, send, Kind.RESPONSES)
 
     async def _generate(self, scope: Scope, receive: Receive, send: Send, kind: Kind) -> None:
+        arrived = time.perf_counter()
         body_read = False
         try:
             active = self._active()
@@ -393,7 +395,8 @@ class Gateway:
         if admitted is None:
             return  # the client left while its request was queued
         reservation, body, tier, waited = admitted
-        extra_headers = [(QUEUE_HEADER, str(round(waited * 1000)).encode())]
+        extra_headers = [(QUEUE_HEADER, str(round(waited * 1000)).encode()),
+                         server_timing("admit", arrived)]
         leasing = active.policy.tenants.get(tenant_id)
         if (self.config.engine_id and reservation.session
                 and leasing is not None and leasing.lease.seconds > 0):

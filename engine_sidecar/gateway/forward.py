@@ -202,6 +202,14 @@ async def send_error(send: Send, error: ApiError) -> None:
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+SERVER_TIMING = b"server-timing"
+
+
+def server_timing(name: str, since: float) -> tuple[bytes, bytes]:
+    """A W3C Server-Timing entry: `name` took from `since` (perf_counter) until now."""
+    return SERVER_TIMING, f"{name};dur={(time.perf_counter() - since) * 1000:.2f}".encode()
+
+
 @dataclass
 class ExchangeResult:
     outcome: str = "cancelled"  # completed | upstream_error | timeout | cancelled | error
@@ -254,7 +262,7 @@ class _Pump:
             await send({
                 "type": "http.response.start", "status": response.status_code,
                 "headers": [*filter_headers(response.raw_headers, RESPONSE_DROP),
-                            *self.extra_headers],
+                            *self.extra_headers, server_timing("upstream", start)],
             })
             result.started = True
             try:

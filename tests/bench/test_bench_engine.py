@@ -5,13 +5,14 @@ its tenant ids are unique, so the next policy any test installs drops its leases
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from engine_sidecar.policy import write_atomically
-from kvquota.bench.engine_backend import RunningEngine, run_engine_policy
+from kvquota.bench.engine_backend import REQUESTS_FILE, RunningEngine, run_engine_policy
 from kvquota.bench.metrics import summarize
 from kvquota.bench.scenario import generate_sessions, parse_scenario
 from kvquota.bench.twin import POLICIES
@@ -76,3 +77,18 @@ def test_kvquota_through_the_sidecar_leases_and_limits(engine: Any, tmp_path: Pa
     assert premium["queuedP99"] == 0
     assert premium["leaseBreaks"] == 0
     assert summary["timeline"]["times"]
+    # Every request's timeline, in order, with the sidecar's own split of its part:
+    # a queued request's admission took at least its queue wait (1 ms: the header's
+    # rounding to the millisecond).
+    requests = [json.loads(line) for line in (tmp_path / REQUESTS_FILE).read_text().splitlines()]
+    assert len(requests) == 12
+    for request in requests:
+        assert (request["arrival"] <= request["sent"] <= request["headers"]
+                <= request["first_token"] <= request["finish"])
+        timing = request["server_timing"]
+        assert timing.keys() == {"admit", "upstream"}
+        assert timing["admit"] >= request["queued_seconds"] * 1000 - 1
+    slowest = result.extra["slowestFirstToken"]
+    assert slowest["tier"] == "premium"
+    assert slowest["ttftMs"] == round(max(
+        r["first_token"] - r["arrival"] for r in requests if r["tier"] == "premium") * 1000, 1)

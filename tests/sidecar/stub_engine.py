@@ -23,6 +23,7 @@ class StubEngine:
     mode: str = "ok"  # ok | error500 | hang_headers | hang_midstream | drop_midstream
     chunks: int = 3
     chunk_delay: float = 0.0
+    head_delay: float = 0.0  # seconds before a stream's response head goes out
     model_id: str = "stub-model"  # what /v1/models names (vLLM: the path, if no served name)
     # Set: every stream stops after its first chunk until the test sets the event (a
     # request that holds its slot for exactly as long as the test needs).
@@ -84,6 +85,8 @@ class StubEngine:
             await _json(send, 200, {"object": "text_completion",
                                     "choices": [{"index": 0, "text": "ok"}], "usage": usage})
             return
+        if self.head_delay:
+            await asyncio.sleep(self.head_delay)
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
                                 (b"x-upstream", b"stub"), (b"set-cookie", b"a=b")]})

@@ -36,11 +36,12 @@ def _in_background(call: Any) -> tuple[threading.Thread, list[Any]]:
 
 
 def _slot_taken(
-    stub_sidecar: StubFactory, keys: Keys, **limits: Any
+    stub_sidecar: StubFactory, keys: Keys, head_delay: float = 0.0, **limits: Any
 ) -> tuple[Harness, StubEngine, str, threading.Thread, list[Any]]:
     """A sidecar whose tenant's one concurrency slot is held by a stream that goes on
     until the test calls `stub.release()`."""
-    harness, stub = stub_sidecar(StubEngine(chunks=3, hold=threading.Event()))
+    harness, stub = stub_sidecar(StubEngine(chunks=3, hold=threading.Event(),
+                                            head_delay=head_delay))
     harness.apply(make_policy(tenant("acme", max_concurrent_requests=1, **limits)))
     token = keys.hs("acme")
     first, first_out = _in_background(lambda: _post(harness.url, token, timeout=30))
@@ -73,6 +74,38 @@ def test_a_queued_request_is_admitted_when_the_slot_frees(
     assert int(second_reply.headers["x-kvquota-queue-ms"]) >= waited_ms - 1
     assert len(stub.received) == 2 and harness.wait_ledger_empty()
     assert harness.gateway.queue.depth("acme") == 0
+
+
+def _server_timing(reply: httpx.Response) -> dict[str, float]:
+    entries = (e.strip() for value in reply.headers.get_list("server-timing")
+               for e in value.split(","))
+    return {name: float(dur) for name, dur in (e.split(";dur=") for e in entries)}
+
+
+def test_an_admitted_response_says_where_the_sidecars_time_went(
+    stub_sidecar: StubFactory, keys: Keys
+) -> None:
+    """Server-Timing: `admit`, from the request's arrival to its forwarding (queue wait
+    included), and `upstream`, from forwarding until the engine's response head."""
+    head_delay = 0.2
+    harness, stub, token, first, first_out = _slot_taken(stub_sidecar, keys, head_delay)
+    second, second_out = _in_background(lambda: _post(harness.url, token, timeout=30))
+    wait_for(lambda: harness.gateway.queue.depth("acme") == 1, WAIT, "second never queued")
+    queued_by = time.monotonic()
+    time.sleep(0.1)  # a queue wait of its own, beside the engine's head delay
+    released_at = time.monotonic()
+    stub.release()
+    first.join(30), second.join(30)
+    (first_reply,), (second_reply,) = first_out, second_out
+    first_timing, second_timing = _server_timing(first_reply), _server_timing(second_reply)
+    assert set(first_timing) == set(second_timing) == {"admit", "upstream"}
+    # Lower bounds only, from sleeps (the stub's head delay, this test's wait) on the
+    # sidecar's own clock; 1 ms for the sleeps' timer granularity and the rounding.
+    for timing in (first_timing, second_timing):
+        assert timing["upstream"] >= head_delay * 1000 - 1
+    assert second_timing["admit"] >= (released_at - queued_by) * 1000 - 1
+    assert second_timing["admit"] >= int(second_reply.headers["x-kvquota-queue-ms"]) - 1
+    assert "server-timing" not in stub.received_headers[0]  # ours, not the engine's
 
 
 def test_a_client_that_gives_up_while_queued_leaves_no_trace(

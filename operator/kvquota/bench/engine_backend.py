@@ -35,7 +35,7 @@ import re
 import secrets
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from engine_sidecar.policy import AuthPolicy, write_atomically
 from engine_sidecar.stats import EngineStats
 from kvquota.bench.metrics import Outcome, RunResult, Timeline
-from kvquota.bench.scenario import Scenario, Session, generate_sessions
+from kvquota.bench.scenario import TIER_ORDER, Scenario, Session, generate_sessions
 from kvquota.bench.twin import BASELINE, POLICIES, PolicySpec, Progress
 from kvquota.loadgen import QUEUE_HEADER, Target
 
@@ -71,11 +71,27 @@ class _Reply:
     status: int
     code: str | None = None
     retry_after: float | None = None
+    sent: float = 0.0
+    headers: float = 0.0
     first_token: float | None = None
     finish: float | None = None
     output_ids: list[int] = field(default_factory=list)
     cached_tokens: int | None = None  # None: the engine did not report it
     queued_seconds: float = 0.0  # the sidecar's x-kvquota-queue-ms (0 from stock vLLM)
+    server_timing: dict[str, float] = field(default_factory=dict)
+
+
+def parse_server_timing(values: list[str]) -> dict[str, float]:
+    """`name;dur=ms` entries of Server-Timing headers (W3C); others are skipped."""
+    timings: dict[str, float] = {}
+    for entry in (e for value in values for e in value.split(",")):
+        name, _, params = entry.strip().partition(";")
+        for param in params.split(";"):
+            key, _, value = param.strip().partition("=")
+            if key == "dur":
+                with contextlib.suppress(ValueError):
+                    timings[name] = float(value)
+    return timings
 
 
 async def complete(
@@ -93,10 +109,11 @@ async def complete(
     }
     if priority is not None:
         body["priority"] = priority
-    reply = _Reply(200)
+    reply = _Reply(200, sent=clock())
     async with client.stream(
         "POST", f"{target.url}/v1/completions", json=body, headers=headers
     ) as resp:
+        reply.headers = clock()
         if resp.status_code != 200:
             raw = await resp.aread()
             reply.status = resp.status_code
@@ -108,6 +125,7 @@ async def complete(
             reply.retry_after = float(retry_after) if retry_after else None
             return reply
         reply.queued_seconds = float(resp.headers.get(QUEUE_HEADER) or 0) / 1000
+        reply.server_timing = parse_server_timing(resp.headers.get_list("server-timing"))
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -241,6 +259,8 @@ class _Driver:
             outcome.status = "ok"
             outcome.first_token = reply.first_token
             outcome.finish = reply.finish
+            outcome.sent, outcome.headers = reply.sent, reply.headers
+            outcome.server_timing = reply.server_timing
             outcome.output_tokens = len(reply.output_ids)
             outcome.queued_seconds = reply.queued_seconds
             if reply.cached_tokens is None:
@@ -474,6 +494,55 @@ def _stats_path(engine_env: dict[str, str]) -> Path | None:
     return Path(value) if value else None
 
 
+REQUESTS_FILE = "requests.jsonl"
+
+
+def _write_requests(path: Path, outcomes: list[Outcome]) -> None:
+    """Every request's timeline (arrival, sent, headers, first token, finish, in run
+    seconds), one JSON object a line, in arrival order: where a slow request's time
+    went, the sidecar and vLLM's front end or the engine."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as out:
+        for outcome in sorted(outcomes, key=lambda o: o.arrival):
+            out.write(json.dumps(asdict(outcome), separators=(",", ":")) + "\n")
+
+
+def slowest_first_token(outcomes: list[Outcome]) -> dict[str, Any] | None:
+    """Where the top tier's slowest first token spent its time, in ms: until the
+    response head (the sidecar's admission and the engine's front end, by the
+    sidecar's Server-Timing when it is there), then until the first token."""
+    tier = next((t.value for t in TIER_ORDER if any(o.tier == t.value for o in outcomes)),
+                None)
+    timed = [o for o in outcomes if o.tier == tier and o.ttft is not None
+             and o.sent is not None and o.headers is not None]
+    if not timed:
+        return None
+    slow = max(timed, key=lambda o: o.ttft or 0.0)
+    assert slow.first_token is not None and slow.sent is not None and slow.headers is not None
+    return {
+        "tier": tier, "turn": slow.turn, "arrival": round(slow.arrival, 3),
+        "ttftMs": round((slow.first_token - slow.arrival) * 1000, 1),
+        "beforeSendMs": round((slow.sent - slow.arrival) * 1000, 1),  # refused attempts
+        "toHeadMs": round((slow.headers - slow.sent) * 1000, 1),
+        "headToFirstTokenMs": round((slow.first_token - slow.headers) * 1000, 1),
+        "sidecar": slow.server_timing,
+    }
+
+
+def _describe_slowest(slow: dict[str, Any]) -> str:
+    sidecar = slow["sidecar"]
+    inside = (f" (sidecar admission {sidecar['admit']:.0f} ms, engine until its head "
+              f"{sidecar['upstream']:.0f} ms)"
+              if {"admit", "upstream"} <= sidecar.keys() else "")
+    return (f"{slow['tier']}'s slowest first token (turn {slow['turn']} at "
+            f"{slow['arrival']:.1f}s): {slow['ttftMs']:.0f} ms = "
+            + (f"{slow['beforeSendMs']:.0f} ms of refused attempts + "
+               if slow["beforeSendMs"] >= 1 else "")
+            + f"{slow['toHeadMs']:.0f} ms "
+            f"to the response head{inside} + {slow['headToFirstTokenMs']:.0f} ms to the "
+            f"first token; every request's timeline is in {REQUESTS_FILE}")
+
+
 def run_engine_policy(
     scenario: Scenario, sessions: list[Session], spec: PolicySpec, run: Path,
     progress: Progress | None = None, *, existing: RunningEngine | None = None,
@@ -513,11 +582,16 @@ def run_engine_policy(
             final = _read_stats(stats_path) if stats_path is not None else None
     finally:
         procs.stop_all()
+    _write_requests(run / REQUESTS_FILE, driver.outcomes)
+    slowest = slowest_first_token(driver.outcomes)
     makespan = max((o.finish for o in driver.outcomes if o.finish is not None), default=0.0)
     result = RunResult(
         key=spec.key, label=spec.label, outcomes=driver.outcomes, timeline=timeline,
         makespan=makespan, wall_seconds=time.perf_counter() - started,
     )
+    if slowest is not None:
+        result.extra["slowestFirstToken"] = slowest
+        result.notes.append(_describe_slowest(slowest))
     preempted = metrics.get("vllm:num_preemptions_total")
     # None: the engine exports no stats (kvquota.processes starts it with
     # --disable-log-stats), so stock vLLM's preemptions and KV usage are unknown.

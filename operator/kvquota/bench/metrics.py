@@ -31,6 +31,11 @@ class Outcome:
     output_tokens: int = 0
     first_token: float | None = None
     finish: float | None = None
+    # Engine backend, the admitted attempt: when it was sent and when the response
+    # headers came back (the sidecar and vLLM's front end done, the engine not yet).
+    sent: float | None = None
+    headers: float | None = None
+    server_timing: dict[str, float] = field(default_factory=dict)  # the sidecar's, in ms
     preemptions: int = 0
     attempts: int = 0
     rejections: list[int] = field(default_factory=list)  # HTTP status per refused attempt
