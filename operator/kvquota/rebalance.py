@@ -5,7 +5,8 @@ tenant's traffic evenly. A prefix- or session-affine router does not: a tenant's
 lands on a few engines, where it is refused, while its guarantee sits unused on the
 others. `rebalance_tenant` moves the tenant's per-engine guarantee toward the engines
 where its demand is, from what each engine's sidecar already reports
-(`SidecarStatus.tenants[...]`: reserved blocks, in-flight and queued requests, and the
+(`SidecarStatus.tenants[...]`: reserved, used and leased blocks, in-flight and queued
+requests, and the
 refusals counted since the previous round). The rules:
 
 - **Totals are invariant.** The per-engine guarantees add up to what the even split
@@ -15,15 +16,17 @@ refusals counted since the previous round). The rules:
 - **Bounded rate (hysteresis).** An engine whose target is within `deadband` of its
   current guarantee keeps it; any other moves by at most `step` blocks a round. The
   round's gains and losses are scaled to match exactly, so nothing is created.
-- **Running work keeps its room.** An engine's guarantee never drops below
-  min(its reserved blocks, its current guarantee), so its maximum never drops below
-  min(reserved, current maximum): no admitted request is made a borrower or an
-  over-quota holder by a rebalance.
+- **Held work keeps its room.** An engine's guarantee never drops below
+  min(what the tenant holds there, its current guarantee), so its maximum never drops
+  below min(held, current maximum): no admitted request and no lease is made a borrower
+  or an over-quota holder by a rebalance. Held is what admission counts against the
+  engine's quota (`EngineDemand.held_blocks`): the reservations (or the blocks the
+  engine holds for them, where more) plus the blocks only the tenant's leases pin.
 - **Room per engine.** `ceilings` caps a guarantee (the engine's guaranteeable blocks
   less the other tenants' guarantees there), so an engine never guarantees more than
   it has.
 
-Demand in blocks per engine: its reserved blocks, plus its queued and refused requests
+Demand in blocks per engine: its held blocks, plus its queued and refused requests
 at the tenant's mean request size (reserved / in flight over the pool; with nothing in
 flight anywhere, one even share per request). Where the demand adds up to less than the
 total, the rest goes where the tenant's traffic goes (the requests each engine admitted,
@@ -49,16 +52,27 @@ from kvquota.capacity import split_quota
 class EngineDemand:
     """One tenant on one engine, as its sidecar's status reports it."""
 
-    reserved_blocks: int = 0
+    reserved_blocks: int = 0  # usage.reservedBlocks: admitted requests' reservations
     inflight: int = 0
     queued: int = 0
     refused: int = 0  # refusals (quota or watermark) since the previous round
     admitted: int = 0  # requests admitted since the previous round
+    leased_blocks: int = 0  # usage.leasedBlocks: pinned by leases, no running request's
+    used_blocks: int = 0  # usage.blocks: what the engine holds, running and leased
 
     def __post_init__(self) -> None:
-        for name in ("reserved_blocks", "inflight", "queued", "refused", "admitted"):
+        for name in ("reserved_blocks", "inflight", "queued", "refused", "admitted",
+                     "leased_blocks", "used_blocks"):
             if getattr(self, name) < 0:
                 raise ValueError(f"EngineDemand.{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def held_blocks(self) -> int:
+        """What the tenant holds on the engine as admission counts it against the
+        engine's quota (`admission.PoolView.holding`): its running work (its
+        reservations, or the blocks the engine holds for it where more) and the blocks
+        only its leases pin. A guarantee below this makes held work borrowed."""
+        return max(self.used_blocks, self.reserved_blocks + self.leased_blocks)
 
 
 def demand_from_status(
@@ -82,6 +96,7 @@ def demand_from_status(
         out[tenant_id] = EngineDemand(
             reserved_blocks=now.usage.reserved_blocks, inflight=now.usage.inflight,
             queued=now.usage.queued, refused=refused, admitted=admitted,
+            leased_blocks=now.usage.leased_blocks, used_blocks=now.usage.blocks,
         )
     return out
 
@@ -141,7 +156,7 @@ def demand_blocks(demand: Mapping[str, EngineDemand], even_guaranteed: int) -> d
     inflight = sum(d.inflight for d in demand.values())
     per_request = reserved / inflight if inflight else float(max(even_guaranteed, 1))
     return {
-        engine: d.reserved_blocks + math.ceil(per_request * (d.queued + d.refused))
+        engine: d.held_blocks + math.ceil(per_request * (d.queued + d.refused))
         for engine, d in demand.items()
     }
 
@@ -211,7 +226,7 @@ def rebalance_tenant(
         ceiling = ceilings.get(engine)
         if ceiling is not None:
             move = min(move, max(0, ceiling - now))
-        floor = min(demand[engine].reserved_blocks, now)
+        floor = min(demand[engine].held_blocks, now)
         move = max(move, floor - now)
         if move > 0:
             gains[engine] = move

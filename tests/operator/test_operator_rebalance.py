@@ -123,6 +123,7 @@ demands = st.builds(
     EngineDemand,
     reserved_blocks=st.integers(0, 2000), inflight=st.integers(0, 40),
     queued=st.integers(0, 60), refused=st.integers(0, 60),
+    leased_blocks=st.integers(0, 1000), used_blocks=st.integers(0, 2000),
 )
 
 
@@ -161,10 +162,10 @@ def test_invariants_hold_for_any_demand(
             assert now.guaranteed >= 0 and now.maximum >= now.guaranteed
             # Bounded rate.
             assert abs(now.guaranteed - old.guaranteed) <= limit
-            # Running work keeps its room.
-            reserved = demand[name].reserved_blocks
-            assert now.guaranteed >= min(reserved, old.guaranteed)
-            assert now.maximum >= min(reserved, old.maximum)
+            # Held work (running and leased) keeps its room.
+            held = demand[name].held_blocks
+            assert now.guaranteed >= min(held, old.guaranteed)
+            assert now.maximum >= min(held, old.maximum)
             # An engine grows only up to its ceiling.
             if ceiling is not None and now.guaranteed > old.guaranteed:
                 assert now.guaranteed <= ceiling
