@@ -215,13 +215,17 @@ class TenantAwareScheduler(compat.Scheduler):
         policy_path: str | Path | None = _UNSET,
         stats_path: str | Path | None = _UNSET,
         clock: Callable[[], float] | None = None,
+        engine: str | None = None,
     ) -> None:
-        """Point the plugin at a policy file / stats file / clock (virtual time)."""
+        """Point the plugin at a policy file / stats file / clock (virtual time);
+        `engine` names the engine whose entry of the per-engine split it enforces (by
+        default the pod name from the environment, as in a pod)."""
         if clock is not None:
             self._kvq_clock = clock
-        if policy_path is not _UNSET or clock is not None:
+        if policy_path is not _UNSET or clock is not None or engine is not None:
             path = self._kvq_watcher.path if policy_path is _UNSET else policy_path
-            self._kvq_watcher = PolicyWatcher(path, clock=self._kvq_now)
+            self._kvq_watcher = PolicyWatcher(path, clock=self._kvq_now,
+                                              engine=engine or self._kvq_watcher.engine)
             if self._kvq_watcher.poll(force=True) or self._kvq_watcher.policy is None:
                 self._kvq_apply_policy()
         if stats_path is not _UNSET or policy_path is not _UNSET or clock is not None:

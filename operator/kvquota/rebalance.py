@@ -5,34 +5,41 @@ tenant's traffic evenly. A prefix- or session-affine router does not: a tenant's
 lands on a few engines, where it is refused, while its guarantee sits unused on the
 others. `rebalance_tenant` moves the tenant's per-engine guarantee toward the engines
 where its demand is, from what each engine's sidecar already reports
-(`SidecarStatus.tenants[...]`: reserved blocks, in-flight and queued requests, and the
+(`SidecarStatus.tenants[...]`: reserved, used and leased blocks, in-flight and queued
+requests, and the
 refusals counted since the previous round). The rules:
 
 - **Totals are invariant.** The per-engine guarantees add up to what the even split
   gives (`replicas x guaranteed // replicas`), and each engine's maximum is its
   guarantee plus the even split's headroom (`max - guaranteed` per engine), so the
   maxima add up to the even split's too.
-- **Bounded rate (hysteresis).** An engine whose target is within `deadband` of its
-  current guarantee keeps it; any other moves by at most `step` blocks a round. The
-  round's gains and losses are scaled to match exactly, so nothing is created.
-- **Running work keeps its room.** An engine's guarantee never drops below
-  min(its reserved blocks, its current guarantee), so its maximum never drops below
-  min(reserved, current maximum): no admitted request is made a borrower or an
-  over-quota holder by a rebalance.
+- **Moves only for a shortage (hysteresis).** An engine is short when what the
+  tenant's work there wants (below) exceeds its guarantee by more than `deadband`: it
+  borrows, queues or is refused. Only then does guarantee move: each short engine gains
+  up to its want plus a margin (`deadband` and `margin_fraction` of the want), from
+  engines whose guarantee exceeds their own want plus the same margin by more than
+  `deadband`, and nothing moves while no engine is short. So a router that spreads a
+  tenant (least-KV, round robin) leaves the split where it is, whatever noise its
+  per-engine traffic has; an earlier design shared the unwanted guarantee out by each
+  engine's traffic since the previous round, which at 64 engines under least-KV routing
+  moved most engines every round and took guarantee from exactly the engines the
+  router was about to fill (903 engine updates in 19 rounds).
+- **Bounded rate.** No engine moves by more than `step` blocks a round. The round's
+  gains and losses are scaled to match exactly, so nothing is created.
+- **Held work keeps its room.** An engine's guarantee never drops below
+  min(what the tenant holds there, its current guarantee), so its maximum never drops
+  below min(held, current maximum): no admitted request and no lease is made a borrower
+  or an over-quota holder by a rebalance. Held is what admission counts against the
+  engine's quota (`EngineDemand.held_blocks`): the reservations (or the blocks the
+  engine holds for them, where more) plus the blocks only the tenant's leases pin.
 - **Room per engine.** `ceilings` caps a guarantee (the engine's guaranteeable blocks
   less the other tenants' guarantees there), so an engine never guarantees more than
   it has.
 
-Demand in blocks per engine: its reserved blocks, plus its queued and refused requests
-at the tenant's mean request size (reserved / in flight over the pool; with nothing in
-flight anywhere, one even share per request). Where the demand adds up to less than the
-total, the rest goes where the tenant's traffic goes (the requests each engine admitted,
-queued or refused since the previous round: a prefix- or session-affine router keeps
-sending a tenant where it sent it), an engine without traffic counting as
-`idle_share` of an average one, so it keeps room for new sessions; with no traffic
-anywhere the rest is spread evenly. Where the demand adds up to more than the total, the
-total is shared in proportion to it. Integer rounding is by
-largest remainder, ties broken by engine name: the same input gives the same split.
+What an engine's work wants, in blocks: its held blocks, plus its queued and refused
+requests at the tenant's mean request size (reserved / in flight over the pool; with
+nothing in flight anywhere, one even share per request). Integer rounding is by largest
+remainder, ties broken by engine name: the same input gives the same split.
 """
 
 from __future__ import annotations
@@ -49,16 +56,27 @@ from kvquota.capacity import split_quota
 class EngineDemand:
     """One tenant on one engine, as its sidecar's status reports it."""
 
-    reserved_blocks: int = 0
+    reserved_blocks: int = 0  # usage.reservedBlocks: admitted requests' reservations
     inflight: int = 0
     queued: int = 0
     refused: int = 0  # refusals (quota or watermark) since the previous round
-    admitted: int = 0  # requests admitted since the previous round
+    admitted: int = 0  # requests admitted since the previous round (not moved by)
+    leased_blocks: int = 0  # usage.leasedBlocks: pinned by leases, no running request's
+    used_blocks: int = 0  # usage.blocks: what the engine holds, running and leased
 
     def __post_init__(self) -> None:
-        for name in ("reserved_blocks", "inflight", "queued", "refused", "admitted"):
+        for name in ("reserved_blocks", "inflight", "queued", "refused", "admitted",
+                     "leased_blocks", "used_blocks"):
             if getattr(self, name) < 0:
                 raise ValueError(f"EngineDemand.{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def held_blocks(self) -> int:
+        """What the tenant holds on the engine as admission counts it against the
+        engine's quota (`admission.PoolView.holding`): its running work (its
+        reservations, or the blocks the engine holds for it where more) and the blocks
+        only its leases pin. A guarantee below this makes held work borrowed."""
+        return max(self.used_blocks, self.reserved_blocks + self.leased_blocks)
 
 
 def demand_from_status(
@@ -82,6 +100,7 @@ def demand_from_status(
         out[tenant_id] = EngineDemand(
             reserved_blocks=now.usage.reserved_blocks, inflight=now.usage.inflight,
             queued=now.usage.queued, refused=refused, admitted=admitted,
+            leased_blocks=now.usage.leased_blocks, used_blocks=now.usage.blocks,
         )
     return out
 
@@ -94,18 +113,18 @@ class EngineSplit:
 
 @dataclass(frozen=True)
 class RebalanceSettings:
-    step_fraction: float = 0.5  # of the even guarantee: the most an engine moves a round
-    deadband_fraction: float = 0.05  # of the even guarantee: closer targets are ignored
-    idle_share: float = 0.25  # of an average engine's traffic: what an idle one counts as
+    """Fractions of the even per-engine guarantee."""
+
+    step_fraction: float = 0.5  # the most an engine moves a round
+    deadband_fraction: float = 0.05  # shortages and surpluses up to this are ignored
+    margin_fraction: float = 0.2  # of an engine's own want: room above it it is given
 
     def __post_init__(self) -> None:
         if not 0 < self.step_fraction <= 1:
             raise ValueError(f"step_fraction must be in (0, 1], got {self.step_fraction}")
-        if not 0 <= self.deadband_fraction < 1:
-            raise ValueError(f"deadband_fraction must be in [0, 1), got "
-                             f"{self.deadband_fraction}")
-        if not 0 <= self.idle_share <= 1:
-            raise ValueError(f"idle_share must be in [0, 1], got {self.idle_share}")
+        for name in ("deadband_fraction", "margin_fraction"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
 
 
 def even_split(guaranteed: int, maximum: int, engines: Sequence[str]) -> dict[str, EngineSplit]:
@@ -141,19 +160,9 @@ def demand_blocks(demand: Mapping[str, EngineDemand], even_guaranteed: int) -> d
     inflight = sum(d.inflight for d in demand.values())
     per_request = reserved / inflight if inflight else float(max(even_guaranteed, 1))
     return {
-        engine: d.reserved_blocks + math.ceil(per_request * (d.queued + d.refused))
+        engine: d.held_blocks + math.ceil(per_request * (d.queued + d.refused))
         for engine, d in demand.items()
     }
-
-
-def _targets(total: int, wants: Mapping[str, int], traffic: Mapping[str, int],
-             idle_share: float) -> dict[str, int]:
-    wanted = sum(wants.values())
-    if wanted >= total:
-        return apportion(total, {e: float(w) for e, w in wants.items()})
-    floor = idle_share * sum(traffic.values()) / len(traffic)
-    slack = apportion(total - wanted, {e: traffic[e] + floor for e in wants})
-    return {e: wants[e] + slack[e] for e in wants}
 
 
 def _scale(moves: dict[str, int], amount: int) -> dict[str, int]:
@@ -195,28 +204,24 @@ def rebalance_tenant(
             or any(s.maximum - s.guaranteed != headroom for s in current.values())):
         current = even
     ceilings = ceilings or {}
-    traffic = {e: d.admitted + d.queued + d.refused for e, d in demand.items()}
-    targets = _targets(total, demand_blocks(demand, share.guaranteed), traffic,
-                       settings.idle_share)
+    wants = demand_blocks(demand, share.guaranteed)
     step = max(1, math.ceil(settings.step_fraction * share.guaranteed))
     deadband = math.floor(settings.deadband_fraction * share.guaranteed)
     gains: dict[str, int] = {}
     losses: dict[str, int] = {}
     for engine in engines:
         now = current[engine].guaranteed
-        want = targets[engine] - now
-        if abs(want) <= deadband:
-            continue
-        move = max(-step, min(step, want))
-        ceiling = ceilings.get(engine)
-        if ceiling is not None:
-            move = min(move, max(0, ceiling - now))
-        floor = min(demand[engine].reserved_blocks, now)
-        move = max(move, floor - now)
-        if move > 0:
-            gains[engine] = move
-        elif move < 0:
-            losses[engine] = move
+        want = wants[engine]
+        # Given when short, kept when giving: room to grow before it is short again.
+        # Want >= held, so held work keeps its room.
+        keep = want + deadband + math.ceil(settings.margin_fraction * want)
+        if want > now + deadband:  # short: its work borrows, waits or is refused
+            room = ceilings.get(engine)
+            gain = min(step, keep - now, max(0, room - now) if room is not None else step)
+            if gain > 0:
+                gains[engine] = gain
+        elif now - keep > deadband:
+            losses[engine] = -min(step, now - keep)
     amount = min(sum(gains.values()), -sum(losses.values()))
     moves = {**_scale(gains, amount), **_scale(losses, amount)} if amount else {}
     out = {}

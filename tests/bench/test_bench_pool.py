@@ -204,3 +204,31 @@ def test_the_demand_split_moves_the_guarantee_where_the_tenant_is(
     split = pool["finalSplit"]["acme"]
     assert sum(split) == 640 and split[0] > 320 > split[1]
     assert pool["policyUpdates"] > 0
+
+
+def test_every_engine_enforces_its_own_entry_of_the_one_rendered_policy() -> None:
+    # The twin renders one pool policy (the even entries and the per-engine overrides)
+    # as the operator does; each engine's sidecar and plugin take their entry by name
+    # (`EnginePolicy.for_engine`), as in a pod.
+    from kvquota.bench.cost import load_profile
+    from kvquota.bench.pool import PoolRun
+    from kvquota.bench.twin import POLICIES
+
+    scenario = scale_load(parse_scenario(HOT, source="hot"), 2)
+    spec = PoolSpec(2, "prefix-affinity", "demand", rebalance_interval=2.0)
+    run = PoolRun(scenario, POLICIES["kvquota"], spec, load_profile(scenario.profile))
+    run.run()
+    assert set(run.policy.engines) == {"engine-0", "engine-1"}  # the split moved
+    enforced, current = [], 0
+    for engine in run.engines:
+        mine = run.policy.for_engine(engine.name)
+        assert engine.gateway is not None and engine.gateway.queue.policy == mine
+        enforced.append(mine.tenants["acme"].guaranteed_blocks)
+        # The plugin reloads its file between steps (an idle engine at its next one).
+        watcher = engine.harness.plugin._kvq_watcher  # type: ignore[union-attr]
+        assert watcher.engine == engine.name
+        if watcher.version == run.policy.version:
+            assert watcher.policy == mine
+            current += 1
+    assert enforced[0] != enforced[1] and sum(enforced) == 640
+    assert current >= 1

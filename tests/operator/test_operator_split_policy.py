@@ -96,9 +96,44 @@ def test_a_poll_round_moves_the_guarantee_toward_demand_within_a_bounded_step() 
         assert split["engine-a"].guaranteed + split["engine-b"].guaranteed == 400
         assert all(s.maximum - s.guaranteed == 100 for s in split.values())
         rounds.append(split["engine-a"].guaranteed)
-    assert rounds == [300, 400, 400, 400]  # half an even share per round, then stays
+    # Half an even share per round, until engine-b, which wants nothing, keeps only its
+    # deadband (5% of its share, 10); then it stays.
+    assert rounds == [300, 390, 390, 390]
 
     state.poll_round(inputs, ["engine-a"], {"engine-a": _report()})
     assert state.splits == {}  # one engine: nothing to split
     state.poll_round(SplitInputs(inputs.tenants, None, 0.15), ["a", "b"], {})
     assert state.splits == {}  # capacity unknown
+
+
+def _holding(reserved: int, running: int, leased: int, inflight: int = 0) -> SidecarStatus:
+    """One engine's report of acme holding blocks: `running` of its running requests
+    (the plugin's), `leased` only its leases pin, `reserved` by admission."""
+    return SidecarStatus(ready=True, total_blocks=1000, tenants={"acme": TenantStatus(
+        usage=TenantUsage(blocks=running + leased, reserved_blocks=reserved,
+                          leased_blocks=leased, inflight=inflight))})
+
+
+@pytest.mark.parametrize(("reserved", "running", "leased", "held"), [
+    (0, 0, 180, 180),  # idle sessions' leases, nothing in flight
+    (100, 120, 70, 190),  # a follow-up runs on its leased prefix (held past reserved)
+    (150, 40, 30, 180),  # reservations still growing, beside another session's lease
+])
+def test_a_poll_round_never_takes_what_an_engines_work_and_leases_hold(
+    reserved: int, running: int, leased: int, held: int,
+) -> None:
+    # engine-a is short (40 queued); engine-b holds `held` blocks of acme as its
+    # admission counts them (running work or reservations, plus lease-only blocks).
+    inputs = SplitInputs([TenantTotals("acme", 1000, 1200, 0)], capacity_per_engine=2000,
+                         watermark=0.15)
+    state = PoolSplit()
+    for _ in range(6):
+        state.poll_round(inputs, ["engine-a", "engine-b"], {
+            "engine-a": _report(reserved=200, queued=40),
+            "engine-b": _holding(reserved, running, leased, inflight=reserved // 50)})
+        split = state.splits["acme"]
+        assert split["engine-b"].guaranteed >= held  # what b holds stays guaranteed
+        assert split["engine-a"].guaranteed + split["engine-b"].guaranteed == 1000
+    # b gave a all it had past what it holds and its margin (the deadband, 25, and a
+    # fifth of what it holds), give or take a deadband.
+    assert held <= split["engine-b"].guaranteed <= held + 25 + -(-held // 5) + 25

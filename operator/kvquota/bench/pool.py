@@ -11,11 +11,12 @@ capacity), so a tenant's pool-wide guarantee is `replicas x` its per-engine one,
 the load scales with the pool (`scale_load`: arrival rates and burst sizes x N, done
 by the caller, so the report counts the sessions that ran). With
 `split="even"` every engine keeps the even share (where the operator starts); with
-`split="demand"` the operator's own `kvquota.rebalance.rebalance_pool` runs every
-`rebalance_interval` virtual seconds (the operator's poll interval) on what each
-engine's sidecar would report, and each engine whose split changed gets the new
-policy the way a real one does: the plugin's policy file is replaced (the plugin polls
-it) and the sidecar's queue takes it.
+`split="demand"` the operator's own poll round (`kvquota.demand_split.PoolSplit`) runs
+every `rebalance_interval` virtual seconds (the operator's poll interval) on each
+engine's sidecar status (`build_status`, the sidecar's code), and the policy it renders
+(the even entries plus `engine_overrides`) reaches every engine the way a ConfigMap
+does: the plugin's policy file is replaced (the plugin polls it) and the sidecar takes
+it, each enforcing `EnginePolicy.for_engine(its pod name)`, as in a pod.
 
 The engines advance in time order: the next thing to happen is an arrival, a
 rebalance, or the step of the engine whose clock is furthest behind (kept in a heap by
@@ -35,7 +36,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engine_sidecar.gateway.active_policy import ActivePolicy
+from engine_sidecar.gateway.admission import Decision
+from engine_sidecar.gateway.auth import Authenticator
+from engine_sidecar.gateway.status import DecisionCounters, build_status
 from engine_sidecar.policy import EnginePolicy, Isolation, write_atomically
+from engine_sidecar.stats import SidecarStatus
 from kvquota.bench.metrics import Outcome, RunResult, Timeline
 from kvquota.bench.routers import EngineLoad, Router, RouteRequest, make_router
 from kvquota.bench.scenario import Bursts, Scenario, Session, generate_sessions
@@ -49,7 +55,8 @@ from kvquota.bench.twin import (
     TwinTask,
     plugin_extra,
 )
-from kvquota.rebalance import EngineDemand, EngineSplit, TenantTotals, rebalance_pool
+from kvquota.demand_split import PoolSplit, SplitInputs, engine_overrides
+from kvquota.rebalance import TenantTotals
 from kvquota.runtime import OperatorConfig
 
 if TYPE_CHECKING:
@@ -105,6 +112,8 @@ class _Engine(TwinRun):
         self.pool = pool
         self.index = index
         self.name = f"engine-{index}"
+        self.engine_name = self.name
+        self.policy = pool.policy
         self.outcomes = pool.outcomes
         self._contexts = pool.contexts
         self._prompts = pool.prompts
@@ -113,8 +122,8 @@ class _Engine(TwinRun):
         self.harness = self._harness(tmp)
         self.blocked = False  # the last step could schedule nothing: wait for news
         self.steps = 0
-        self.refusals: Counter[str] = Counter()  # KV refusals by tenant since a rebalance
-        self.admitted: Counter[str] = Counter()  # admissions by tenant since a rebalance
+        self.counters = DecisionCounters()  # the sidecar's, for its status
+        self._auth = Authenticator.from_policy(self.policy.auth, None, self.policy.tenants)
         self.routed = 0
 
     def _push(self, at: float, session: Session, turn: int, outcome: Outcome | None = None
@@ -125,9 +134,12 @@ class _Engine(TwinRun):
         self.pool.settled += 1
 
     def _settle_ticket(self, harness: SchedulerHarness, ticket: Ticket) -> None:
+        tenant = ticket.payload.session.tenant
         if ticket.reservation is not None:
-            self.admitted[ticket.payload.session.tenant] += 1
-        self.pool.count_refusal(self, ticket)
+            self.counters.count(tenant, Decision.ADMITTED)
+        elif ticket.error is not None and ticket.verdict is not None:
+            self.counters.count(tenant, ticket.verdict.decision)
+        self.pool.count_refusal(ticket)
         super()._settle_ticket(harness, ticket)
 
     # -- what the router and the operator see ---------------------------------------
@@ -141,38 +153,32 @@ class _Engine(TwinRun):
             running=len(scheduler.running),
         )
 
-    def demand(self, tenant_id: str) -> EngineDemand:
-        assert self.gateway is not None
-        ledger, queue = self.gateway.ledger, self.gateway.queue
-        return EngineDemand(
-            reserved_blocks=ledger.reserved_blocks(tenant_id),
-            inflight=ledger.inflight(tenant_id),
-            queued=queue.depth(tenant_id),
-            refused=self.refusals[tenant_id],
-            admitted=self.admitted[tenant_id],
+    def status(self) -> SidecarStatus:
+        """What the engine's sidecar serves at `/kvquota/status` now (`build_status`,
+        the sidecar's own code, from its ledger, queue, counters and the plugin's
+        stats as the sidecar last read them): what the operator's poll reads."""
+        gateway = self.gateway
+        assert gateway is not None
+        queue = gateway.queue
+        active = ActivePolicy(policy=self.policy.for_engine(self.name), auth=self._auth,
+                              cache_salts={})
+        return build_status(
+            ready=True, active=active, policy_error=None, ledger=gateway.ledger,
+            counters=self.counters, stats=self._engine_stats(self.harness),
+            capacity=queue.view(), queue=queue,
         )
 
-    def apply_split(self, splits: dict[str, EngineSplit]) -> bool:
-        """Hand the engine its new per-tenant split; False if nothing changed."""
-        tenants = dict(self.policy.tenants)
-        changed = False
-        for tenant_id, split in splits.items():
-            current = tenants[tenant_id]
-            if (current.guaranteed_blocks, current.max_blocks) != (split.guaranteed,
-                                                                   split.maximum):
-                tenants[tenant_id] = current.model_copy(update={
-                    "guaranteed_blocks": split.guaranteed, "max_blocks": split.maximum,
-                })
-                changed = True
-        if not changed:
-            return False
-        self.policy = EnginePolicy.model_validate(
-            self.policy.model_copy(update={"tenants": tenants, "version": ""}).model_dump()
-        ).with_version()
-        write_atomically(self.policy_path, self.policy.to_json())
+    def apply_policy(self, policy: EnginePolicy) -> bool:
+        """The pool's new policy reaches the engine as in a pod: the plugin's policy
+        file is replaced (it polls the file and enforces `for_engine(name)`), and the
+        sidecar enforces the same. True when this engine's own blocks changed."""
+        view = policy.for_engine(self.name)
+        changed = view.tenants != self.policy.for_engine(self.name).tenants
+        self.policy = policy
+        write_atomically(self.policy_path, policy.to_json())
         if self.gateway is not None:
-            self.gateway.set_policy(self.policy)
-        return True
+            self.gateway.set_policy(view)
+        return changed
 
     # -- time -----------------------------------------------------------------------
 
@@ -273,7 +279,9 @@ class PoolRun:
             pool.router, pool.replicas, block_size=engine.block_size,
             capacity_blocks=engine.capacity_blocks, model="bench",
         )
-        policy = self.scenario.engine_policy()
+        policy = self.scenario.engine_policy().model_copy(
+            update={"replicas": pool.replicas}).with_version()
+        self.policy = policy  # the pool's: the even split and the per-engine overrides
         self.salts = {
             tid: None if t.prefix_cache_isolation is Isolation.SHARED else tid
             for tid, t in policy.tenants.items()
@@ -284,12 +292,13 @@ class PoolRun:
             for tid, t in sorted(policy.tenants.items())
         ]
         self.pool_guarantee = {t.tenant_id: t.guaranteed for t in self.totals}
-        self.guaranteeable = math.floor(engine.capacity_blocks * (1 - policy.watermark))
+        self.split_inputs = SplitInputs(self.totals, engine.capacity_blocks, policy.watermark)
+        self.split = PoolSplit()  # the operator's state for the pool
         self.refused_within_pool: Counter[str] = Counter()  # by tier
         self.rebalances = 0
-        self.policy_updates = 0
+        self.policy_versions = 0  # policies the operator wrote
+        self.policy_updates = 0  # engines whose own blocks changed, over all versions
         self.engines: list[_Engine] = []
-        self._splits: dict[str, dict[str, EngineSplit]] | None = None
 
     # -- bookkeeping the engines call -------------------------------------------------
 
@@ -297,14 +306,13 @@ class PoolRun:
         self._seq += 1
         heapq.heappush(self.events, (at, self._seq, session, turn, outcome))
 
-    def count_refusal(self, engine: _Engine, ticket: Ticket) -> None:
+    def count_refusal(self, ticket: Ticket) -> None:
         verdict = ticket.verdict
         if ticket.reservation is not None or ticket.error is None or verdict is None:
             return
         if verdict.decision not in KV_REFUSALS:
             return
         tenant = ticket.payload.session.tenant
-        engine.refusals[tenant] += 1
         held = sum(e.gateway.ledger.reserved_blocks(tenant)
                    for e in self.engines if e.gateway is not None)
         if held + verdict.blocks <= self.pool_guarantee.get(tenant, 0):
@@ -346,26 +354,25 @@ class PoolRun:
         engine._arrive(engine.harness, event)
         return engine
 
-    def _rebalance(self, at: float) -> list[_Engine]:
-        """One operator round; returns the engines whose split changed."""
+    def _rebalance(self) -> list[_Engine]:
+        """One operator poll round (`demand_split.PoolSplit`, on every engine's sidecar
+        status) and the policy it renders (`engine_overrides`: the per-engine entries);
+        returns the engines whose own blocks changed. A new policy version reaches
+        every engine, as a ConfigMap does."""
         names = [e.name for e in self.engines]
-        demand = {
-            t.tenant_id: {e.name: e.demand(t.tenant_id) for e in self.engines}
-            for t in self.totals
-        }
-        self._splits = rebalance_pool(
-            self.totals, demand, self._splits, engines=names,
-            guaranteeable_per_engine=self.guaranteeable,
-        )
+        self.split.poll_round(self.split_inputs, names,
+                              {e.name: e.status() for e in self.engines})
         self.rebalances += 1
-        changed = []
-        for engine in self.engines:
-            engine.refusals.clear()
-            engine.admitted.clear()
-            split = {tid: per_engine[engine.name] for tid, per_engine in self._splits.items()}
-            if engine.apply_split(split):
-                self.policy_updates += 1
-                changed.append(engine)
+        overrides = engine_overrides(self.policy.tenants, self.split.splits,
+                                     self.pool.replicas)
+        policy = EnginePolicy.model_validate(self.policy.model_copy(
+            update={"engines": overrides, "version": ""}).model_dump()).with_version()
+        if policy.version == self.policy.version:
+            return []
+        self.policy = policy
+        self.policy_versions += 1
+        changed = [engine for engine in self.engines if engine.apply_policy(policy)]
+        self.policy_updates += len(changed)
         return changed
 
     def _loop(self) -> RunResult:
@@ -399,7 +406,7 @@ class PoolRun:
             if t_event <= t:
                 clock.moved(self._route(heapq.heappop(self.events)))
             elif next_rebalance <= t:
-                for changed in self._rebalance(t):
+                for changed in self._rebalance():
                     clock.moved(changed)
                 next_rebalance = t + self.pool.rebalance_interval
             else:
@@ -463,11 +470,12 @@ class PoolRun:
             },
             "requestsPerEngine": [e.routed for e in self.engines],
             "rebalances": self.rebalances,
+            "policyVersions": self.policy_versions,
             "policyUpdates": self.policy_updates,
             "finalSplit": {
-                tid: [per_engine[e.name].guaranteed for e in self.engines]
-                for tid, per_engine in (self._splits or {}).items()
-            },
+                tid: [self.policy.blocks_on(e.name, tid)[0] for e in self.engines]
+                for tid in sorted(self.policy.tenants)
+            } if self.policy.engines else {},
         }
         result.extra = extra
         return result

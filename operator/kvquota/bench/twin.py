@@ -125,7 +125,9 @@ class TwinRun:
         self.profile = profile
         self.progress = progress
         self.work_dir = work_dir
+        # The policy file's content; the engine enforces `policy.for_engine(engine_name)`.
         self.policy: EnginePolicy = scenario.engine_policy()
+        self.engine_name: str | None = None  # its pod name (one engine: unnamed)
         self.gateway: TwinGateway | None = None
         self._harness_now: Callable[[], float] = lambda: 0.0
         self.outcomes: list[Outcome] = []
@@ -160,6 +162,7 @@ class TwinRun:
             max_num_batched_tokens=engine.max_num_batched_tokens,
             max_model_len=engine.max_model_len,
             policy_path=policy_path,
+            engine_name=self.engine_name,
             step_cost=self.profile,
         )
         harness = SchedulerHarness(config)
@@ -169,7 +172,7 @@ class TwinRun:
             apply_victim_order(harness, self.spec.variant)
         if self.spec.admission:
             self.gateway = TwinGateway(
-                self.policy,
+                self.policy.for_engine(self.engine_name),
                 clock=lambda: harness.now,
                 stats=lambda: self._engine_stats(harness),
                 stats_interval=STEP_INTERVAL_S,

@@ -59,6 +59,8 @@ class TwinConfig:
     # KVQuota only: policy and stats files (hot-loaded / published as in the engine).
     policy_path: Path | None = None
     stats_path: Path | None = None
+    # The engine's pod name: which entry of the policy's per-engine split it enforces.
+    engine_name: str | None = None
     # Virtual seconds per step: step_cost(record) if given, else step_seconds.
     step_seconds: float = 0.01
     step_cost: Callable[[StepRecord], float] | None = None
@@ -225,6 +227,7 @@ class SchedulerHarness:
                 policy_path=config.policy_path,
                 stats_path=config.stats_path,
                 clock=lambda: self.now,
+                engine=config.engine_name,
             )
 
     @staticmethod
