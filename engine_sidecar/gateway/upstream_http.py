@@ -11,6 +11,15 @@ Scope is deliberately narrow: one upstream origin, HTTP/1.1, keep-alive pool (LI
 idle connections expire before uvicorn's 5 s keep-alive would close them), request
 bodies sent in one write, Content-Length or chunked responses, read back-pressure
 (pause the socket when the consumer lags), inactivity timeout between chunks.
+
+A kept-alive connection can still be closed by the engine as a request crosses it:
+uvicorn's idle timer fires before it reads the request, and it closes without a byte
+of response. No clock here can rule that out, because the engine's timer starts when
+it wrote the response, which a loaded sidecar may read seconds later (a 300-stream
+storm on 2 cores met ~50 such closes at 0.7-3.9 s of our idle time). The request
+never ran, so it goes once more on a fresh connection (as Go's net/http does for a
+reused connection that fails before any response). A request on a fresh connection,
+or one that got any response byte, is never sent twice.
 """
 
 from __future__ import annotations
@@ -66,6 +75,7 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.status = 0
         self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.received = False  # any byte of this exchange's response
         self.headers_done = False
         self.complete = False
         self.keep_alive = False
@@ -85,6 +95,7 @@ class _Connection(asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
+        self.received = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError:
@@ -125,6 +136,7 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self.complete = True
+        self.idle_since = time.monotonic()  # the engine's idle timer starts about now
         self._wake()
 
     # -- plumbing ------------------------------------------------------------------
@@ -287,21 +299,31 @@ class UpstreamPool:
             conn.abort()
             return
         conn._reset()
-        conn.idle_since = time.monotonic()
         self._idle.append(conn)
 
     async def request(
         self, method: str, target: str, headers: list[tuple[bytes, bytes]], body: bytes
     ) -> UpstreamResponse:
-        conn = self._checkout() or await self._connect()
         head = [f"{method} {target} HTTP/1.1\r\n".encode(), b"host: ", self._host_header,
                 b"\r\ncontent-length: ", str(len(body)).encode(), b"\r\n"]
         for key, value in headers:
             head += [key, b": ", value, b"\r\n"]
         head.append(b"\r\n")
+        message = b"".join(head) + body
+        conn = self._checkout()
+        if conn is not None:
+            try:
+                return await self._exchange(conn, message)
+            except UpstreamProtocolError:
+                if conn.received:
+                    raise
+        return await self._exchange(await self._connect(), message)
+
+    async def _exchange(self, conn: _Connection, message: bytes) -> UpstreamResponse:
+        """Send `message`, wait for status and headers."""
         assert conn.transport is not None
         try:
-            conn.transport.write(b"".join(head) + body)
+            conn.transport.write(message)
             while not conn.headers_done:
                 if conn.error is not None:
                     raise conn.error

@@ -20,7 +20,9 @@ MAX_MODEL_LEN = 2048
 
 @dataclass
 class StubEngine:
-    mode: str = "ok"  # ok | error500 | hang_headers | hang_midstream | drop_midstream
+    # ok | error500 | hang_headers | hang_midstream | drop_midstream | until_disconnect
+    # (after the first chunk, stream nothing until the sidecar closes the connection)
+    mode: str = "ok"
     chunks: int = 3
     chunk_delay: float = 0.0
     head_delay: float = 0.0  # seconds before a stream's response head goes out
@@ -31,6 +33,7 @@ class StubEngine:
     received: list[dict[str, Any]] = field(default_factory=list)
     received_headers: list[dict[str, str]] = field(default_factory=list)
     active: int = 0  # generation requests currently being served
+    disconnects: int = 0  # streams the sidecar closed in until_disconnect mode
     max_model_len: int = MAX_MODEL_LEN  # what /v1/models says
 
     def release(self) -> None:
@@ -61,13 +64,13 @@ class StubEngine:
         elif path in ("/v1/completions", "/v1/chat/completions"):
             self.active += 1
             try:
-                await self._generate(scope, body, send)
+                await self._generate(scope, body, receive, send)
             finally:
                 self.active -= 1
         else:
             await _json(send, 404, {"error": {"message": "not found"}})
 
-    async def _generate(self, scope: Scope, body: bytes, send: Send) -> None:
+    async def _generate(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
         payload = json.loads(body)
         self.received.append(payload)
         self.received_headers.append(
@@ -100,6 +103,11 @@ class StubEngine:
                 await asyncio.to_thread(self.hold.wait, 60)
             if i == 0 and self.mode == "hang_midstream":
                 await asyncio.sleep(3600)
+            if i == 0 and self.mode == "until_disconnect":
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                self.disconnects += 1
+                return
             if i == 0 and self.mode == "drop_midstream":
                 raise RuntimeError("engine died mid-stream")
         await send({"type": "http.response.body", "more_body": False,

@@ -377,9 +377,12 @@ async def test_disconnect_storm_leaves_the_ledger_at_zero(
         return stats is not None and all(
             t.running == 0 and t.waiting == 0 for t in stats.tenants.values())
 
+    # Not asserted here: that some reservation ended "cancelled". Whether a client leaves
+    # before the engine finishes depends on the machine: beside two busy loops, all 224
+    # admitted requests of a storm completed once, and vLLM itself, asked directly, ran
+    # an abandoned 1,800-token request to its end in 2 of 3 runs (its API server, which
+    # sends the abort, is starved). test_gateway_logic checks the sidecar's part.
     await asyncio.to_thread(wait_for, engine_idle, 60, "engine still busy after the storm")
-    metrics = http_get(sidecar.admin_url + "/metrics").text
-    assert 'outcome="cancelled"' in metrics
 
 
 # ------------------------------------------------------ what the engine received

@@ -148,6 +148,25 @@ def test_failure_mid_stream_ends_the_stream_with_an_error_event(
     assert harness.wait_ledger_empty()
 
 
+@PLANES
+def test_a_client_that_leaves_mid_stream_ends_the_engine_request(
+    stub_sidecar: StubFactory, keys: Keys, plane: str
+) -> None:
+    # The stub streams one chunk and then nothing until its connection closes, so only
+    # the sidecar acting on the client's leaving can end this request.
+    harness, stub = stub_sidecar(StubEngine(mode="until_disconnect"), data_plane=plane)
+    harness.apply(make_policy(tenant("acme")))
+    with httpx.stream("POST", harness.url + "/v1/completions",
+                      json={"prompt": "x", "stream": True},
+                      headers=_bearer(keys.hs("acme"))) as response:
+        assert response.status_code == 200
+        next(line for line in response.iter_lines() if line.startswith("data: "))
+    wait_for(lambda: stub.disconnects == 1, WAIT, "the engine's connection stayed open")
+    assert harness.wait_ledger_empty()
+    metrics = http_get(harness.admin_url + "/metrics").text
+    assert 'kvquota_reservations_total{outcome="cancelled",tier="standard"} 1.0' in metrics
+
+
 def test_no_policy_means_503_and_not_ready(stub_sidecar: StubFactory, keys: Keys) -> None:
     harness, _ = stub_sidecar()
     response = http_post(harness.url + "/v1/completions", json={"prompt": "x"},

@@ -113,3 +113,52 @@ async def test_failures_are_typed() -> None:
     await server.wait_closed()
     with pytest.raises(UpstreamConnectError):
         await _body(UpstreamPool("127.0.0.1", port, connect_timeout=1, read_timeout=1))
+
+
+async def _idle_close_on_second_request(reply: bytes) -> tuple[list[int], list[int]]:
+    """The first connection answers once, then meets the next request as an engine whose
+    keep-alive timer fired does: `reply` (nothing, or part of a response), then close.
+    Later connections answer every request. Two requests go out; returns the requests
+    each connection got, and each request's body length (-1: UpstreamProtocolError)."""
+    requests: list[int] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        index = len(requests)
+        requests.append(0)
+        while True:
+            try:
+                await _read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            requests[index] += 1
+            if index == 0 and requests[index] == 2:
+                writer.write(reply)
+                await writer.drain()
+                writer.close()
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            await writer.drain()
+
+    server, port = await _serve(handler)
+    pool = UpstreamPool("127.0.0.1", port, connect_timeout=2, read_timeout=2)
+    outcomes: list[int] = []
+    async with server:
+        for _ in range(2):
+            try:
+                outcomes.append(len(await _body(pool)))
+            except UpstreamProtocolError:
+                outcomes.append(-1)
+        pool.close()
+    return requests, outcomes
+
+
+async def test_a_kept_alive_connection_closed_as_the_request_crosses_it_is_retried_once() -> None:
+    # Nothing came back: the engine closed the idle connection, so it goes again, once.
+    requests, outcomes = await _idle_close_on_second_request(b"")
+    assert outcomes == [2, 2]
+    assert requests == [2, 1]  # two connections; the second got the retried request
+
+    # Part of a response came back: the engine had the request, so it is not sent twice.
+    requests, outcomes = await _idle_close_on_second_request(b"HTTP/1.1 200 OK\r\n")
+    assert outcomes == [2, -1]
+    assert requests == [2]  # one connection
