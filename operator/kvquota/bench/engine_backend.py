@@ -534,13 +534,13 @@ def _describe_slowest(slow: dict[str, Any]) -> str:
     inside = (f" (sidecar admission {sidecar['admit']:.0f} ms, engine until its head "
               f"{sidecar['upstream']:.0f} ms)"
               if {"admit", "upstream"} <= sidecar.keys() else "")
-    return (f"{slow['tier']}'s slowest first token (turn {slow['turn']} at "
-            f"{slow['arrival']:.1f}s): {slow['ttftMs']:.0f} ms = "
-            + (f"{slow['beforeSendMs']:.0f} ms of refused attempts + "
+    refused = (f"{slow['beforeSendMs']:.0f} ms of refused attempts + "
                if slow["beforeSendMs"] >= 1 else "")
-            + f"{slow['toHeadMs']:.0f} ms "
-            f"to the response head{inside} + {slow['headToFirstTokenMs']:.0f} ms to the "
-            f"first token; every request's timeline is in {REQUESTS_FILE}")
+    return (f"{slow['tier']}'s slowest first token (turn {slow['turn']} at "
+            f"{slow['arrival']:.1f}s): {slow['ttftMs']:.0f} ms = {refused}"
+            f"{slow['toHeadMs']:.0f} ms to the response head{inside} + "
+            f"{slow['headToFirstTokenMs']:.0f} ms to the first token; every request's "
+            f"timeline is in {REQUESTS_FILE}")
 
 
 def run_engine_policy(
