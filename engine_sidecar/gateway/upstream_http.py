@@ -8,7 +8,7 @@ and one callback (~5 us). httpx stays the client for control calls (health, mode
 card, /tokenize), where per-call cost does not matter.
 
 Scope is deliberately narrow: one upstream origin, HTTP/1.1, keep-alive pool (LIFO,
-idle connections expire before uvicorn's 5 s keep-alive would close them), request
+idle connections expire 4 s after their last response, below uvicorn's 5 s), request
 bodies sent in one write, Content-Length or chunked responses, read back-pressure
 (pause the socket when the consumer lags), inactivity timeout between chunks.
 
@@ -16,10 +16,11 @@ A kept-alive connection can still be closed by the engine as a request crosses i
 uvicorn's idle timer fires before it reads the request, and it closes without a byte
 of response. No clock here can rule that out, because the engine's timer starts when
 it wrote the response, which a loaded sidecar may read seconds later (a 300-stream
-storm on 2 cores met ~50 such closes at 0.7-3.9 s of our idle time). The request
-never ran, so it goes once more on a fresh connection (as Go's net/http does for a
-reused connection that fails before any response). A request on a fresh connection,
-or one that got any response byte, is never sent twice.
+storm on 2 cores met ~50 such closes at 0.7-3.9 s of our idle time). The engine
+answers every request it reads, so such a request has not run (unless the engine died
+meanwhile, and then the fresh connect fails): it goes once more on a fresh connection,
+as Go's net/http does for a reused connection that fails before any response. A
+request on a fresh connection, or one that got any response byte, is never resent.
 """
 
 from __future__ import annotations
@@ -95,7 +96,6 @@ class _Connection(asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
-        self.received = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError:
@@ -113,6 +113,9 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     # -- httptools callbacks -------------------------------------------------------
+
+    def on_message_begin(self) -> None:  # the response's first byte, once per exchange
+        self.received = True
 
     def on_header(self, name: bytes, value: bytes) -> None:
         lowered = name.lower()
