@@ -51,6 +51,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable, Collection, Container, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -365,12 +366,21 @@ def block_id(block: KVCacheBlock) -> int:
     return block.block_id
 
 
+def _owning_pool(block: KVCacheBlock) -> Any | None:
+    """The pool a block belongs to, when not the manager's own (deferred frees). vLLM
+    0.34 holds it as a weak reference, 0.32-0.33 directly."""
+    pool = block.pool
+    if isinstance(pool, weakref.ref):
+        return pool()
+    return pool
+
+
 def pin_blocks(scheduler: Scheduler, blocks: list[KVCacheBlock]) -> None:
     """Take one reference on each block (a block at refcount 0 leaves the free queue)."""
     main_pool = scheduler.kv_cache_manager.block_pool
     by_pool: dict[Any, list[KVCacheBlock]] = {}
     for block in blocks:
-        by_pool.setdefault(block.pool if block.pool is not None else main_pool, []).append(block)
+        by_pool.setdefault(_owning_pool(block) or main_pool, []).append(block)
     for pool, pool_blocks in by_pool.items():
         pool.touch(pool_blocks)
 
@@ -462,7 +472,10 @@ def preempt_between_steps(scheduler: Scheduler, request: Request) -> None:
     scheduler._preempt_request(
         request, time.monotonic(), drop_stale_output=scheduler.requires_kv_delivery
     )
-    scheduler.prev_step_scheduled_req_ids.discard(request.request_id)
+    # vLLM 0.32-0.33 (Model Runner V1) only: 0.34 sends a resumed request in full.
+    prev_scheduled = getattr(scheduler, "prev_step_scheduled_req_ids", None)
+    if prev_scheduled is not None:
+        prev_scheduled.discard(request.request_id)
 
 
 def next_waiting(scheduler: Scheduler) -> Request | None:
@@ -510,7 +523,7 @@ def evict_first(scheduler: Scheduler, blocks: Iterable[KVCacheBlock]) -> None:
     moved = [
         block for block in blocks
         if block.ref_cnt == 0 and not block.is_null and block.prev_free_block is not None
-        and (block.pool is None or block.pool is pool)
+        and _owning_pool(block) in (None, pool)
     ]
     for block in moved:
         queue.remove(block)
@@ -640,6 +653,26 @@ class AllocationHook:
             # armed is always correct, only slower; retried at every step.
             return
         self.armed = armed
+
+
+# -- stepping without a model (the pre-flight check, the twin, tests) ---------------------
+
+
+def model_runner_output(
+    req_ids: list[str], sampled_token_ids: list[list[int]], kv_connector_output: Any = None
+) -> Any:
+    """A `ModelRunnerOutput` for a step that sampled `sampled_token_ids[i]` for
+    `req_ids[i]`. vLLM 0.34 dropped `req_id_to_index` (the order of `req_ids` is the
+    index); 0.32-0.33 require it."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    kwargs: dict[str, Any] = {}
+    if "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__:
+        kwargs["req_id_to_index"] = {req_id: i for i, req_id in enumerate(req_ids)}
+    return ModelRunnerOutput(
+        req_ids=req_ids, sampled_token_ids=sampled_token_ids,
+        kv_connector_output=kv_connector_output, **kwargs,
+    )
 
 
 # -- KV offloading ------------------------------------------------------------------------

@@ -312,7 +312,7 @@ class SchedulerHarness:
 
     def step(self) -> StepRecord:
         """One engine step: schedule(), a fake forward pass, update_from_output()."""
-        from vllm.v1.outputs import ModelRunnerOutput
+        from engine_sidecar.vllm_compat import model_runner_output
 
         scheduler = self.scheduler
         index = len(self.steps)
@@ -351,11 +351,8 @@ class SchedulerHarness:
                 if computed_after >= request.num_tokens
                 else []
             )
-        runner_output = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            kv_connector_output=self._transfer(output.kv_connector_metadata),
+        runner_output = model_runner_output(
+            req_ids, sampled, self._transfer(output.kv_connector_metadata)
         )
         before_update = time.perf_counter()
         engine_outputs = scheduler.update_from_output(output, runner_output)
