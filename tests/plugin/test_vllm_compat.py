@@ -12,24 +12,50 @@ from engine_sidecar import vllm_compat
 from engine_sidecar.vllm_compat import UnsupportedVllmError, check_supported_vllm
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.4", "0.32.0+cpu", "0.33.0", "0.33.1"])
+@pytest.mark.parametrize(
+    "version", ["0.32.0", "0.32.4", "0.32.0+cpu", "0.33.0", "0.33.1", "0.34.0", "0.34.2"]
+)
 def test_supported_versions_pass(version):
     check_supported_vllm(version)
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "0.330.1", "1.0.0"])
-def test_unsupported_versions_are_refused_by_name(version):
+def test_the_gate_follows_the_one_list_of_verified_releases():
+    assert vllm_compat.SUPPORTED_VLLM == ("0.32", "0.33", "0.34")
+    for version in vllm_compat.VERIFIED_VLLM:
+        check_supported_vllm(version)
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.35.0", "0.340.1", "1.0.0"])
+def test_unsupported_versions_are_refused_by_name(version, monkeypatch):
+    monkeypatch.delenv(vllm_compat.ALLOW_UNSUPPORTED_ENV, raising=False)
     with pytest.raises(UnsupportedVllmError) as error:
         check_supported_vllm(version)
-    assert f"vLLM {version}" in str(error.value)
-    assert "supported: 0.32.x, 0.33.x" in str(error.value)
+    message = str(error.value)
+    assert f"vLLM {version}" in message and "0.32.x, 0.33.x, 0.34.x" in message
+    # Nothing is missing on the installed vLLM: the message says how to check the image.
+    assert "every touchpoint it checks by name is present" in message
+    assert vllm_compat.PREFLIGHT_COMMAND in message
+
+
+def test_a_newer_vllm_missing_a_touchpoint_is_refused_naming_it(monkeypatch):
+    """A future vLLM that renamed a hooked method: the message names it, and the
+    override does not let the plugin start on it."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    monkeypatch.delattr(BlockPool, "touch")
+    monkeypatch.setenv(vllm_compat.ALLOW_UNSUPPORTED_ENV, "1")
+    with pytest.raises(UnsupportedVllmError) as error:
+        check_supported_vllm("0.35.0")
+    message = str(error.value)
+    assert "newer than 0.32.x, 0.33.x, 0.34.x" in message
+    assert "missing scheduler touchpoints: BlockPool.touch" in message
 
 
 def test_unsupported_version_can_be_tried_on_purpose(monkeypatch, caplog):
     monkeypatch.setenv(vllm_compat.ALLOW_UNSUPPORTED_ENV, "1")
     caplog.set_level(logging.WARNING)
-    check_supported_vllm("0.34.0")
-    assert "0.34.0" in caplog.text
+    check_supported_vllm("0.35.0")
+    assert "0.35.0" in caplog.text
 
 
 def test_the_plugin_fails_at_construction_on_an_unsupported_vllm(make_harness, monkeypatch):
