@@ -53,6 +53,21 @@ class Isolation(StrEnum):
     SHARED = "Shared"
 
 
+class ReservationMode(StrEnum):
+    """What a request of a tier reserves at admission (`spec.tiers.<tier>.reservation`)."""
+
+    # Prompt + the output its tenant's requests on that route usually produce (learned by
+    # the sidecar, `gateway.output_estimate`); past it, it is charged what it holds.
+    ESTIMATED = "Estimated"
+    # Prompt + max_tokens: no admitted request ever grows past its reservation, so none is
+    # preempted for growing (the no-eviction promise), at the price of KV held idle.
+    FULL = "Full"
+
+
+# A tier the policy does not name reserves this way (README: reservations).
+DEFAULT_RESERVATION = ReservationMode.ESTIMATED
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(
         alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
@@ -170,6 +185,11 @@ class EnginePolicy(_Model):
     recompute_below_blocks: int = Field(128, ge=0)
     replicas: int = Field(1, ge=1, description="Ready replicas the quotas were split over.")
     auth: AuthPolicy = AuthPolicy()
+    reservation: dict[Tier, ReservationMode] = Field(
+        default_factory=dict,
+        description="Tier -> what its requests reserve at admission; a tier absent here "
+        "reserves DEFAULT_RESERVATION. Left out of the JSON when empty.",
+    )
     tenants: dict[str, TenantPolicy] = Field(default_factory=dict)
     engines: dict[str, dict[str, EngineShare]] = Field(
         default_factory=dict, max_length=4096,
@@ -194,10 +214,18 @@ class EnginePolicy(_Model):
 
     @model_serializer(mode="wrap")
     def _omit_no_engines(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Settings added after the first release are left out when unused, so a policy
+        that does not use them reads (and hashes) as before."""
         data: dict[str, Any] = handler(self)
         if not self.engines:
             data.pop("engines", None)
+        if not self.reservation:
+            data.pop("reservation", None)
         return data
+
+    def reservation_for(self, tier: Tier) -> ReservationMode:
+        """How requests of `tier` reserve KV at admission."""
+        return self.reservation.get(tier, DEFAULT_RESERVATION)
 
     def for_engine(self, engine: str | None) -> EnginePolicy:
         """What the engine named `engine` (its pod name; None: unnamed) enforces: each

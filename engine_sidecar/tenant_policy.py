@@ -34,6 +34,16 @@ The admission rule is this order read the other way (`reclaimable_blocks`): what
 request may count on is the free blocks above the watermark plus everything the victim
 order gives back before it.
 
+Growth (README: reservations): a request reserves its prompt plus an estimate of its
+output (or max_tokens, for a tier whose reservation is `Full`), and its tenant is
+charged what its requests hold plus what they reserved and have not allocated yet. A
+request that decodes past its estimate draws first on its tenant's headroom up to
+maxBlocks, then on free blocks above the watermark (admission holds back new work of
+its tenant, then borrowers, meanwhile); when both are gone this victim order decides,
+as for any other shortage: lower classes first, then the tenant's own newest work. A
+tenant within its guarantee is never preempted for another tenant's benefit, and a
+request within its tenant's guarantee is never refused for capacity.
+
 Degraded mode: when nothing ranks above the requester and no other request is
 running, waiting would stall the engine until leases expire. The plugin then
 releases live leases in the same order (the oldest premium leases go last of all,

@@ -7,6 +7,17 @@ borrowers of a lower tier, leases ranked above it, and its own tenant's idle lea
 The watermark refuses only what would have to come from the request's own class or a
 higher one; a request that stays within its tenant's guarantee is never refused for it.
 
+What a request reserves (README: reservations): its prompt plus, for a tier whose
+`reservation` is `Estimated`, the output its tenant's requests on that route usually
+produce (`output_estimate`, capped by its max_tokens); for `Full`, max_tokens. A
+tenant is charged what it holds plus what it reserved for work not yet allocated:
+the larger of its ledger reservations and the blocks its running requests hold in the
+engine (`_TenantView.charged`), so a request that decodes past its estimate is charged
+its real blocks as the plugin publishes them, and its growth draws on its tenant's
+headroom up to maxBlocks (new requests of the tenant wait), then on free blocks above
+the watermark (the engine's free count shrinks, so borrowers wait); when both are
+gone the plugin's victim order decides, as for any shortage.
+
 Blocks are counted as vLLM holds them, once each: a prompt's full blocks that the
 tenant's in-flight requests already hold (a shared system prompt) add nothing to its
 usage (`ledger`, `prefix`), and the blocks its own session's lease pins are not
@@ -60,6 +71,7 @@ class RequestShape:
     max_tokens_param: str = "max_tokens"
     session: str | None = None
     prefix: tuple[int, ...] = ()  # fingerprints of the prompts' full blocks (`prefix`)
+    route: str = ""  # the API route's kind (output estimates are learned per route)
 
 
 @dataclass(frozen=True)
@@ -76,6 +88,16 @@ class _TenantView:
     leases: Mapping[str, int]  # session -> blocks its lease pins
     sessions: frozenset[str]  # sessions with a request in flight
     held_prefix: Container[int] = ()  # prefix fingerprints its in-flight requests hold
+    running: int = 0  # blocks its running requests hold in the engine (the plugin's stats)
+
+    @property
+    def charged(self) -> int:
+        """What counts against its quota: the blocks its requests hold plus what they
+        reserved and have not allocated yet. The larger of the two sides: a request
+        below its estimate is covered by its reservation, one that decoded past it by
+        the blocks it holds (a tenant's overshoot can offset another of its requests'
+        unallocated reservation, never what it really holds)."""
+        return max(self.reserved, self.running)
 
 
 _NO_TENANT = _TenantView(0, 0, 0, 0, 0, 0, 0, {}, frozenset())
@@ -182,6 +204,7 @@ def pool_view(
             leases=seen.leases,
             sessions=sessions,
             held_prefix=ledger.held_prefix(tenant_id),
+            running=seen.running_blocks,
         )
     total = override or engine_total
     if total is None:
@@ -209,8 +232,15 @@ def effective_max_tokens(
     return default
 
 
+def reserved_output(max_tokens: int, output_tokens: int | None) -> int:
+    """The output tokens a request reserves: its estimate capped by its max_tokens
+    (`output_tokens` None: the tier reserves Full, max_tokens)."""
+    return max_tokens if output_tokens is None else max(0, min(max_tokens, output_tokens))
+
+
 def blocks_for(shape: RequestShape, max_tokens: int, block_size: int) -> int:
-    """ceil((prompt + max_tokens) / blockSize) per sequence, every prompt times n."""
+    """ceil((prompt + max_tokens) / blockSize) per sequence, every prompt times n
+    (`max_tokens`: the output tokens counted, the reserved estimate or max_tokens)."""
     return sum(
         shape.n * math.ceil((prompt + max(max_tokens, 0)) / block_size)
         for prompt in shape.prompt_tokens
@@ -226,6 +256,7 @@ class Verdict:
     borrowing: bool = False  # it would take its tenant beyond its guarantee
     new_blocks: int = 0  # what the engine must allocate (its session's leased prefix out)
     extra: int = 0  # the blocks beyond the prompt's full blocks (ledger.reserve)
+    output_tokens: int = 0  # the output tokens reserved (estimate or max_tokens)
 
     @property
     def admitted(self) -> bool:
@@ -245,9 +276,14 @@ def decide(
     watermark: float,
     view: PoolView,
     max_model_len: int | None,
+    output_tokens: int | None = None,
 ) -> Verdict:
+    """Admit or refuse now. `output_tokens`: what the request reserves for its output
+    (`OutputEstimates.output_tokens`; None: max_tokens, the tier reserves Full)."""
     max_tokens = effective_max_tokens(tenant, shape, max_model_len)
-    whole = blocks_for(shape, max_tokens, block_size)
+    full = blocks_for(shape, max_tokens, block_size)
+    reserved = reserved_output(max_tokens, output_tokens)
+    whole = blocks_for(shape, reserved, block_size)
     longest = max(shape.prompt_tokens, default=0)
     load = view.tenant(tenant.tenant_id)
     extra = max(0, whole - len(shape.prefix))
@@ -260,7 +296,8 @@ def decide(
         pinned_in_use += session_pinned
 
     def refuse(decision: Decision, error: ApiError, borrowing: bool = False) -> Verdict:
-        return Verdict(decision, max_tokens, blocks, error, borrowing, new_blocks, extra)
+        return Verdict(decision, max_tokens, blocks, error, borrowing, new_blocks, extra,
+                       reserved)
 
     if tenant.max_prompt_tokens is not None and longest > tenant.max_prompt_tokens:
         return refuse(Decision.REJECTED_PROMPT, ApiError(
@@ -276,18 +313,19 @@ def decide(
             "tokens, including the completion. Shorten the prompt.",
             param=shape.prompt_param,
         ))
-    if whole > tenant.max_blocks:
-        # Retrying can never help, so this is not a 429.
+    if full > tenant.max_blocks:
+        # Retrying can never help, so this is not a 429: even reserved at an estimate,
+        # it may decode to max_tokens, more than its tenant may ever hold.
         return refuse(Decision.REJECTED_QUOTA, ApiError(
             400, errors.REQUEST_EXCEEDS_TENANT_QUOTA,
-            f"this request needs {whole} KV blocks (prompt + max_tokens={max_tokens}), "
+            f"this request needs {full} KV blocks (prompt + max_tokens={max_tokens}), "
             f"more than tenant {tenant.tenant_id!r} may hold on one engine "
             f"({tenant.max_blocks}). Lower max_tokens or shorten the prompt.",
             param=shape.max_tokens_param,
         ))
     # The leases of sessions in flight are their requests' prefixes, reserved with them;
     # idle leases yield to the tenant's own new work: neither counts again.
-    used = load.reserved
+    used = load.charged
     band = requester_band(used, blocks, tenant.guaranteed_blocks)
     borrowing = band is Band.BORROWER
     limit = tenant.max_concurrent_requests
@@ -300,8 +338,9 @@ def decide(
     if used + blocks > tenant.max_blocks:
         return refuse(Decision.REJECTED_QUOTA, ApiError(
             429, errors.TENANT_BLOCK_QUOTA_EXHAUSTED,
-            f"tenant {tenant.tenant_id!r} holds {used} of its {tenant.max_blocks} "
-            f"KV blocks; this request needs {blocks} more. Retry later or lower max_tokens.",
+            f"tenant {tenant.tenant_id!r} holds or has reserved {used} of its "
+            f"{tenant.max_blocks} KV blocks; this request needs {blocks} more. "
+            "Retry later or lower max_tokens.",
         ), borrowing)
     if borrowing and view.known:
         assert view.total_blocks is not None
@@ -320,4 +359,4 @@ def decide(
                     "Retry later.",
                 ), borrowing)
     return Verdict(Decision.ADMITTED, max_tokens, blocks, borrowing=borrowing,
-                   new_blocks=new_blocks, extra=extra)
+                   new_blocks=new_blocks, extra=extra, output_tokens=reserved)

@@ -58,9 +58,11 @@ from engine_sidecar.gateway.admission import (
     effective_max_tokens,
     engine_holders,
     pool_view,
+    reserved_output,
 )
 from engine_sidecar.gateway.errors import ApiError
 from engine_sidecar.gateway.ledger import Ledger, Reservation
+from engine_sidecar.gateway.output_estimate import OutputEstimates
 from engine_sidecar.policy import EnginePolicy
 from engine_sidecar.stats import EngineStats
 
@@ -124,8 +126,12 @@ class AdmissionQueue:
         stats: Callable[[], EngineStats | None] = lambda: None,
         max_model_len: Callable[[], int | None] = lambda: None,
         rng: random.Random | None = None,
+        estimates: OutputEstimates | None = None,
     ) -> None:
         self.ledger = ledger
+        # What `Estimated` reservations count: learned from finished requests (the
+        # sidecar's relayed responses, the twin's finished requests).
+        self.estimates = estimates if estimates is not None else OutputEstimates()
         self.clock = clock
         self.stats = stats
         self.max_model_len = max_model_len
@@ -142,8 +148,10 @@ class AdmissionQueue:
     # -- the caller's side ----------------------------------------------------------
 
     def set_policy(self, policy: EnginePolicy) -> None:
-        """A new policy applies to queued tickets too; tenants it dropped are refused."""
+        """A new policy applies to queued tickets too; tenants it dropped are refused
+        (and their learned estimates forgotten)."""
         self.policy = policy
+        self.estimates.retain(policy.tenants)
         self._seen = None
 
     def submit(self, tenant_id: str, shape: RequestShape, payload: Any = None) -> Ticket:
@@ -152,10 +160,10 @@ class AdmissionQueue:
         now = self.clock()
         tenant = self.policy.tenants[tenant_id]
         ticket = Ticket(tenant_id, shape, now, now + tenant.max_queue_seconds, payload)
-        ticket.size = blocks_for(
-            shape, effective_max_tokens(tenant, shape, self.max_model_len()),
-            self.policy.block_size,
-        )
+        max_tokens = effective_max_tokens(tenant, shape, self.max_model_len())
+        output = self.estimates.output_tokens(tenant, shape.route, self.policy)
+        ticket.size = blocks_for(shape, reserved_output(max_tokens, output),
+                                 self.policy.block_size)
         queue = self._queues.get(tenant_id)
         if queue is None:
             queue = self._queues[tenant_id] = _TenantQueue()
@@ -342,7 +350,9 @@ class AdmissionQueue:
             return Verdict(Decision.REJECTED_AUTH, 0, 0, error)
         return decide(tenant, ticket.shape, block_size=self.policy.block_size,
                       watermark=self.policy.watermark, view=self.view(),
-                      max_model_len=self.max_model_len())
+                      max_model_len=self.max_model_len(),
+                      output_tokens=self.estimates.output_tokens(
+                          tenant, ticket.shape.route, self.policy))
 
     def _settle(self, ticket: Ticket, now: float) -> None:
         ticket.settled_at = now

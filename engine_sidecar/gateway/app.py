@@ -56,6 +56,8 @@ from engine_sidecar.gateway.ledger import Ledger, Reservation
 from engine_sidecar.gateway.metrics import GatewayMetrics, StateSources
 from engine_sidecar.gateway.model_names import engine_name, public_cards
 from engine_sidecar.gateway.openai_request import Kind, rewrite, session_id
+from engine_sidecar.gateway.output_estimate import OutputEstimates
+from engine_sidecar.gateway.output_meter import OutputMeter
 from engine_sidecar.gateway.passthrough import Passthrough, supported_routes
 from engine_sidecar.gateway.policy_source import PolicySource
 from engine_sidecar.gateway.prefix import prompt_fingerprints
@@ -132,9 +134,10 @@ class Gateway:
         self.counters = DecisionCounters()
         self.stats = EngineStatsReader(config.stats_path)
         self.monitor = EngineMonitor(interval=config.engine_probe_interval)
+        self.estimates = OutputEstimates()  # learned from the responses relayed
         self.queue = AdmissionQueue(
             self.ledger, clock=time.monotonic, stats=self.stats.current,
-            max_model_len=lambda: self.monitor.max_model_len,
+            max_model_len=lambda: self.monitor.max_model_len, estimates=self.estimates,
         )
         self._queue_changed = asyncio.Event()
         self.upstream = Upstream(
@@ -394,7 +397,7 @@ class Gateway:
             return
         if admitted is None:
             return  # the client left while its request was queued
-        reservation, body, tier, waited = admitted
+        reservation, body, tier, waited, n = admitted
         extra_headers = [(QUEUE_HEADER, str(round(waited * 1000)).encode()),
                          server_timing("admit", arrived)]
         leasing = active.policy.tenants.get(tenant_id)
@@ -402,6 +405,7 @@ class Gateway:
                 and leasing is not None and leasing.lease.seconds > 0):
             extra_headers.append((LEASE_ENGINE_HEADER, self.config.engine_id.encode()))
         outcome = "cancelled"
+        meter = OutputMeter(kind.value)
         try:
             forward_headers = self._forward_headers(scope)
             path = scope["path"]
@@ -410,8 +414,12 @@ class Gateway:
                 lambda: self.upstream.open("POST", path, forward_headers, body),
                 on_done=reservation.release,
                 extra_headers=extra_headers,
+                on_chunk=meter.feed,
             )
             outcome = result.outcome
+            produced = meter.output_tokens(n)
+            if outcome == "completed" and produced is not None:
+                self.estimates.observe(tenant_id, kind.value, produced, n)
             ttft, duration, _ = self._tier_metrics(tier)
             if result.ttft is not None:
                 ttft.observe(result.ttft)
@@ -423,7 +431,7 @@ class Gateway:
     async def _admit(
         self, kind: Kind, raw: bytes, raw_headers: list[tuple[bytes, bytes]], receive: Receive,
         active: ActivePolicy, tenant_id: str,
-    ) -> tuple[Reservation, bytes, str, float] | None:
+    ) -> tuple[Reservation, bytes, str, float, int] | None:
         """Count an authenticated request, then wait in the tenant's queue until admitted
         (or refused); None if the client went away meanwhile."""
         counter = self.token_counter
@@ -454,7 +462,7 @@ class Gateway:
         shape = RequestShape(
             tuple(len(p) for p in prompts), request.requested_max_tokens, request.n,
             request.prompt_param, request.max_tokens_param, session,
-            prompt_fingerprints(prompts, active.policy.block_size),
+            prompt_fingerprints(prompts, active.policy.block_size), kind.value,
         )
         ticket = self.queue.submit(tenant_id, shape)
         if not ticket.settled and not await self._wait_in_queue(ticket, receive):
@@ -481,7 +489,9 @@ class Gateway:
             reservation.release("error")
             raise
         self._tier_metrics(tier)[2].inc(verdict.blocks)
-        return reservation, body, tier, ticket.waited
+        # Sequences the response's output tokens are spread over (a batch of prompts,
+        # n choices each): the estimate is per sequence.
+        return reservation, body, tier, ticket.waited, request.n * max(1, len(prompts))
 
     def _count_decision(self, tenant_id: str, tier: str, decision: Decision) -> None:
         self.metrics.admissions.labels(self._tenant_label(tenant_id), tier, decision).inc()

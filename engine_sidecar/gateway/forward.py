@@ -224,8 +224,10 @@ class _Pump:
         self, send: Send, upstream: Upstream, result: ExchangeResult,
         on_done: Callable[[str], object],
         extra_headers: list[tuple[bytes, bytes]] | None = None,
+        on_chunk: Callable[[bytes], None] | None = None,
     ) -> None:
         self.send = send
+        self.on_chunk = on_chunk
         self.upstream = upstream
         self.result = result
         self.on_done = on_done
@@ -265,10 +267,13 @@ class _Pump:
                             *self.extra_headers, server_timing("upstream", start)],
             })
             result.started = True
+            on_chunk = self.on_chunk
             try:
                 async for chunk in response.aiter_raw():
                     if result.ttft is None:
                         result.ttft = time.perf_counter() - start
+                    if on_chunk is not None:
+                        on_chunk(chunk)
                     await send({"type": "http.response.body", "body": chunk,
                                 "more_body": True})
             except OSError as exc:
@@ -306,16 +311,18 @@ async def exchange(
     opener: Callable[[], Awaitable[UpstreamResponse]],
     on_done: Callable[[str], object] = lambda _outcome: None,
     extra_headers: list[tuple[bytes, bytes]] | None = None,
+    on_chunk: Callable[[bytes], None] | None = None,
 ) -> ExchangeResult:
     """Run one proxied exchange to its end; never raises for client or engine failures.
 
     `receive` must have delivered the whole request body already. `on_done(outcome)`
     runs as soon as the engine is finished with the request (before the client sees the
     last byte); on a client disconnect the caller settles after this returns.
-    `extra_headers` go out with the engine's response headers.
+    `extra_headers` go out with the engine's response headers; `on_chunk` sees every
+    body chunk of a response the engine accepted, before the client does.
     """
     result = ExchangeResult()
-    pump = _Pump(send, upstream, result, on_done, extra_headers)
+    pump = _Pump(send, upstream, result, on_done, extra_headers, on_chunk)
     start = time.perf_counter()
     pump_task = asyncio.ensure_future(pump.run(opener, start))
     watcher = asyncio.ensure_future(wait_for_disconnect(receive))

@@ -18,6 +18,7 @@ from engine_sidecar.policy import (
     TENANT_ID_PATTERN,
     Isolation,
     JwtAlgorithm,
+    ReservationMode,
     Tier,
     default_algorithms,
 )
@@ -233,6 +234,18 @@ class TierSpec(BaseModel):
     max_queued_requests: int | None = Field(
         None, ge=0, le=1_000_000,
         description="Requests one tenant of the tier may have waiting, pool-wide.",
+    )
+    reservation: ReservationMode | None = Field(
+        None,
+        description="What a request of the tier reserves when the sidecar admits it. "
+        "Estimated (the default): its prompt plus the output its tenant's requests on "
+        "that route usually produce (the 90th percentile of the latest 64 the sidecar "
+        "relayed, at most max_tokens; defaultMaxTokens until 8 have finished); a request "
+        "that decodes past it is charged the blocks it really holds, drawing on its "
+        "tenant's headroom up to maxBlocks, then on free KV above the watermark, and when "
+        "both are gone the plugin's victim order decides. Full: its prompt plus "
+        "max_tokens, so no admitted request is ever preempted for growing, at the price "
+        "of KV reserved that requests with short answers never use.",
     )
 
 

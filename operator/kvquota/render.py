@@ -16,7 +16,9 @@ from engine_sidecar.policy import (
     EnginePolicy,
     EngineShare,
     JwtPolicy,
+    ReservationMode,
     TenantPolicy,
+    Tier,
 )
 from kvquota import API_VERSION, GROUP
 from kvquota.api import AuthSpec, InferencePoolSpec
@@ -96,8 +98,15 @@ def compose_policy(
         recompute_below_blocks=spec.preemption.recompute_below_blocks,
         replicas=max(replicas, 1),
         auth=render_auth(spec.auth),
+        reservation=render_reservation(spec),
     )
     return compose(head, tenants, engines)
+
+
+def render_reservation(spec: InferencePoolSpec) -> dict[Tier, ReservationMode]:
+    """The tiers whose reservation the pool sets; the others reserve the default."""
+    modes = {tier: getattr(spec.tiers, tier.value).reservation for tier in Tier}
+    return {tier: mode for tier, mode in modes.items() if mode is not None}
 
 
 def build_configmap(

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 from operator_objects import pool
+from pydantic import ValidationError
 
-from engine_sidecar.policy import EnginePolicy, TenantPolicy, Tier
+from engine_sidecar.policy import EnginePolicy, ReservationMode, TenantPolicy, Tier
 from kvquota.api import InferencePoolSpec
 from kvquota.render import (
     HASH_ANNOTATION,
@@ -100,3 +102,22 @@ def test_a_policy_joined_from_tenant_pieces_is_the_policy_serialised_whole() -> 
         assert EnginePolicy.from_json(rendered.text) == rendered.policy
         cm = build_configmap("team-a", "p", "uid-1", rendered)
         assert cm == build_configmap("team-a", "p", "uid-1", rendered.policy)
+
+
+def test_a_tiers_reservation_reaches_the_engines_and_unset_tiers_reserve_estimated() -> None:
+    spec = _spec(tiers={"premium": {"reservation": "Full"}})
+    policy = render_policy("default", "p", spec, [_tenant("a")], replicas=1)
+    assert policy.reservation_for(Tier.PREMIUM) is ReservationMode.FULL
+    assert policy.reservation_for(Tier.FREE) is ReservationMode.ESTIMATED
+    assert EnginePolicy.from_json(policy.to_json()).reservation_for(Tier.PREMIUM) is (
+        ReservationMode.FULL)
+
+
+def test_a_pool_that_sets_no_reservation_renders_the_policy_it_did_before() -> None:
+    policy = render_policy("default", "p", _spec(), [_tenant("a")], replicas=1)
+    assert "reservation" not in json.loads(policy.to_json())
+
+
+def test_an_unknown_reservation_is_refused_naming_the_choices() -> None:
+    with pytest.raises(ValidationError, match="'Estimated' or 'Full'"):
+        _spec(tiers={"free": {"reservation": "MaxTokens"}})

@@ -5,6 +5,12 @@ the `ledger` under it) is the whole admission path of the sidecar and has no I/O
 the twin runs it as is. Only the inputs differ: the clock is the twin's, and the
 plugin's stats are read as often as the plugin publishes them (every
 `STEP_INTERVAL_S`), as the sidecar reads its stats file.
+
+Output estimates are learned as the sidecar learns them: when a turn completes, its
+output length goes into the queue's `OutputEstimates.observe` (the sidecar's relayed
+response does the same, `output_meter`), on the route `TWIN_ROUTE` (the twin's turns
+are chat conversations). The twin sets the turn's output tokens on its payload's
+outcome before it releases the reservation, so the release is where it is read.
 """
 
 from __future__ import annotations
@@ -15,10 +21,20 @@ from typing import Any
 
 from engine_sidecar.gateway.admission import RequestShape
 from engine_sidecar.gateway.admission_queue import AdmissionQueue, Ticket
-from engine_sidecar.gateway.ledger import Ledger
+from engine_sidecar.gateway.ledger import Ledger, Reservation
+from engine_sidecar.gateway.openai_request import Kind
 from engine_sidecar.gateway.prefix import block_fingerprints
 from engine_sidecar.policy import EnginePolicy
 from engine_sidecar.stats import EngineStats
+
+TWIN_ROUTE = Kind.CHAT.value
+
+
+def finished_output(payload: Any) -> int | None:
+    """The output tokens of a twin turn once it finished (its outcome's count)."""
+    outcome = getattr(payload, "outcome", None)
+    tokens = getattr(outcome, "output_tokens", None)
+    return tokens if isinstance(tokens, int) else None
 
 
 class TwinGateway:
@@ -43,6 +59,7 @@ class TwinGateway:
         self._dirty = False
         self._next_check = 0.0
         self._settled: list[Ticket] = []
+        self._admitted: dict[Reservation, Ticket] = {}  # until released
 
     def set_policy(self, policy: EnginePolicy) -> None:
         """A new policy (the operator re-split the quotas): the queue is pumped at the
@@ -50,10 +67,22 @@ class TwinGateway:
         self.queue.set_policy(policy)
         self._dirty = True
 
-    def _changed(self, _reservation: object) -> None:
+    def _changed(self, reservation: Reservation) -> None:
         self._dirty = True
+        ticket = self._admitted.pop(reservation, None)
+        if ticket is None or reservation.outcome != "completed":
+            return
+        tokens = finished_output(ticket.payload)
+        if tokens is not None:
+            self.queue.estimates.observe(ticket.tenant_id, ticket.shape.route, tokens,
+                                         ticket.shape.n)
+
+    def _track(self, ticket: Ticket) -> None:
+        if ticket.reservation is not None:
+            self._admitted[ticket.reservation] = ticket
 
     def _on_settled(self, ticket: Ticket) -> None:
+        self._track(ticket)
         self._settled.append(ticket)
 
     def submit(
@@ -65,10 +94,12 @@ class TwinGateway:
         shape = RequestShape(
             (len(prompt),), requested_max_tokens, session=session,
             prefix=block_fingerprints(prompt, self.queue.policy.block_size),
+            route=TWIN_ROUTE,
         )
         ticket = self.queue.submit(tenant_id, shape, payload)
         if not ticket.settled:
             ticket.on_settled = self._on_settled
+        self._track(ticket)
         return ticket
 
     def poll(self) -> list[Ticket]:
