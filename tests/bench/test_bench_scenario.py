@@ -133,3 +133,28 @@ def test_scale_overrides_replace_distributions_whole() -> None:
     # The engine scale gives a uniform where the full scenario has a lognormal.
     assert chat.prompt_tokens.dist == "uniform"
     assert scenario.engine.capacity_blocks == 640
+
+
+@pytest.mark.parametrize("name", ["generous-three-tier", "generous-premium-burst"])
+def test_generous_scenarios_ask_for_far_more_than_they_answer(name: str) -> None:
+    """Clients send max_tokens 4096 for short prompts; answers are a few hundred tokens
+    with a long tail, so the answer length is not max_tokens."""
+    import statistics
+
+    scenario = load_scenario(name)
+    sessions = generate_sessions(scenario)
+    assert {s.max_tokens for s in sessions} == {4096}
+    assert len({s.tier for s in sessions}) == 3
+    first = [s.turns[0].new_tokens for s in sessions]
+    outputs = [t.output_tokens for s in sessions for t in s.turns]
+    assert 500 <= statistics.median(first) <= 800
+    assert 200 <= statistics.median(outputs) <= 300
+    assert sorted(outputs)[int(len(outputs) * 0.99)] >= 3 * statistics.median(outputs)
+    assert {"small", "a100-40gb"} <= set(scenario_scales(name))
+
+
+def test_the_premium_burst_scenario_bursts_premium_itself() -> None:
+    scenario = load_scenario("generous-premium-burst")
+    premium = [t for t in scenario.tenants.values() if t.tier is Tier.PREMIUM]
+    assert len(premium) == 1
+    assert any(w.arrival.process == "bursts" for w in premium[0].workloads.values())

@@ -11,6 +11,7 @@ from kvquota.bench.runner import BenchOptions, run_bench
 from kvquota.bench.suite import (
     TARGET_NAMES,
     CaseResult,
+    diagnosis,
     evaluate,
     format_markdown,
     format_suite,
@@ -72,3 +73,66 @@ def test_a_difference_under_one_twin_step_is_a_tie_and_more_is_a_miss(
     assert "TIE" in format_suite([CaseResult("tiny", "default", document, [tie])])
     miss = {c.name: c for c in evaluate(_slower(document, 2.0))}["tput"]
     assert miss.passed is False and not miss.tie
+
+
+def _kvquota(document: dict[str, Any], **changes: Any) -> dict[str, Any]:
+    policies = document["policies"]
+    return {**document, "policies": {**policies, "kvquota": {**policies["kvquota"],
+                                                             **changes}}}
+
+
+def _free_goodput_halved(document: dict[str, Any], seconds_at_max: float) -> dict[str, Any]:
+    """KVQuota's free tier at half stock priority's goodput, its tenant holding its
+    maxBlocks for `seconds_at_max` of the load window."""
+    ours = document["policies"]["kvquota"]
+    free = ours["tiers"]["free"]
+    ceiling = {**free["atCeiling"]["hobbyist"], "secondsAtMaxBlocks": seconds_at_max}
+    half = document["policies"]["priority"]["tiers"]["free"]["goodput"] / 2
+    tiers = {**ours["tiers"], "free": {**free, "goodput": half,
+                                       "atCeiling": {"hobbyist": ceiling}}}
+    return _kvquota(document, tiers=tiers)
+
+
+def test_idle_kv_and_throughput_below_stock_priority_are_misses(
+    document: dict[str, Any],
+) -> None:
+    prio = document["policies"]["priority"]
+    checks = {c.name: c for c in evaluate(_kvquota(document, kvInUse=prio["kvInUse"] / 2))}
+    assert checks["kv-use"].passed is False and checks["kv-use"].value == "0.50x"
+    slower = _kvquota(document, makespan=document["policies"]["kvquota"]["makespan"] * 2)
+    tput = {c.name: c for c in evaluate(slower)}["tput/prio"]
+    assert tput.passed is False
+    table = format_suite([CaseResult("tiny", "default", slower, evaluate(slower))])
+    assert "tput/prio" in table.splitlines()[0]
+
+
+def test_a_tier_below_priority_at_its_own_ceiling_is_bound_and_named(
+    document: dict[str, Any],
+) -> None:
+    window = document["policies"]["kvquota"]["loadWindowSeconds"]
+    bound = _free_goodput_halved(document, seconds_at_max=0.6 * window)
+    check = {c.name: c for c in evaluate(bound)}["goodput"]
+    assert check.passed and check.verdict() == "BOUND"
+    table = format_suite([CaseResult("tiny", "default", bound, evaluate(bound))])
+    assert "0.50x BOUND" in table and "hobbyist's maxBlocks" in table
+    # Briefly at the ceiling is not the run: a miss, and the report names the limit it
+    # met and for how long.
+    brief = _free_goodput_halved(document, seconds_at_max=0.1 * window)
+    case = CaseResult("tiny", "default", brief, evaluate(brief))
+    assert not case.passed
+    assert "hobbyist (free) held its maxBlocks" in format_suite([case])
+
+
+def test_queueing_on_max_blocks_while_holding_little_names_the_reservations(
+    document: dict[str, Any],
+) -> None:
+    ours = document["policies"]["kvquota"]
+    premium = {**ours["tiers"]["premium"], "queuedSecondsBy": {"rejected_quota": 30.0}}
+    queued = _kvquota(document, tiers={**ours["tiers"], "premium": premium})
+    assert "acme (premium) queued on its maxBlocks" in diagnosis(queued)
+    assert "reservations, not held blocks, reached it" in diagnosis(queued)
+
+
+def test_new_scenarios_are_in_the_suite() -> None:
+    names = {name for name, _ in suite_cases()}
+    assert {"generous-three-tier", "generous-premium-burst"} <= names

@@ -54,6 +54,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--split", default="even",
                         help="pool: how quotas are split over engines, comma-separated: "
                         "even (the operator's default), demand (kvquota.rebalance)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="PATH=VALUE", help="override a scenario setting, e.g. "
+                        "pool.tiers.premium.reservation=Full (repeatable; suite: every "
+                        "scenario)")
     parser.add_argument("--json", type=Path, help="write the results as JSON")
     parser.add_argument("--markdown", type=Path, help="suite: also write a markdown report")
     parser.add_argument("--seeds", type=int, default=1,
@@ -73,7 +77,7 @@ def register(subparsers: Any) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from kvquota.bench.cost import CostProfileError
-    from kvquota.bench.scenario import ScenarioError
+    from kvquota.bench.scenario import ScenarioError, parse_overrides
 
     try:
         if args.action == "list":
@@ -88,7 +92,8 @@ def _run(args: argparse.Namespace) -> int:
 
             names = [n.strip() for n in args.scenario.split(",")] if args.scenario else None
             return suite_command(names, max(1, args.jobs), not args.no_progress,
-                                 args.json, args.markdown, max(1, args.seeds))
+                                 args.json, args.markdown, max(1, args.seeds),
+                                 parse_overrides(args.overrides))
         return _bench(args)
     except (ScenarioError, CostProfileError, ValueError) as exc:
         print(f"kvquota bench: {exc}", file=sys.stderr)
@@ -123,6 +128,7 @@ def _list() -> int:
 def _bench(args: argparse.Namespace) -> int:
     from kvquota.bench.report import format_table, write_plot
     from kvquota.bench.runner import BenchOptions, run_bench
+    from kvquota.bench.scenario import parse_overrides
 
     victim_orders: tuple[str, ...] = tuple(
         v.strip() for v in args.victim_orders.split(",") if v.strip()
@@ -144,6 +150,7 @@ def _bench(args: argparse.Namespace) -> int:
         replicas=args.replicas,
         router=args.router,
         splits=tuple(s.strip() for s in args.split.split(",") if s.strip()),
+        overrides=parse_overrides(args.overrides),
     )
     document = run_bench(options, out=sys.stdout)
     print()

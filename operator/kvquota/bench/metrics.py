@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from engine_sidecar.policy import Tier
+from kvquota.bench.occupancy import Occupancy
 from kvquota.bench.scenario import TIER_ORDER, Scenario
 
 Status = Literal["ok", "rejected", "failed", "unfinished"]
@@ -91,6 +92,12 @@ class RunResult:
     cpu_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # backend-specific counters
+    # KV in use over the load window and time at declared ceilings (`occupancy`);
+    # None: the backend could not see the engine's blocks.
+    occupancy: Occupancy | None = None
+    # Preemptions of requests that decoded past their reserved output estimate, per
+    # tier, from the plugin's stats; None: not a KVQuota run.
+    outgrown_by_tier: dict[str, int] | None = None
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -194,6 +201,19 @@ def summarize(run: RunResult, scenario: Scenario) -> dict[str, Any]:
         )
         for tier in tiers
     }
+    occupancy: dict[str, Any] = (
+        run.occupancy.to_json() if run.occupancy is not None
+        else {"kvInUse": None, "loadWindowSeconds": scenario.duration,
+                       "ceilings": None}
+    )
+    for tier, summary in by_tier.items():
+        summary["outgrownPreemptions"] = (
+            None if run.outgrown_by_tier is None else run.outgrown_by_tier.get(tier, 0)
+        )
+        ceilings = occupancy["ceilings"]
+        summary["atCeiling"] = None if ceilings is None else {
+            tenant: c for tenant, c in ceilings.items() if c["tier"] == tier
+        }
     done = [o for o in run.outcomes if o.status == "ok"]
     output_tokens = sum(o.output_tokens for o in done)
     return {
@@ -208,6 +228,9 @@ def summarize(run: RunResult, scenario: Scenario) -> dict[str, Any]:
             sum(t["preemptions"] for t in by_tier.values())
             if run.preemptions_known else None
         ),
+        "kvInUse": occupancy["kvInUse"],
+        "loadWindowSeconds": occupancy["loadWindowSeconds"],
+        "ceilings": occupancy["ceilings"],
         "tiers": by_tier,
         "timeline": {
             "capacityBlocks": run.timeline.capacity,

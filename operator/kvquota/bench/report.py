@@ -111,7 +111,8 @@ def _n(value: Any, fmt: str = "{}") -> str:
 
 COLUMNS = (
     ("policy", 30), ("tier", 8), ("reqs", 6), ("TTFT p50", 9), ("p95", 8), ("p99", 8),
-    ("TPOT", 7), ("tok/s", 8), ("goodput", 8), ("preempt", 8), ("prefix hit", 11),
+    ("TPOT", 7), ("tok/s", 8), ("goodput", 8), ("preempt", 8), ("outgrown", 9),
+    ("prefix hit", 11),
     ("lease brk", 10), ("429", 6), ("503", 6),
 )
 
@@ -136,6 +137,7 @@ def format_table(document: dict[str, Any]) -> str:
                 label, tier, str(t["requests"]), _s(t["ttftP50"]), _s(t["ttftP95"]),
                 _s(t["ttftP99"]), _s(t["tpotMean"]), _n(t["throughput"], "{:.0f}"),
                 _n(t["goodput"], "{:.2f}"), _n(t["preemptions"]),
+                _n(t.get("outgrownPreemptions")),
                 _n(t["prefixHitRate"], "{:.0%}"), _n(t["leaseBreaks"]),
                 str(t["rejected429"]), str(t["rejected503"]),
             ], first))
@@ -166,6 +168,7 @@ def format_table(document: dict[str, Any]) -> str:
             for k, v in comparison["throughputVsFcfs"].items() if k != "fcfs"
         )
         lines.append(f"total throughput vs stock FCFS ({_n(stock, '{:.0f}')} tok/s): {ratios}")
+    lines += kv_lines(document)
     for key, summary in document["policies"].items():
         for note in summary.get("notes", []):
             lines.append(f"note ({key}): {note}")
@@ -183,6 +186,44 @@ def format_table(document: dict[str, Any]) -> str:
         lines.append("per run, wall (engine start included): "
                      + ", ".join(f"{k} {v:.0f}s" for k, v in wall.items()))
     return "\n".join(lines)
+
+
+def kv_lines(document: dict[str, Any]) -> list[str]:
+    """Mean KV in use per policy (and KVQuota's against stock priority's), and how long
+    each tenant sat at a ceiling its TenantQuota declares, on blocks it held."""
+    policies = document["policies"]
+    shares = {key: s.get("kvInUse") for key, s in policies.items()}
+    if not any(v is not None for v in shares.values()):
+        return []
+    window = next(iter(policies.values())).get("loadWindowSeconds")
+    prio = shares.get("priority")
+    cells = []
+    for key, share in shares.items():
+        cell = f"{key} {_n(share, '{:.0%}')}"
+        if key != "priority" and share is not None and prio:
+            cell += f" ({share / prio:.2f}x priority)"
+        cells.append(cell)
+    lines = [f"mean KV blocks in use while load arrives (0-{_n(window, '{:.0f}')} s, share "
+             "of capacity): " + ", ".join(cells)]
+    for key, summary in policies.items():
+        at = ceiling_times(summary)
+        if at:
+            lines.append(f"{key}: at a declared ceiling (blocks held, not reserved): "
+                         + "; ".join(at))
+    return lines
+
+
+def ceiling_times(summary: dict[str, Any]) -> list[str]:
+    """'acme maxBlocks 5600: 120 s' for every tenant that spent time at one."""
+    out = []
+    for tenant, c in (summary.get("ceilings") or {}).items():
+        if c.get("secondsAtMaxBlocks"):
+            out.append(f"{tenant} ({c['tier']}) maxBlocks {c['maxBlocks']}: "
+                       f"{c['secondsAtMaxBlocks']:.0f} s (peak held {c['peakHeld']})")
+        if c.get("secondsAtMaxConcurrent"):
+            out.append(f"{tenant} ({c['tier']}) maxConcurrentRequests "
+                       f"{c['maxConcurrentRequests']}: {c['secondsAtMaxConcurrent']:.0f} s")
+    return out
 
 
 # -- PNG ----------------------------------------------------------------------------

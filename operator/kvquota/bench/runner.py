@@ -35,6 +35,7 @@ class BenchOptions:
     replicas: int | None = None  # a pool of twin engines behind `router` (kvquota.bench.pool)
     router: str = "round-robin"
     splits: tuple[str, ...] = ("even",)
+    overrides: dict[str, Any] = field(default_factory=dict)  # `--set`, merged into the scenario
 
 
 class ProgressBar:
@@ -109,7 +110,8 @@ def run_bench(options: BenchOptions, out: TextIO | None = None) -> dict[str, Any
 
         if "engine" in scenario_scales(options.scenario):
             scale = "engine"
-    scenario = load_scenario(options.scenario, scale=scale, seed=options.seed)
+    scenario = load_scenario(options.scenario, scale=scale, seed=options.seed,
+                             overrides=options.overrides)
     if options.replicas is not None:
         if options.backend != "twin":
             raise ValueError("--replicas runs in the twin only")
@@ -167,6 +169,8 @@ def run_bench(options: BenchOptions, out: TextIO | None = None) -> dict[str, Any
         profile=profile, runs=runs, baseline=baseline, num_sessions=len(sessions),
         num_requests=num_requests,
     )
+    if options.overrides:
+        document["scenario"]["overrides"] = options.overrides
     if options.replicas is not None:
         document["pool"] = {"replicas": options.replicas, "router": options.router,
                             "splits": list(options.splits)}

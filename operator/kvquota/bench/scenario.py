@@ -516,11 +516,12 @@ def parse_scenario(
     source: str = "<scenario>",
     scale: str | None = None,
     seed: int | None = None,
+    overrides: Mapping[str, Any] | None = None,
 ) -> Scenario:
     """Validate a scenario (YAML text or an already parsed mapping).
 
-    `scale` applies the overrides under `scales.<name>` first; `seed` replaces the
-    scenario's seed."""
+    `scale` applies the overrides under `scales.<name>` first, then `overrides` (a
+    mapping as from `parse_overrides`); `seed` replaces the scenario's seed."""
     if isinstance(raw, str):
         try:
             data = yaml.safe_load(raw)
@@ -540,6 +541,8 @@ def parse_scenario(
         if not isinstance(scales[scale], dict):
             raise ScenarioError(f"scenario {source}: scales.{scale} must be a mapping")
         data = _merge(data, scales[scale])
+    if overrides:
+        data = _merge(data, overrides)
     if seed is not None:
         data["seed"] = seed
     try:
@@ -549,10 +552,33 @@ def parse_scenario(
 
 
 def load_scenario(name_or_path: str, *, scale: str | None = None,
-                  seed: int | None = None) -> Scenario:
+                  seed: int | None = None,
+                  overrides: Mapping[str, Any] | None = None) -> Scenario:
     """A shipped scenario by name, or a YAML file."""
     source, text = _read(name_or_path)
-    return parse_scenario(text, source=source, scale=scale, seed=seed)
+    return parse_scenario(text, source=source, scale=scale, seed=seed, overrides=overrides)
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """`--set pool.tiers.premium.reservation=Full` (repeatable) as a mapping to merge
+    into a scenario: a setting compared without editing the YAML (the value is read
+    as YAML: `3`, `0.2`, `"40%"`, `{seconds: 60}`)."""
+    merged: dict[str, Any] = {}
+    for item in items:
+        path, sep, text = item.partition("=")
+        keys = [k.strip() for k in path.split(".")]
+        if not sep or not all(keys):
+            raise ScenarioError(f"--set {item!r}: give PATH=VALUE, e.g. "
+                                "pool.tiers.premium.reservation=Full")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ScenarioError(f"--set {item!r}: the value is not valid YAML: {exc}"
+                                ) from None
+        for key in reversed(keys):
+            value = {key: value}
+        merged = _merge(merged, value)
+    return merged
 
 
 def scenario_scales(name_or_path: str) -> list[str]:

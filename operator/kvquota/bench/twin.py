@@ -30,6 +30,8 @@ from engine_sidecar.stats_publisher import STEP_INTERVAL_S
 from kvquota.bench.admission import TwinGateway
 from kvquota.bench.cost import CostProfile
 from kvquota.bench.metrics import Outcome, RunResult, Timeline
+from kvquota.bench.occupancy import Occupancy
+from kvquota.bench.plugin_counts import outgrown_by_tier
 from kvquota.bench.scenario import Scenario, Session, generate_sessions
 
 if TYPE_CHECKING:
@@ -132,6 +134,11 @@ class TwinRun:
         self._harness_now: Callable[[], float] = lambda: 0.0
         self.outcomes: list[Outcome] = []
         self.timeline = Timeline(capacity=scenario.engine.capacity_blocks)
+        self.occupancy = Occupancy.for_scenario(scenario)
+        # What each tenant held and had in flight since `_tenants_at` (KVQuota runs).
+        self._tenants_at = 0.0
+        self._held: dict[str, int] = {}
+        self._inflight: dict[str, int] = {}
         self._events: list[TwinEvent] = []
         self._seq = 0
         self._live: dict[str, _Live] = {}
@@ -323,6 +330,40 @@ class TwinRun:
                     by_tier[tier] = by_tier.get(tier, 0) + tenant_stats.leased_blocks
         return by_tier
 
+    # -- occupancy ----------------------------------------------------------------
+
+    def _observe_step(self, harness: SchedulerHarness, start: float, free_blocks: int) -> None:
+        """KV in use during the step that ran from `start` (what it allocated)."""
+        used = max(0, self.scenario.engine.capacity_blocks - 1 - free_blocks)  # 1: null block
+        self.occupancy.add_kv(start, harness.now, used)
+        self._observe_tenants(harness)
+
+    def _advance_idle(self, harness: SchedulerHarness, seconds: float) -> None:
+        """Let virtual time pass with nothing to step; the blocks leases pin stay in use."""
+        free = harness.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+        used = max(0, self.scenario.engine.capacity_blocks - 1 - free)
+        self.occupancy.add_kv(harness.now, harness.now + seconds, used)
+        harness.advance(seconds)
+        self._observe_tenants(harness)
+
+    def _observe_tenants(self, harness: SchedulerHarness) -> None:
+        """Each tenant's held blocks (running + leased) as the sidecar last read the
+        plugin's stats, and its requests in flight, held since the previous call."""
+        if harness.plugin is None:
+            return
+        self.occupancy.add_tenants(self._tenants_at, harness.now, self._held, self._inflight)
+        self._tenants_at = harness.now
+        stats = self._stats if self._stats is not None else self._engine_stats(harness)
+        if stats is None:
+            return
+        self._held = {t: s.running_blocks + s.leased_blocks for t, s in stats.tenants.items()}
+        gateway = self.gateway
+        self._inflight = (
+            {t: gateway.ledger.inflight(t) for t in self.scenario.tenants}
+            if gateway is not None
+            else {t: s.running + s.waiting for t, s in stats.tenants.items()}
+        )
+
     # -- the loop -----------------------------------------------------------------
 
     def run(self) -> RunResult:
@@ -358,7 +399,7 @@ class TwinRun:
                 if gateway is not None and (wakeup := gateway.next_wakeup()) is not None:
                     wakeups.append(wakeup)
                 if wakeups:
-                    harness.advance(max(0.0, min(wakeups) - harness.now))
+                    self._advance_idle(harness, max(0.0, min(wakeups) - harness.now))
                 continue
             if harness.now >= deadline:
                 notes.append(
@@ -368,6 +409,7 @@ class TwinRun:
                 break
             record = harness.step()
             steps += 1
+            self._observe_step(harness, record.start_time, record.num_free_blocks)
             for req_id in record.finished_req_ids:
                 if req_id in self._live:
                     self._finish(harness, req_id)
@@ -384,7 +426,7 @@ class TwinRun:
                     notes.append(f"stalled at {harness.now:.0f} s: {len(self._live)} requests "
                                  "could not be scheduled")
                     break
-                harness.advance(max(0.0, min(wakeups) - harness.now))
+                self._advance_idle(harness, max(0.0, min(wakeups) - harness.now))
             if self.progress is not None and harness.now - last_report >= 1.0:
                 last_report = harness.now
                 self.progress(self.spec.key, self._settled, self._planned, harness.now)
@@ -401,11 +443,15 @@ class TwinRun:
             makespan=makespan,
             steps=steps,
             notes=notes,
+            occupancy=self.occupancy,
         )
         if harness.plugin is not None:
             result.has_leases = True
             stats = harness.kvq_stats()
             result.extra = plugin_extra(stats)
+            result.outgrown_by_tier = outgrown_by_tier(
+                stats, {t: self.scenario.tier_of(t).value for t in self.scenario.tenants}
+            )
             for tenant_id, tenant_stats in stats.tenants.items():
                 if tenant_id in self.scenario.tenants:
                     tier = self.scenario.tier_of(tenant_id).value
