@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import gc
 import json
 import logging
 import time
@@ -35,6 +34,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from engine_sidecar.frozen_heap import freeze_startup_objects
 from engine_sidecar.gateway import errors, tracing
 from engine_sidecar.gateway.active_policy import ActivePolicy, PolicyHolder
 from engine_sidecar.gateway.admission import Decision, PoolView, RequestShape
@@ -247,7 +247,7 @@ class Gateway:
                                       retry_after=self.config.retry_after_seconds)
         if counter.pool is not None:
             counter.pool.start()
-        _freeze_startup_objects()
+        freeze_startup_objects()
         return counter
 
     async def _load_tokenizer(self) -> None:
@@ -650,16 +650,3 @@ def create_app(
     **kwargs: Any,
 ) -> ASGIHandler:
     return Gateway(config, policy_source, **kwargs).app
-
-
-def _freeze_startup_objects() -> None:
-    """Take what loading the tokenizer allocated out of the garbage collector's view.
-
-    transformers imports torch: some 350,000 long-lived objects, which every full
-    collection walks (0.2 s on an idle core, more on a busy one), and requests trigger
-    one every few seconds. That pause stalled every request in flight at once. Frozen,
-    they are never scanned again; the request path's own garbage is collected as before.
-    """
-    gc.collect()
-    gc.freeze()
-

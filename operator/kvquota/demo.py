@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import secrets
 import shutil
@@ -30,6 +29,7 @@ from typing import Any
 
 import yaml
 
+from engine_sidecar.frozen_heap import freeze_startup_objects
 from engine_sidecar.policy import EnginePolicy
 from engine_sidecar.stats import STATS_PATH_ENV
 from kvquota.engine_state import QuotaGauge, StockGauge
@@ -242,8 +242,7 @@ def run_demo(run: Path, workload: NoisyNeighbour, json_out: Path | None) -> int:
             model = tiny_model()
             # Generating the model imported torch: a full collection would walk its
             # ~350,000 objects and stall the load generator mid-measurement.
-            gc.collect()
-            gc.freeze()
+            freeze_startup_objects()
             results = {
                 POLICY_RUN: _run_policy_on(procs, model, run, workload, say),
                 STOCK_RUN: _run_stock(procs, model, run, workload, say),
