@@ -9,10 +9,13 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from engine_sidecar import preflight
 from engine_sidecar.gateway.engine_auth import KEY_ENV, KEY_FILE_ENV, load_engine_key
 from engine_sidecar.gateway.request_body import BODY_BYTES_PER_TOKEN
 from engine_sidecar.stats import (
@@ -114,10 +117,18 @@ def register(subparsers: Any) -> None:
             "Copies the engine_sidecar package (scheduler plugin and its policy/stats "
             "contract) into DIR/engine_sidecar, replacing an older copy atomically. Mount "
             "DIR into the vLLM container and add it to PYTHONPATH, then start vLLM with "
-            "--scheduler-cls engine_sidecar.scheduler.TenantAwareScheduler."
+            "--scheduler-cls engine_sidecar.scheduler.TenantAwareScheduler. With --check, "
+            "the pre-flight check then steps vLLM's real scheduler with that copy through "
+            "admit, preempt, lease and finish on the vLLM found here (no model, no GPU); "
+            f"inside a vLLM image without kvquota, run `python -m {preflight.__name__}`."
         ),
     )
-    install.add_argument("dir", type=Path, metavar="DIR")
+    install.add_argument("dir", type=Path, metavar="DIR", nargs="?",
+                         help="where to copy the package (optional with --check: then the "
+                              "package installed here is checked)")
+    install.add_argument("--check", action="store_true",
+                         help="run the pre-flight check (exit 1 naming what this vLLM "
+                              "lacks)")
     install.set_defaults(func=_run_install_plugin)
 
 
@@ -249,10 +260,26 @@ def install_plugin(target: Path) -> Path:
     return final
 
 
+def check_installed_plugin(target: Path) -> int:
+    """The pre-flight check on the copy in `target`, in a process that imports it from
+    there (first on PYTHONPATH, and the working directory, which `-m` puts before it):
+    what vLLM will load is what is checked."""
+    target = target.resolve()
+    path = os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-m", preflight.__name__],
+        cwd=target, env={**os.environ, "PYTHONPATH": path}, check=False,
+    ).returncode
+
+
 def _run_install_plugin(args: argparse.Namespace) -> int:
+    if args.dir is None:
+        if not args.check:
+            raise SystemExit("install-plugin: give DIR to copy the plugin into, or --check")
+        return preflight.main([])
     final = install_plugin(args.dir)
-    print(f"installed {final} (add {args.dir.resolve()} to PYTHONPATH)")
-    return 0
+    print(f"installed {final} (add {args.dir.resolve()} to PYTHONPATH)", flush=True)
+    return check_installed_plugin(args.dir) if args.check else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,3 +63,57 @@ def test_install_plugin_copies_an_importable_package(tmp_path: Path) -> None:
         env=env, cwd=tmp_path, capture_output=True, text=True, check=False)
     assert where.returncode == 0, where.stderr
     assert where.stdout.strip().startswith(str(installed))
+
+
+REPO = Path(__file__).resolve().parents[2]
+OK_LINE = "admit, preempt, lease, finish"
+
+
+def _kvquota(*argv: str, cwd: Path, first_on_path: Path | None = None,
+             ) -> subprocess.CompletedProcess[str]:
+    """The `kvquota` command in a fresh process (it imports vLLM)."""
+    path = [str(first_on_path)] if first_on_path else []
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*path, str(REPO), str(REPO / "operator")])}
+    env.pop("KVQUOTA_ALLOW_UNSUPPORTED_VLLM", None)
+    return subprocess.run([sys.executable, "-m", "kvquota.cli", *argv], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600, check=False)
+
+
+def test_install_plugin_check_checks_the_copy_it_installed(tmp_path: Path) -> None:
+    target = tmp_path / "plugins"
+    run = _kvquota("install-plugin", "--check", str(target), cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith(f"installed {target / 'engine_sidecar'}")
+    assert lines[1].startswith(f"checking the plugin at {target / 'engine_sidecar'} on vLLM ")
+    assert lines[-1].startswith("ok: vLLM ") and lines[-1].endswith(OK_LINE)
+
+
+def test_install_plugin_check_fails_naming_what_this_vllm_lacks(tmp_path: Path) -> None:
+    """On a vLLM that lost a touchpoint (simulated at interpreter start, in every
+    process), the check of the installed copy exits 1 naming it."""
+    broken = tmp_path / "broken-vllm"
+    broken.mkdir()
+    (broken / "sitecustomize.py").write_text(
+        "from vllm.v1.core.block_pool import BlockPool\ndel BlockPool.touch\n")
+    run = _kvquota("install-plugin", "--check", str(tmp_path / "plugins"), cwd=tmp_path,
+                   first_on_path=broken)
+    assert run.returncode == 1
+    assert "missing touchpoint: BlockPool.touch" in run.stderr
+    assert run.stderr.splitlines()[-1].startswith("not ok: vLLM ")
+
+
+def test_install_plugin_check_without_dir_checks_the_package_installed_here(
+    tmp_path: Path,
+) -> None:
+    run = _kvquota("install-plugin", "--check", cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"checking the plugin at {REPO / 'engine_sidecar'} on vLLM " in run.stdout
+    assert run.stdout.splitlines()[-1].endswith(OK_LINE)
+    assert not list(tmp_path.iterdir())  # nothing copied
+
+
+def test_install_plugin_needs_a_dir_unless_it_only_checks() -> None:
+    args = build_parser().parse_args(["install-plugin"])
+    with pytest.raises(SystemExit, match="give DIR to copy the plugin into, or --check"):
+        args.func(args)
