@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from engine_sidecar.scheduler import TenantAwareScheduler
 
 STAGES = ("admit", "preempt", "lease", "finish")
+STRICT_FLAG = "--strict"
 BLOCK_SIZE = 16
 NUM_BLOCKS = 21  # block 0 is vLLM's null block: 20 usable
 MAX_STEPS = 300  # per stage; every stage needs well under 100
@@ -70,6 +71,14 @@ _MODEL_CONFIG: dict[str, Any] = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
+
+
+def init_command(python: str) -> list[str]:
+    """The command of the init container injection adds: it runs in the engine's image
+    (where the vLLM the engine will run is), with the plugin's directory on PYTHONPATH,
+    and fails the pod at init, with this check's message, where the engine would not
+    start the plugin."""
+    return [python, "-m", __name__, STRICT_FLAG]
 
 
 class StageFailed(Exception):
@@ -382,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m engine_sidecar.preflight",
         description="Step vLLM's real scheduler with the KVQuota plugin through admit, "
                     "preempt, lease and finish (no model, no GPU, no network).")
-    parser.add_argument("--strict", action="store_true",
+    parser.add_argument(STRICT_FLAG, action="store_true",
                         help="also fail where the plugin would refuse to start: a vLLM "
                              "that is not a verified release, unless "
                              "KVQUOTA_ALLOW_UNSUPPORTED_VLLM=1 (the injected init "

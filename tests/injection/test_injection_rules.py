@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from engine_sidecar.cli import install_plugin
 from kvquota.inject.objects import inject_object
-from kvquota.inject.pod import PROBE_PATHS, SIDECAR, InjectionRefused
-from kvquota.inject.vllm_argv import VllmCommand, unwrap_shell
+from kvquota.inject.pod import CHECK, INIT, PLUGIN_DIR, PROBE_PATHS, SIDECAR, InjectionRefused
+from kvquota.inject.vllm_argv import SERVER_MODULE, VllmCommand, unwrap_shell
 
 from .checks import vllm_container
 from .conftest import INJECTED, load, pod_of
@@ -112,3 +117,84 @@ def test_two_vllm_servers_in_one_pod_are_refused() -> None:
     pod["spec"]["containers"].append({**second, "name": "second", "ports": []})
     with pytest.raises(InjectionRefused, match="several containers run vLLM"):
         inject_object(pod)
+
+
+def _check(pod: dict[str, Any]) -> dict[str, Any]:
+    (check,) = [c for c in pod["spec"]["initContainers"] if c["name"] == CHECK]
+    return check
+
+
+@pytest.mark.parametrize("name", INJECTED)
+def test_the_copied_plugin_is_checked_in_the_engines_image_before_vllm_starts(
+    name: str,
+) -> None:
+    _before, after = _injected(name)
+    vllm = vllm_container(after)
+    init = after["spec"]["initContainers"]
+    assert [c["name"] for c in init][-2:] == [INIT, CHECK]  # copied, then checked
+    check = _check(after)
+    assert check["image"] == vllm["image"]  # the vLLM the engine will run
+    assert check["command"] == [VllmCommand.parse(vllm).python(), "-m",
+                                "engine_sidecar.preflight", "--strict"]
+    env = {e["name"]: e for e in check["env"]}
+    assert env["PYTHONPATH"] == next(e for e in vllm["env"] if e["name"] == "PYTHONPATH")
+    assert {"name": "kvquota-python", "mountPath": PLUGIN_DIR,
+            "readOnly": True} in check["volumeMounts"]
+    assert check["securityContext"]["readOnlyRootFilesystem"] is True
+    assert check["securityContext"]["runAsNonRoot"] is True
+    # `kubectl describe pod` shows why the pod stopped at init.
+    assert check["terminationMessagePolicy"] == "FallbackToLogsOnError"
+
+
+@pytest.mark.parametrize(("command", "python"), [
+    (["python3.12", "-m", SERVER_MODULE], "python3.12"),
+    (["/opt/venv/bin/python", "-u", "-m", SERVER_MODULE], "/opt/venv/bin/python"),
+    (["/opt/venv/bin/vllm", "serve"], "/opt/venv/bin/python3"),
+    (["vllm", "serve"], "python3"),
+    (None, "python3"),  # the image's entrypoint starts vLLM
+])
+def test_the_check_runs_on_the_python_that_runs_vllm(
+    command: list[str] | None, python: str
+) -> None:
+    pod = pod_of(load("plain-deployment.yaml"))
+    vllm = pod["spec"]["containers"][0]
+    if command is None:
+        vllm.pop("command")
+    else:
+        vllm["command"] = command
+    vllm["args"] = ["--model", "m"]
+    assert _check(pod_of(inject_object(pod)))["command"][0] == python
+
+
+def test_the_check_sees_the_engines_environment() -> None:
+    """Like the engine, the check lets an unverified vLLM through only where the
+    engine's container allows it."""
+    pod = pod_of(load("plain-deployment.yaml"))
+    vllm = pod["spec"]["containers"][0]
+    vllm.setdefault("env", []).extend([
+        {"name": "KVQUOTA_ALLOW_UNSUPPORTED_VLLM", "value": "1"},
+        {"name": "HOME", "value": "/models"},  # not mounted in the check
+    ])
+    vllm["envFrom"] = [{"configMapRef": {"name": "vllm-settings"}}]
+    check = _check(pod_of(inject_object(pod)))
+    env = {e["name"]: e.get("value") for e in check["env"]}
+    assert env["KVQUOTA_ALLOW_UNSUPPORTED_VLLM"] == "1"
+    assert env["HOME"] == "/tmp"  # writable: the check's own emptyDir
+    assert check["envFrom"] == vllm["envFrom"]
+
+
+def test_the_injected_check_says_ok_on_this_vllm(tmp_path: Path) -> None:
+    """The init container's command as injected, run here (this venv's python for the
+    image's) on a copy of the plugin in place of the shared volume."""
+    check = _check(pod_of(inject_object(load("plain-deployment.yaml"))))
+    plugin = install_plugin(tmp_path / "python").parent
+    env = {**os.environ, **{e["name"]: e["value"] for e in check["env"] if "value" in e}}
+    env["PYTHONPATH"] = env["PYTHONPATH"].replace(PLUGIN_DIR, str(plugin))
+    env["HOME"] = str(tmp_path)
+    env.pop("KVQUOTA_ALLOW_UNSUPPORTED_VLLM", None)
+    assert check["workingDir"] == PLUGIN_DIR
+    run = subprocess.run([sys.executable, *check["command"][1:]], cwd=plugin, env=env,
+                         capture_output=True, text=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"checking the plugin at {plugin / 'engine_sidecar'} on vLLM " in run.stdout
+    assert run.stdout.splitlines()[-1].endswith(": admit, preempt, lease, finish")

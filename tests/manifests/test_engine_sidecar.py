@@ -60,11 +60,17 @@ def test_vllm_keeps_its_model_and_loads_the_plugin_behind_the_sidecar() -> None:
 
 def test_plugin_is_copied_onto_a_volume_the_vllm_container_imports_from() -> None:
     pod = _pod(build(EXAMPLE))
-    (init,) = pod["spec"]["initContainers"]
+    init, check = pod["spec"]["initContainers"]
     assert init["command"] == ["kvquota", "install-plugin", "/opt/kvquota/python"]
     target = _mounts(init)["/opt/kvquota/python"]
     assert _mounts(_container(pod, "vllm"))["/opt/kvquota/python"] == target
     assert init["image"] == _container(pod, "kvquota-sidecar")["image"]
+    # Then the pre-flight check runs that copy on the vLLM the engine will run.
+    vllm = _container(pod, "vllm")
+    assert check["image"] == vllm["image"]
+    assert check["command"] == ["python3", "-m", "engine_sidecar.preflight", "--strict"]
+    assert _mounts(check)["/opt/kvquota/python"] == target
+    assert _env(check)["PYTHONPATH"] == _env(vllm)["PYTHONPATH"]
 
 
 def test_sidecar_and_plugin_share_the_policy_and_stats_files() -> None:
@@ -181,7 +187,7 @@ def test_only_the_operator_and_prometheus_reach_the_admin_port() -> None:
 
 def test_added_containers_run_unprivileged() -> None:
     pod = _pod(build(EXAMPLE))
-    for container in (pod["spec"]["initContainers"][0], _container(pod, "kvquota-sidecar")):
+    for container in (*pod["spec"]["initContainers"], _container(pod, "kvquota-sidecar")):
         context = container["securityContext"]
         assert context["runAsNonRoot"] and context["readOnlyRootFilesystem"]
         assert context["capabilities"]["drop"] == ["ALL"]

@@ -12,6 +12,11 @@ answers once its engine is up, and recorded.
 vLLM's API key (`--api-key`, `VLLM_API_KEY`) is carried to the sidecar's environment
 (`engine_key`), which sends it upstream in place of the clients' tenant tokens.
 
+Two init containers run before vLLM: `kvquota-install-plugin` (the sidecar's image)
+copies the plugin onto a shared volume, then `kvquota-check-plugin` runs the pre-flight
+check (`engine_sidecar.preflight`) on that copy in the vLLM container's own image, so a
+vLLM the plugin does not run on stops the pod at init, with the check's message.
+
 Flags the plugin needs are added; a conflicting `--scheduling-policy` or
 `--no-enable-prefix-caching` is replaced and recorded in the annotation
 `kvquota.dev/replaced`. A pod already injected comes back unchanged.
@@ -23,6 +28,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
+from engine_sidecar import preflight
 from engine_sidecar.stats import ENGINE_NAME_ENV, POLICY_PATH_ENV, STATS_PATH_ENV
 from kvquota import GROUP
 from kvquota.inject.engine_key import KeyRefused, engine_key_env
@@ -42,6 +48,7 @@ STATUS_PORT_ANNOTATION = f"{GROUP}/status-port"  # what kvquota.engines polls
 OPT_OUT_LABEL = f"{GROUP}/injection"  # "disabled": left alone (as the webhook's selectors)
 SIDECAR = "kvquota-sidecar"
 INIT = "kvquota-install-plugin"
+CHECK = "kvquota-check-plugin"  # the pre-flight check, in the engine's image
 PLUGIN_DIR = "/opt/kvquota/python"
 RUN_DIR = "/var/run/kvquota"
 SECRETS_DIR = "/etc/kvquota/secrets"
@@ -124,7 +131,8 @@ def inject_pod(
     except KeyRefused as exc:
         raise InjectionRefused(f"container {vllm['name']!r}: {exc}") from None
     containers.append(sidecar)
-    spec.setdefault("initContainers", []).append(_init_container(options))
+    spec.setdefault("initContainers", []).extend(
+        [_init_container(options), _check_container(vllm, command.python())])
     spec.setdefault("volumes", []).extend(_volumes(options))
     if spec.get("serviceAccountName") in (None, "", "default"):
         spec["serviceAccountName"] = options.service_account
@@ -330,6 +338,35 @@ def _init_container(options: InjectionOptions) -> dict[str, Any]:
         "securityContext": copy.deepcopy(_RESTRICTED),
         "volumeMounts": [{"name": "kvquota-python", "mountPath": PLUGIN_DIR}],
     }
+
+
+def _check_container(vllm: dict[str, Any], python: str) -> dict[str, Any]:
+    """The pre-flight check (`engine_sidecar.preflight`) on the copied plugin, in the
+    vLLM container's own image and environment (its PYTHONPATH already starts with the
+    plugin): the vLLM that will run is the one checked. A vLLM the plugin does not run
+    on, or would refuse to start on, fails the pod at init with the check's message
+    (its log is the termination message) instead of crash-looping the engine."""
+    check: dict[str, Any] = {
+        "name": CHECK,
+        "image": vllm["image"],
+        "command": preflight.init_command(python),
+        "workingDir": PLUGIN_DIR,  # `-m` puts it first on sys.path: the copied plugin
+        # The engine's environment (its variables may change what vLLM does), with a
+        # writable home: vLLM caches what it learns of models under ~/.cache.
+        "env": [*(e for e in copy.deepcopy(vllm.get("env") or []) if e.get("name") != "HOME"),
+                {"name": "HOME", "value": "/tmp"}],
+        "resources": {"requests": {"cpu": "250m", "memory": "1Gi"},
+                      "limits": {"memory": "2Gi"}},
+        "securityContext": copy.deepcopy(_RESTRICTED),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "volumeMounts": [{"name": "kvquota-python", "mountPath": PLUGIN_DIR, "readOnly": True},
+                         {"name": "kvquota-tmp", "mountPath": "/tmp"}],
+    }
+    if vllm.get("envFrom"):
+        check["envFrom"] = copy.deepcopy(vllm["envFrom"])
+    if vllm.get("imagePullPolicy"):
+        check["imagePullPolicy"] = vllm["imagePullPolicy"]
+    return check
 
 
 def _volumes(options: InjectionOptions) -> list[dict[str, Any]]:

@@ -21,6 +21,7 @@ from typing import Any
 PLUGIN_CLASS = "engine_sidecar.scheduler.TenantAwareScheduler"
 DEFAULT_PORT = 8000  # vLLM's --port default
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+DEFAULT_PYTHON = "python3"
 _PYTHON = re.compile(r"python(\d+(\.\d+)?)?")
 _SHELLS = frozenset({"sh", "bash", "dash", "ash", "zsh"})
 # Flags that take a value (the ones read or rewritten here, and the TLS pair refused).
@@ -105,6 +106,18 @@ class VllmCommand:
     @property
     def full_argv(self) -> list[str]:
         return self.argv + self.appended
+
+    def python(self) -> str:
+        """The Python interpreter that runs vLLM in the image: the one the command names
+        (`python3.12 -m ...`, `/opt/venv/bin/python -m ...`), the one beside a `vllm`
+        script named by its path, else `python3` (what vLLM's images put on PATH)."""
+        if self.entry and self.in_command:
+            program = self.argv[0]
+            if _PYTHON.fullmatch(os.path.basename(program)):
+                return program
+            if os.path.basename(program) == "vllm" and "/" in program:
+                return f"{os.path.dirname(program)}/python3"
+        return DEFAULT_PYTHON
 
     def server_argv(self) -> list[str]:
         """The arguments vLLM's own parser sees (after `vllm serve` / `-m module`)."""
