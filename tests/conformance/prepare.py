@@ -68,7 +68,7 @@ def site_dir(version: str) -> Path:
     return CACHE / f"vllm-{version}" / "site"
 
 
-def tests_dir(version: str) -> Path:
+def suite_dir(version: str) -> Path:
     """Holds the release's tests/ and pyproject.toml."""
     return CONFORMANCE_DIR / f"vllm-{version}"
 
@@ -125,7 +125,7 @@ def prepare_tests(version: str) -> Path:
     sdist_sha256 = verified_releases()[version][1]
     if sdist_sha256 is None:
         raise SystemExit(f"vLLM {version} has no pinned source archive in VERIFIED_VLLM")
-    target = tests_dir(version)
+    target = suite_dir(version)
     stamp = f"{sdist_sha256} hf-configs {hf_configs.GENERATOR_VERSION}"
     if _stamped(target, stamp):
         return target

@@ -18,7 +18,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from prepare import HF_HUB_DIR, REPO, conformance_releases, site_dir, tests_dir
+from prepare import HF_HUB_DIR, REPO, conformance_releases, site_dir, suite_dir
 
 pytestmark = pytest.mark.conformance
 
@@ -40,7 +40,7 @@ def _run_suite(version: str, scheduler: str, junit: Path) -> subprocess.Popen[by
         ),
         HF_HUB_OFFLINE="1",
         HF_HUB_CACHE=str(HF_HUB_DIR),
-        VLLM_CACHE_ROOT=str(tests_dir(version).parent / "vllm-cache"),
+        VLLM_CACHE_ROOT=str(suite_dir(version).parent / "vllm-cache"),
         KVQUOTA_CONFORMANCE_NO_PLATFORM="1" if unpacked else "0",
     )
     env.pop("KVQUOTA_POLICY_PATH", None)
@@ -48,7 +48,7 @@ def _run_suite(version: str, scheduler: str, junit: Path) -> subprocess.Popen[by
     return subprocess.Popen(
         [sys.executable, "-m", "pytest", "tests/v1/core", "-p", "vllm_swap", "-q",
          "-p", "no:cacheprovider", f"--junitxml={junit}"],
-        cwd=tests_dir(version), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        cwd=suite_dir(version), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )
 
 
@@ -71,7 +71,7 @@ def outcomes(junit: Path) -> dict[str, str]:
 
 @pytest.mark.parametrize("version", conformance_releases())
 def test_plugin_passes_every_test_stock_vllm_passes(version: str, tmp_path: Path) -> None:
-    if not (tests_dir(version) / "tests" / "v1" / "core").is_dir():
+    if not (suite_dir(version) / "tests" / "v1" / "core").is_dir():
         pytest.skip(f"vLLM {version}'s test suite is not fetched: python "
                     "tests/conformance/prepare.py (make test does)")
     # Both runs at once: each is one process, and the machine has at least two cores.
@@ -95,7 +95,7 @@ def test_plugin_passes_every_test_stock_vllm_passes(version: str, tmp_path: Path
     )
     print(summary)
     excluded = sorted(f"{test} ({stock[test]})" for test in set(stock) - stock_passed)
-    (tests_dir(version).parent / f"last-run-{version}.txt").write_text(
+    (suite_dir(version).parent / f"last-run-{version}.txt").write_text(
         "\n  ".join([summary, *excluded]) + "\n"
     )
     for line in logs["stock"].splitlines():
