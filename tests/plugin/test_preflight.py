@@ -51,13 +51,13 @@ def _release_site(version: str) -> Path | None:
     return release_site
 
 
-def _run_check(*code: str, release_site: Path | None = None,
-               env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def _run_check(*code: str, release_site: Path | None = None) -> subprocess.CompletedProcess[str]:
     """`python -m engine_sidecar.preflight` in a fresh process, after `code` (which
-    may break this vLLM the way a future release might)."""
-    path = [str(release_site)] if release_site else []
-    run_env = {**os.environ, **(env or {}),
-               "PYTHONPATH": os.pathsep.join([*path, str(REPO)])}
+    may break this vLLM the way a future release might), on `release_site` if given,
+    else on this process's vLLM (an unpacked copy stays first on PYTHONPATH)."""
+    path = [str(release_site), str(REPO)] if release_site else [
+        str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    run_env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     run_env.pop(vllm_compat.ALLOW_UNSUPPORTED_ENV, None)
     script = "\n".join([*code, "import runpy",
                         "runpy.run_module('engine_sidecar.preflight', run_name='__main__')"])
@@ -81,10 +81,12 @@ def test_the_check_says_ok_on_every_verified_release(version: str) -> None:
 
 def test_a_vllm_without_a_touchpoint_fails_naming_it() -> None:
     """A future vLLM that renamed `BlockPool.touch` (what leases pin blocks with)."""
+    import vllm
+
     run = _run_check("from vllm.v1.core.block_pool import BlockPool", "del BlockPool.touch")
     assert run.returncode == 1
     assert "missing touchpoint: BlockPool.touch" in run.stderr
-    assert run.stderr.splitlines()[-1].startswith("not ok: vLLM ")
+    assert run.stderr.splitlines()[-1].startswith(f"not ok: vLLM {vllm.__version__}: ")
     assert "ok: vLLM" not in run.stdout
 
 
