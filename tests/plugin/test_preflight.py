@@ -146,3 +146,14 @@ def test_run_by_hand_in_an_engine_container_it_leaves_the_engine_files_alone(
     assert capsys.readouterr().out.splitlines()[-1].endswith(OK_STAGES)
     assert not stats.exists()
     assert os.environ[STATS_PATH_ENV] == str(stats)
+
+
+def test_where_vllm_is_not_installed_it_says_where_to_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """E.g. `kvquota install-plugin --check` in the sidecar's image."""
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` fails
+    assert preflight.main([]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("not ok: vLLM cannot be imported here (")
+    assert "run the check in the engine's image" in err
