@@ -67,6 +67,10 @@ def test_kvquota_through_the_sidecar_leases_and_limits(engine: Any, tmp_path: Pa
     premium, free = summary["tiers"]["premium"], summary["tiers"]["free"]
     assert premium["completed"] == premium["requests"] == 4
     assert free["completed"] == free["requests"] == 8
+    # The clients send max_tokens 16 and 32; the answers end at their drawn lengths
+    # (8 and 16 tokens), as a model's end of sequence ends them.
+    assert {(o.tier, o.output_tokens) for o in result.outcomes} == {("premium", 8),
+                                                                    ("free", 16)}
     # Every second turn found its conversation cached (the plugin leased it): about
     # half of all premium prompt tokens, as the plugin counts them.
     assert result.extra["pluginPrefixHitRate"]["premium"] > 0.4

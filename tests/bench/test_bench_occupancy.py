@@ -137,3 +137,23 @@ def test_the_cli_applies_set_overrides_to_the_scenario(
     capsys.readouterr()
     assert main(["bench", "--scenario", str(path), "--set", "pool.watermark"]) == 2
     assert "give PATH=VALUE" in capsys.readouterr().err
+
+
+def test_answers_cut_at_the_tier_ceiling_are_counted_for_kvquota(tmp_path: Path) -> None:
+    """A tenant whose maxTokens is below what its answers run to: KVQuota clamps them
+    (stock vLLM generates what the client asked for) and the report counts the cut."""
+    path = tmp_path / "at-ceiling.yaml"
+    path.write_text(AT_CEILING)
+    document = run_bench(BenchOptions(
+        scenario=str(path), policies=("priority", "kvquota"), baseline=False,
+        progress=False, jobs=1, overrides={"tenants": {"hobbyist": {"limits": {"maxTokens": 8}}}},
+    ))
+    ours = document["policies"]["kvquota"]["tiers"]
+    stock = document["policies"]["priority"]["tiers"]
+    free = ours["free"]
+    assert free["answersCutAtMaxTokens"] == free["completed"] > 0
+    assert free["tokensCutAtMaxTokens"] == (16 - 8) * free["completed"]
+    assert free["outputTokens"] == 8 * free["completed"]
+    assert ours["premium"]["answersCutAtMaxTokens"] == 0
+    assert stock["free"]["answersCutAtMaxTokens"] == 0
+    assert free["atCeiling"]["hobbyist"]["maxTokens"] == 8

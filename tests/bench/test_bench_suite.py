@@ -136,3 +136,15 @@ def test_queueing_on_max_blocks_while_holding_little_names_the_reservations(
 def test_new_scenarios_are_in_the_suite() -> None:
     names = {name for name, _ in suite_cases()}
     assert {"generous-three-tier", "generous-premium-burst"} <= names
+
+
+def test_a_throughput_miss_names_answers_cut_at_the_tier_ceiling(
+    document: dict[str, Any],
+) -> None:
+    ours = document["policies"]["kvquota"]
+    free = {**ours["tiers"]["free"], "answersCutAtMaxTokens": 3, "tokensCutAtMaxTokens": 900}
+    cut = _kvquota(document, makespan=ours["makespan"] * 2,
+                   tiers={**ours["tiers"], "free": free})
+    check = {c.name: c for c in evaluate(cut)}["tput"]
+    assert check.passed is False
+    assert "free 3 answers cut at maxTokens" in check.detail and "(900 tokens)" in check.detail

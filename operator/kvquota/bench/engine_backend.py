@@ -12,14 +12,15 @@ Each policy gets a fresh engine (the tiny model, the scenario's `engine` setting
 - the baseline: stock FCFS without the noisy tiers.
 
 Prompts are token ids (the same generator as the twin); each turn resends the
-conversation with the tokens the engine generated (`return_token_ids`). vLLM cannot
-stop a random-weight model at a chosen length other than by `max_tokens`, so a request
-asks for exactly its drawn output length (capped by the client's `maxTokens`): the
-sidecar therefore reserves less than in the twin, where the client's `maxTokens` is
-reserved and the model stops earlier. Refused requests are retried after Retry-After,
-as in the twin. The noisy tiers (those the baseline drops) are played by a client
-process of their own: in one event loop their hundreds of streams and retries held the
-loop for up to 1.6 s on 2 cores, and premium TTFT then measured the load generator.
+conversation with the tokens the engine generated (`return_token_ids`). A request
+sends the client's `max_tokens`, as in the twin, and the model ends its answer after
+the turn's drawn output length, as a model ends at its end of sequence
+(`answer_fields`): the engine finishes the request normally ("stop"), so the sidecar
+relays a completed answer of that length and learns its output estimate from it.
+Refused requests are retried after Retry-After, as in the twin. The noisy tiers (those
+the baseline drops) are played by a client process of their own: in one event loop
+their hundreds of streams and retries held the loop for up to 1.6 s on 2 cores, and
+premium TTFT then measured the load generator.
 KV usage per tier comes from the plugin's stats file (KVQuota); for stock vLLM only
 `/metrics` could tell (a total), and it is empty while `kvquota.processes` starts vLLM
 with `--disable-log-stats`.
@@ -43,6 +44,8 @@ from typing import TYPE_CHECKING, Any
 from engine_sidecar.policy import AuthPolicy, write_atomically
 from engine_sidecar.stats import EngineStats
 from kvquota.bench.metrics import Outcome, RunResult, Timeline
+from kvquota.bench.occupancy import Occupancy
+from kvquota.bench.plugin_counts import outgrown_by_tier
 from kvquota.bench.scenario import TIER_ORDER, Scenario, Session, generate_sessions
 from kvquota.bench.twin import BASELINE, POLICIES, PolicySpec, Progress
 from kvquota.loadgen import QUEUE_HEADER, Target
@@ -94,19 +97,46 @@ def parse_server_timing(values: list[str]) -> dict[str, float]:
     return timings
 
 
+# The answer's tokens: FILL until its last one, END (two ordinary ids of the tiny
+# model's vocabulary, above its special tokens).
+ANSWER_FILL, ANSWER_END = 100, 101
+END_BIAS = 100.0
+
+
+def answer_fields(answer_tokens: int) -> dict[str, Any]:
+    """Sampling fields that make the model stop after exactly `answer_tokens` tokens, as
+    at its end of sequence, whatever `max_tokens` allows: only FILL and END may be
+    generated; END is a stop token that `min_tokens` masks until the answer's last
+    position, where its bias makes it the greedy choice. A random-weight model has no
+    end of sequence of its own to stop at."""
+    return {
+        "min_tokens": max(0, answer_tokens - 1),
+        "allowed_token_ids": [ANSWER_FILL, ANSWER_END],
+        "stop_token_ids": [ANSWER_END],
+        "logit_bias": {str(ANSWER_END): END_BIAS},
+    }
+
+
 async def complete(
     client: httpx.AsyncClient, target: Target, tenant: str, prompt: list[int],
-    max_tokens: int, *, session: str | None, priority: int | None, clock: Any,
+    max_tokens: int | None, *, session: str | None, priority: int | None, clock: Any,
+    answer_tokens: int | None = None,
 ) -> _Reply:
-    """One streamed completion of token ids; times come from `clock()`."""
+    """One streamed completion of token ids; times come from `clock()`. The answer
+    ends at the max_tokens in force, or after `answer_tokens` when that is fewer
+    (`max_tokens` None: not sent)."""
     headers = dict(target.headers(tenant))
     if session:
         headers["X-Session-Id"] = session
     body: dict[str, Any] = {
-        "model": target.model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+        "model": target.model, "prompt": prompt, "stream": True,
         "stream_options": {"include_usage": True}, "temperature": 0.0, "ignore_eos": True,
         "return_token_ids": True,
     }
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    if answer_tokens is not None and (max_tokens is None or answer_tokens < max_tokens):
+        body.update(answer_fields(answer_tokens))
     if priority is not None:
         body["priority"] = priority
     reply = _Reply(200, sent=clock())
@@ -227,19 +257,28 @@ class _Driver:
                               index + 1, self.clock(), prompt_tokens=len(prompt))
             self.outcomes.append(outcome)
             room = self.scenario.engine.max_model_len - len(prompt)
-            cap = min(session.max_tokens, room) if session.max_tokens else room
-            max_tokens = max(1, min(turn.output_tokens, cap))
+            # What the client sends (as in the twin), and where the answer ends: at its
+            # drawn length, or at the max_tokens in force (the sidecar clamps it to the
+            # tier's ceiling or applies the tier's default; a min_tokens above it would
+            # be refused).
+            requested = max(1, min(session.max_tokens, room)) if session.max_tokens else None
             use_sidecar = self.spec.admission
+            in_force = requested or room
+            if use_sidecar:
+                in_force = (min(requested, tenant.max_tokens) if requested
+                            else tenant.default_max_tokens)
+            answer = max(1, min(turn.output_tokens, in_force, room))
+            outcome.cut_tokens = max(0, min(turn.output_tokens, requested or room) - answer)
             reply = None
             while outcome.attempts < self.scenario.clients.max_attempts:
                 outcome.attempts += 1
                 try:
                     reply = await complete(
-                        client, self.target, session.tenant, prompt, max_tokens,
+                        client, self.target, session.tenant, prompt, requested,
                         session=session.session_id if use_sidecar else None,
                         priority=tenant.priority if self.spec.tier_priority and not use_sidecar
                         else None,
-                        clock=self.clock,
+                        clock=self.clock, answer_tokens=answer,
                     )
                 except Exception:  # transport error: counted, the session ends
                     outcome.status = "failed"
@@ -393,24 +432,45 @@ async def _scrape(client: httpx.AsyncClient, url: str) -> dict[str, float]:
 
 
 async def _sample(driver: _Driver, timeline: Timeline, stats_path: Path | None,
-                  engine_url: str, tier_of: dict[str, str], stop: asyncio.Event) -> None:
+                  engine_url: str, tier_of: dict[str, str], stop: asyncio.Event,
+                  occupancy: Occupancy) -> None:
+    """Every SAMPLE_SECONDS: KV held per tier for the timeline and, where the engine
+    tells, blocks in use and each tenant's held blocks and requests for `occupancy`
+    (a sample's values stand until the next one)."""
     import httpx
 
+    last: tuple[float, int | None, dict[str, int], dict[str, int]] | None = None
     async with httpx.AsyncClient(timeout=5.0) as client:
         while not stop.is_set():
             if driver.t0:
+                now = driver.clock()
                 by_tier: dict[str, int] = {}
+                used: int | None = None
+                held: dict[str, int] = {}
+                inflight: dict[str, int] = {}
                 if stats_path is not None:
                     stats = _read_stats(stats_path)
                     for tenant, t in (stats.tenants if stats else {}).items():
+                        held[tenant] = t.used_blocks
+                        inflight[tenant] = t.running + t.waiting
                         tier = tier_of.get(tenant)
                         if tier is not None:
                             by_tier[tier] = by_tier.get(tier, 0) + t.used_blocks
+                    if stats is not None and stats.total_blocks:
+                        used = stats.total_blocks - stats.free_blocks
                 else:
                     usage = (await _scrape(client, engine_url)).get("vllm:kv_cache_usage_perc")
                     if usage is not None:
                         by_tier["all"] = round(usage * timeline.capacity)
-                timeline.add(round(driver.clock(), 3), by_tier)
+                        used = by_tier["all"]
+                if last is not None:
+                    at, was_used, was_held, was_inflight = last
+                    if was_used is not None:
+                        occupancy.add_kv(at, now, was_used)
+                    if stats_path is not None:
+                        occupancy.add_tenants(at, now, was_held, was_inflight)
+                last = (now, used, held, inflight)
+                timeline.add(round(now, 3), by_tier)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), SAMPLE_SECONDS)
 
@@ -554,6 +614,7 @@ def run_engine_policy(
     model = model or tiny_model()
     procs = Processes()
     timeline = Timeline(capacity=scenario.engine.capacity_blocks)
+    occupancy = Occupancy.for_scenario(scenario)
     tier_of = {tid: t.tier.value for tid, t in scenario.tenants.items()}
     try:
         with terminate_as_interrupt():
@@ -566,7 +627,7 @@ def run_engine_policy(
             async def main() -> dict[str, float]:
                 stop = asyncio.Event()
                 sampler = asyncio.create_task(
-                    _sample(driver, timeline, stats_path, engine_url, tier_of, stop)
+                    _sample(driver, timeline, stats_path, engine_url, tier_of, stop, occupancy)
                 )
                 try:
                     await driver.run()
@@ -587,7 +648,7 @@ def run_engine_policy(
     makespan = max((o.finish for o in driver.outcomes if o.finish is not None), default=0.0)
     result = RunResult(
         key=spec.key, label=spec.label, outcomes=driver.outcomes, timeline=timeline,
-        makespan=makespan, wall_seconds=time.perf_counter() - started,
+        makespan=makespan, wall_seconds=time.perf_counter() - started, occupancy=occupancy,
     )
     if slowest is not None:
         result.extra["slowestFirstToken"] = slowest
@@ -617,6 +678,7 @@ def run_engine_policy(
             for reason, count in t.preemptions.items():
                 reasons[reason] = reasons.get(reason, 0) + count
         result.preemptions_by_tier = by_tier
+        result.outgrown_by_tier = outgrown_by_tier(final, tier_of)
         result.extra["preemptionsByReason"] = dict(sorted(reasons.items()))
         # The plugin's own count, over every request (first turns included).
         result.extra["pluginPrefixHitRate"] = {

@@ -42,6 +42,9 @@ class Outcome:
     rejections: list[int] = field(default_factory=list)  # HTTP status per refused attempt
     refused_within_guarantee: int = 0  # 429/503 refusals of an attempt that fit the guarantee
     queued_seconds: float = 0.0  # time the admitted attempt waited in the sidecar's queue
+    # Output tokens the answer lost to the tier's maxTokens ceiling (KVQuota clamps the
+    # client's max_tokens; stock vLLM does not).
+    cut_tokens: int = 0
     # Seconds every attempt waited in the sidecar's queue, by what it waited on (the
     # tenant's own quota or concurrency limit, or the KV watermark).
     waited_on: dict[str, float] = field(default_factory=dict)
@@ -170,6 +173,8 @@ def tier_summary(
         "rejected503": sum(1 for s in rejected if s == 503),
         "refusedWithinGuarantee": sum(o.refused_within_guarantee for o in mine),
         "queuedP99": _r(percentile([o.queued_seconds for o in done], 99)),
+        "answersCutAtMaxTokens": sum(1 for o in done if o.cut_tokens),
+        "tokensCutAtMaxTokens": sum(o.cut_tokens for o in done),
         "queuedSecondsBy": _waited_on(mine),
         "ttftCdf": cdf(ttfts),
     }

@@ -42,16 +42,20 @@ class TenantLimits:
     tier: str
     max_blocks: int
     max_concurrent: int | None  # None: no limit
+    max_tokens: int = 0  # the ceiling admission clamps max_tokens to (0: unknown)
 
 
 def declared_limits(scenario: Scenario) -> dict[str, TenantLimits]:
-    """The ceilings each tenant's TenantQuota declares (quotas resolved to blocks)."""
+    """The ceilings each tenant's TenantQuota declares (quotas resolved to blocks; the
+    maxTokens ceiling as the operator resolves it from the tier and the tenant)."""
     capacity = scenario.engine.capacity_blocks
+    policy = scenario.engine_policy()
     return {
         tenant_id: TenantLimits(
             tenant.tier.value,
             resolve_blocks(tenant.kv_cache.max_blocks, capacity),
             tenant.limits.max_concurrent_requests,
+            policy.tenants[tenant_id].max_tokens,
         )
         for tenant_id, tenant in scenario.tenants.items()
     }
@@ -133,6 +137,7 @@ class Occupancy:
                     MAX_CONCURRENT: limits.max_concurrent,
                     "secondsAtMaxConcurrent": round(clock.at_max_concurrent, 1)
                     if limits.max_concurrent is not None else None,
+                    "maxTokens": limits.max_tokens,
                     "meanHeld": round(clock.held_block_seconds / span, 1) if span else 0.0,
                     "peakHeld": clock.peak_held,
                 }

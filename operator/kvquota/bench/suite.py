@@ -133,9 +133,32 @@ def evaluate(document: dict[str, Any]) -> list[Check]:
                                 ("tput/prio", prio, THROUGHPUT_VS_PRIORITY)):
         if stock["throughput"]:
             stock_time = ours["outputTokens"] / (stock["throughput"] * target)
-            checks.append(_at_most(name, ours["makespan"], stock_time, step,
-                                   f"{ours['throughput'] / stock['throughput']:.3f}x"))
+            check = _at_most(name, ours["makespan"], stock_time, step,
+                             f"{ours['throughput'] / stock['throughput']:.3f}x")
+            if check.passed is False:
+                check.detail = "; ".join(filter(None, (check.detail,
+                                                       _cut_answers(ours, stock))))
+            checks.append(check)
     return checks
+
+
+def _cut_answers(summary: dict[str, Any], stock: dict[str, Any]) -> str:
+    """Output KVQuota did not generate because admission clamped max_tokens to a tier's
+    ceiling (stock vLLM generates what the client asked for): fewer tokens in about
+    the same time is lower throughput, and the ceiling is the declared limit that binds."""
+    cut = []
+    for tier, t in summary["tiers"].items():
+        if t.get("tokensCutAtMaxTokens"):
+            ceilings = {c.get("maxTokens") for c in (t.get("atCeiling") or {}).values()}
+            limit = "/".join(str(m) for m in sorted(ceilings) if m) or "?"
+            cut.append(f"{tier} {t['answersCutAtMaxTokens']} answers cut at maxTokens "
+                       f"{limit} ({t['tokensCutAtMaxTokens']:,} tokens)")
+    if not cut:
+        return ""
+    same = "the same requests" if summary["completed"] == stock["completed"] else (
+        f"{summary['completed']} requests (stock: {stock['completed']})")
+    return (", ".join(cut) + f"; {same} done in {summary['makespan']:.0f} s, "
+            f"{stock['label']} in {stock['makespan']:.0f} s")
 
 
 def _goodput(ours: dict[str, Any], ratios: list[tuple[str, float]], bound: float,

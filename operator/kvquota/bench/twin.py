@@ -237,7 +237,9 @@ class TwinRun:
         if ticket.reservation is not None:
             assert ticket.verdict is not None
             outcome.queued_seconds += ticket.waited
-            want = session.turns[turn].output_tokens
+            room = self.scenario.engine.max_model_len - len(attempt.prompt)
+            want = min(session.turns[turn].output_tokens, attempt.requested_max_tokens or room)
+            outcome.cut_tokens = max(0, want - ticket.verdict.max_tokens)
             self._start(harness, attempt, min(want, ticket.verdict.max_tokens),
                         ticket.reservation)
             return
