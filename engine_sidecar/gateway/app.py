@@ -59,6 +59,7 @@ from engine_sidecar.gateway.openai_request import Kind, rewrite, session_id
 from engine_sidecar.gateway.output_estimate import OutputEstimates
 from engine_sidecar.gateway.output_meter import OutputMeter
 from engine_sidecar.gateway.passthrough import Passthrough, supported_routes
+from engine_sidecar.gateway.picker_signals import PickerSignals, SignalSources
 from engine_sidecar.gateway.policy_source import PolicySource
 from engine_sidecar.gateway.prefix import prompt_fingerprints
 from engine_sidecar.gateway.prompt_bounds import PromptLimit
@@ -155,6 +156,11 @@ class Gateway:
             stats=self.stats.current,
             label=self._tenant_label,
             queue=self.queue,
+        ))
+        # Per-tier queue and KV series for endpoint pickers, on the client port's /metrics.
+        self.signals = PickerSignals(SignalSources(
+            active=lambda: self.holder.active, stats=self.stats.current,
+            view=self.capacity, queue=self.queue,
         ))
         # The proxied routes bypass Starlette's routing and middleware: they run once per
         # request and their `send` once per token chunk. Everything else is Starlette.

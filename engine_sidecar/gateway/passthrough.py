@@ -9,7 +9,8 @@ Here:
 - `/health`, `/ping`, `/version`: no credentials, not admitted. Probes and routers;
   no body, no engine work.
 - `/metrics` (vLLM's `vllm:*`): no credentials, not admitted. Scraped by the
-  production-stack router and dashboards; it holds no tenant's data.
+  production-stack router, endpoint pickers and dashboards; it holds no tenant's data.
+  The sidecar appends its per-tier picker signals (`picker_signals`, `metrics_scrape`).
 - `/tokenize`, `/detokenize`: a tenant's credentials, not admitted. CPU work in the
   API server; no KV blocks.
 - `/v1/embeddings`: a tenant's credentials, tagged, not admitted. One forward pass, no
@@ -34,6 +35,7 @@ from engine_sidecar.gateway import errors
 from engine_sidecar.gateway.body_checks import invalid
 from engine_sidecar.gateway.errors import ApiError
 from engine_sidecar.gateway.forward import exchange, request_headers, send_error
+from engine_sidecar.gateway.metrics_scrape import serve_metrics
 from engine_sidecar.gateway.request_body import body_limit, declared_length, read_body
 
 if TYPE_CHECKING:
@@ -51,6 +53,7 @@ class Route:
     methods: frozenset[str]
     credentials: bool
     tag: Callable[[dict[str, Any], Any, str, str | None], None] | None = None
+    signals: bool = False  # the engine's answer gets the picker signals appended
 
 
 def _tag(body: dict[str, Any], tenant: Any, tenant_id: str, salt: str | None) -> None:
@@ -67,7 +70,7 @@ ROUTES: dict[str, Route] = {
     "/health": Route(GET, credentials=False),
     "/ping": Route(GET | POST, credentials=False),
     "/version": Route(GET, credentials=False),
-    "/metrics": Route(GET, credentials=False),
+    "/metrics": Route(GET, credentials=False, signals=True),
     "/tokenize": Route(POST, credentials=True),
     "/detokenize": Route(POST, credentials=True),
     "/v1/embeddings": Route(POST, credentials=True, tag=_tag),
@@ -113,6 +116,9 @@ class Passthrough:
                     raw, route, tenant, tenant_id, active.cache_salts.get(tenant_id))
         except ApiError as error:
             await send_error(send, error if body_read else _unread(scope, error))
+            return
+        if route.signals:
+            await serve_metrics(scope, send, gateway.upstream, gateway.signals.exposition)
             return
         method, path = scope["method"], scope["path"]
         query = scope.get("query_string") or b""

@@ -16,6 +16,15 @@ from typing import Any
 from starlette.types import Receive, Scope, Send
 
 MAX_MODEL_LEN = 2048
+# vLLM's own scrape, in the shape vLLM serves it (two of its series).
+VLLM_METRICS = (
+    b"# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+    b"# TYPE vllm:num_requests_waiting gauge\n"
+    b'vllm:num_requests_waiting{engine="0",model_name="stub-model"} 7.0\n'
+    b"# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
+    b"# TYPE vllm:kv_cache_usage_perc gauge\n"
+    b'vllm:kv_cache_usage_perc{engine="0",model_name="stub-model"} 0.05\n'
+)
 
 
 @dataclass
@@ -32,6 +41,7 @@ class StubEngine:
     hold: threading.Event | None = None
     received: list[dict[str, Any]] = field(default_factory=list)
     received_headers: list[dict[str, str]] = field(default_factory=list)
+    scrape_headers: list[dict[str, str]] = field(default_factory=list)  # of GET /metrics
     active: int = 0  # generation requests currently being served
     disconnects: int = 0  # streams the sidecar closed in until_disconnect mode
     max_model_len: int = MAX_MODEL_LEN  # what /v1/models says
@@ -51,6 +61,13 @@ class StubEngine:
         path = scope["path"]
         if path == "/health":
             await _json(send, 200, {})
+        elif path == "/metrics":
+            self.scrape_headers.append(
+                {k.decode(): v.decode("latin-1") for k, v in scope["headers"]})
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"text/plain; version=0.0.4; charset=utf-8"),
+                (b"content-length", str(len(VLLM_METRICS)).encode())]})
+            await send({"type": "http.response.body", "body": VLLM_METRICS})
         elif path == "/v1/models":
             await _json(send, 200, {"object": "list", "data": [
                 {"id": self.model_id, "root": self.model_id,

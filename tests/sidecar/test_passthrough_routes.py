@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from .conftest import Harness
 from .helpers import Keys, http_post, make_policy, tenant
@@ -57,13 +58,20 @@ def test_vllm_metrics_stay_scrapeable_on_the_client_port(
         return {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")}
 
     # vLLM's own registry, with the engine's vllm:* series the production-stack router
-    # scrapes (its kv-cache usage and queue lengths), is what the client port must serve;
-    # the sidecar's kvquota_* are on the admin port.
+    # and endpoint pickers scrape (its kv-cache usage and queue lengths), is what the
+    # client port must serve, plus the sidecar's per-tier picker signals (the queue it
+    # holds, the KV it reserved); its kvquota_* families stay on the admin port.
     engine_families = families(direct.text)
     assert {"vllm:num_requests_running", "vllm:num_requests_waiting",
             "vllm:kv_cache_usage_perc"} <= engine_families
-    assert families(proxied.text) == engine_families
-    assert not any(f.startswith("kvquota_") for f in engine_families)
+    assert families(proxied.text) == engine_families | {
+        "kvquota:num_requests_waiting", "kvquota:kv_cache_usage_perc"}
+    assert not any(f.startswith("kvquota_") for f in families(proxied.text))
+    signals = {(s.name, s.labels["tier"]) for f in text_string_to_metric_families(
+        proxied.text) for s in f.samples if s.name.startswith("kvquota:")}
+    assert signals == {(name, tier) for tier in ("premium", "standard", "free", "all")
+                       for name in ("kvquota:num_requests_waiting",
+                                    "kvquota:kv_cache_usage_perc")}
 
 
 def test_tokenize_and_detokenize_need_a_tenant_and_match_the_engine(
