@@ -39,6 +39,7 @@ from engine_sidecar.gateway import errors, tracing
 from engine_sidecar.gateway.active_policy import ActivePolicy, PolicyHolder
 from engine_sidecar.gateway.admission import Decision, PoolView, RequestShape
 from engine_sidecar.gateway.admission_queue import AdmissionQueue, Ticket
+from engine_sidecar.gateway.affinity import affinity_headers, engine_namespace
 from engine_sidecar.gateway.engine_auth import EngineKey, use_engine_key
 from engine_sidecar.gateway.engine_monitor import EngineMonitor
 from engine_sidecar.gateway.engine_stats import EngineStatsReader
@@ -81,9 +82,6 @@ logger = logging.getLogger(__name__)
 
 JSON_HEADERS = [(b"content-type", b"application/json")]
 QUEUE_HEADER = b"x-kvquota-queue-ms"  # on admitted responses: time spent in the queue
-# On a session's admitted responses when its tenant has leases: the engine (pod) that
-# will hold the session's KV, for a session-affinity router (README: pools).
-LEASE_ENGINE_HEADER = b"x-kvquota-lease-engine"
 PUMP_INTERVAL_S = 0.05  # while requests queue: re-check capacity (new stats) and deadlines
 MAX_MODEL_LIST_BYTES = 1024 * 1024  # the engine's /v1/models answer, read whole
 ASGIHandler = Callable[[Scope, Receive, Send], Awaitable[None]]
@@ -107,7 +105,9 @@ class GatewayConfig:
     tenant_label_limit: int = 100
     engine_probe_interval: float = 2.0
     extra_request_drop: set[bytes] = field(default_factory=set)
-    engine_id: str | None = None  # POD_NAME: named in LEASE_ENGINE_HEADER
+    engine_id: str | None = None  # POD_NAME: the engine a leased session returns to
+    # POD_NAMESPACE: with engine_id, the pod a picker's session token names (`affinity`)
+    engine_namespace: str | None = field(default_factory=engine_namespace)
     data_plane: str = "auto"  # "httptools" (fast), "httpx" (fallback), "auto"
     engine_key: EngineKey | None = None  # vLLM's --api-key, sent upstream (`engine_auth`)
 
@@ -189,6 +189,8 @@ class Gateway:
             exception_handlers={HTTPException: _http_exception},
         )
         self._tier_children: dict[str, tuple[Any, Any, Any]] = {}
+        # On a leased session's admitted responses: the engine that will hold its KV.
+        self._affinity = affinity_headers(config.engine_id, config.engine_namespace)
         self.passthrough = Passthrough(self)  # vLLM's other routes (passthrough.py)
         self.app: ASGIHandler = _GatewayApp(self.dispatch)
         self.admin_app: ASGIHandler = _GatewayApp(self.dispatch_admin)
@@ -407,9 +409,8 @@ class Gateway:
         extra_headers = [(QUEUE_HEADER, str(round(waited * 1000)).encode()),
                          server_timing("admit", arrived)]
         leasing = active.policy.tenants.get(tenant_id)
-        if (self.config.engine_id and reservation.session
-                and leasing is not None and leasing.lease.seconds > 0):
-            extra_headers.append((LEASE_ENGINE_HEADER, self.config.engine_id.encode()))
+        if reservation.session and leasing is not None and leasing.lease.seconds > 0:
+            extra_headers.extend(self._affinity)
         outcome = "cancelled"
         meter = OutputMeter(kind.value)
         try:

@@ -3,6 +3,8 @@ lease, so a router can send the next turn there."""
 
 from __future__ import annotations
 
+import base64
+
 import httpx
 
 from engine_sidecar.policy import LeasePolicy
@@ -24,7 +26,7 @@ def _post(url: str, token: str, session: str | None) -> httpx.Response:
 def test_a_leased_session_is_told_which_engine_holds_it(
     stub_sidecar: StubFactory, keys: Keys
 ) -> None:
-    harness, _ = stub_sidecar(engine_id="vllm-pool-7f9c-2")
+    harness, _ = stub_sidecar(engine_id="vllm-pool-7f9c-2", engine_namespace=None)
     harness.apply(make_policy(
         tenant("acme", lease=LeasePolicy(seconds=60)),
         tenant("globex"),  # no leases: nothing is kept for its sessions
@@ -42,3 +44,73 @@ def test_without_an_engine_name_no_hint_is_sent(stub_sidecar: StubFactory, keys:
     harness.apply(make_policy(tenant("acme", lease=LeasePolicy(seconds=60))))
     reply = _post(harness.url, keys.hs("acme"), "chat-1")
     assert reply.status_code == 200 and HINT not in reply.headers
+
+
+# The endpoint picker's rule, as llm-d's session-affinity-scorer applies it
+# (llm-d/llm-d-inference-scheduler, pkg/plugins/scorer/session_affinity.go): the
+# session token, from the `x-session-token` header (or, in the cookie version, the
+# `llm-d-session` cookie), is base64.StdEncoding of the pod's "<namespace>/<name>";
+# that pod scores 1, every other 0.
+def _picked(token: str | None, pods: list[str]) -> dict[str, float]:
+    target = ""
+    if token:
+        try:
+            target = base64.b64decode(token, validate=True).decode()
+        except ValueError:
+            target = ""
+    return {pod: 1.0 if pod == target else 0.0 for pod in pods}
+
+
+def _cookie(header: str, name: str) -> str | None:
+    for part in header.split(";"):
+        key, _, value = part.strip().partition("=")
+        if key == name:
+            return value
+    return None
+
+
+POOL = ["inference/vllm-pool-7f9c-1", "inference/vllm-pool-7f9c-2"]
+
+
+def test_a_picker_sends_a_leased_sessions_next_turn_back_to_its_pod(
+    stub_sidecar: StubFactory, keys: Keys
+) -> None:
+    harness, _ = stub_sidecar(engine_id="vllm-pool-7f9c-2", engine_namespace="inference")
+    harness.apply(make_policy(tenant("acme", lease=LeasePolicy(seconds=60))))
+    headers = {"Authorization": f"Bearer {keys.hs('acme')}", "X-Session-Id": "chat-1"}
+    body = {"prompt": "x", "max_tokens": 1, "stream": True}
+    with httpx.Client(base_url=harness.url, timeout=30) as client:  # keeps cookies
+        first = client.post("/v1/completions", json=body, headers=headers)
+        second = client.post("/v1/completions", json=body, headers=headers)
+    assert first.status_code == second.status_code == 200
+    # A client that echoes the header: the picker scores the lease's pod, only it.
+    echoed = first.headers["x-session-token"]
+    assert _picked(echoed, POOL) == {POOL[0]: 0.0, POOL[1]: 1.0}
+    # A client that keeps cookies sends the cookie version of the same token unasked.
+    sent = _cookie(second.request.headers["cookie"], "llm-d-session")
+    assert sent == echoed and _picked(sent, POOL)[POOL[1]] == 1.0
+    assert first.headers[HINT] == "vllm-pool-7f9c-2"  # the plain hint stays
+
+
+def test_only_a_leased_session_is_pinned_to_its_pod(
+    stub_sidecar: StubFactory, keys: Keys
+) -> None:
+    """Work that leaves nothing pinned behind is left to the picker's other scorers."""
+    harness, _ = stub_sidecar(engine_id="vllm-pool-7f9c-2", engine_namespace="inference")
+    harness.apply(make_policy(tenant("acme", lease=LeasePolicy(seconds=60)),
+                              tenant("globex")))
+    for reply in (_post(harness.url, keys.hs("acme"), None),
+                  _post(harness.url, keys.hs("globex"), "chat-2")):
+        assert reply.status_code == 200
+        assert "x-session-token" not in reply.headers
+        assert "llm-d-session" not in reply.headers.get("set-cookie", "")
+
+
+def test_without_its_namespace_the_engine_cannot_be_named_to_a_picker(
+    stub_sidecar: StubFactory, keys: Keys
+) -> None:
+    harness, _ = stub_sidecar(engine_id="vllm-pool-7f9c-2", engine_namespace=None)
+    harness.apply(make_policy(tenant("acme", lease=LeasePolicy(seconds=60))))
+    reply = _post(harness.url, keys.hs("acme"), "chat-1")
+    assert reply.headers[HINT] == "vllm-pool-7f9c-2"
+    assert "x-session-token" not in reply.headers and "set-cookie" not in reply.headers
