@@ -21,6 +21,11 @@ THIRD_PARTY_REQUIRED: dict[tuple[str, str], list[str]] = {
     ("cert-manager.io/v1", "Issuer"): ["spec"],
     ("cert-manager.io/v1", "Certificate"): ["spec.secretName", "spec.dnsNames",
                                             "spec.issuerRef.name"],
+    ("inference.networking.k8s.io/v1", "InferencePool"): [
+        "spec.selector.matchLabels", "spec.targetPorts", "spec.endpointPickerRef.name",
+        "spec.endpointPickerRef.port.number",
+    ],
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): ["spec.parentRefs", "spec.rules"],
     ("argoproj.io/v1alpha1", "Application"): [
         "spec.project", "spec.source.repoURL", "spec.source.path", "spec.destination.server",
     ],
