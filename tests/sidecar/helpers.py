@@ -51,6 +51,11 @@ def rs_auth(**overrides: Any) -> dict[str, Any]:
     return hs_auth(key_file=RSA_KEY_FILE, algorithms=["RS256"], **overrides)
 
 
+# Every tier reserves prompt + max_tokens (today's no-eviction promise): for tests of
+# quotas and the watermark whose arithmetic is in max_tokens, and of the token count.
+FULL_RESERVATION = {"premium": "Full", "standard": "Full", "free": "Full"}
+
+
 def make_policy(*tenants: TenantPolicy, auth: dict[str, Any] | None = None,
                 **pool: Any) -> EnginePolicy:
     fields: dict[str, Any] = {

@@ -23,6 +23,7 @@ from engine_sidecar.stats import EngineStats, SidecarStatus
 
 from .conftest import Harness
 from .helpers import (
+    FULL_RESERVATION,
     WAIT,
     Keys,
     hs_forged_with,
@@ -237,7 +238,7 @@ def test_block_quota_is_429_while_a_stream_is_held(sidecar: Harness, keys: Keys)
     # ceil((6 + 2000) / 32) = 63 blocks held; another 63 would exceed 100.
     # maxQueueSeconds 0: refused at once (see the concurrency test above).
     sidecar.apply(make_policy(tenant("acme", max_tokens=2000, max_blocks=100,
-                                     max_queue_seconds=0)))
+                                     max_queue_seconds=0), reservation=FULL_RESERVATION))
     token = keys.hs("acme")
     with _held_stream(sidecar, token, {"max_tokens": 2000}):
         held = _status(sidecar).tenants["acme"].usage
@@ -260,7 +261,7 @@ def test_watermark_refuses_borrowers_never_guaranteed_tenants(
     sidecar.apply(make_policy(
         tenant("free", tier="free", priority=2, guaranteed_blocks=0, max_tokens=1300),
         tenant("premium", tier="premium", priority=0, guaranteed_blocks=90, max_tokens=1300),
-        capacity_blocks=100, watermark=0.2,
+        capacity_blocks=100, watermark=0.2, reservation=FULL_RESERVATION,
     ))
     big = {"prompt": [PROMPT, PROMPT + " pool"], "max_tokens": 1300, "stream": True}
     borrower = _post(sidecar, big, keys.hs("free"))

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from .conftest import Harness, StubFactory
-from .helpers import Keys, http_get, make_policy, tenant
+from .helpers import FULL_RESERVATION, Keys, http_get, make_policy, tenant
 from .request_shapes import ESCAPES, chat_bodies, completion_bodies, create, long_part
 
 SCALARS = st.one_of(
@@ -194,9 +194,10 @@ def test_the_engine_never_processes_more_than_the_reservation(
 ) -> None:
     """For every admitted request, the tokens the engine processed for it (each of its n
     sequences holds the prompt, plus every completion token) fit in the KV blocks the
-    sidecar reserved; refused ones never reach the engine."""
+    sidecar reserved at max_tokens (`Full`; an `Estimated` reservation may be outgrown by
+    design, but never by a miscounted prompt); refused ones never reach the engine."""
     policy = sidecar.apply(make_policy(tenant("free", tier="free", priority=2, max_tokens=16,
-                                              max_blocks=5000)))
+                                              max_blocks=5000), reservation=FULL_RESERVATION))
     before = _reserved_blocks(sidecar, "free")
     with openai.OpenAI(base_url=sidecar.url + "/v1", api_key=keys.hs("free"),
                        max_retries=0, timeout=60) as client:
