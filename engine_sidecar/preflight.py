@@ -55,7 +55,7 @@ MAX_STEPS = 300  # per stage; every stage needs well under 100
 _TOKEN = 100  # what every fake step samples (not a special token of the tiny model)
 # A tiny Llama: only its shape is read (no weights); head_dim 64 is what vLLM's CPU
 # attention accepts.
-_MODEL_CONFIG: dict[str, Any] = {
+TINY_LLAMA_CONFIG: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
     "hidden_size": 128,
@@ -86,7 +86,7 @@ class StageFailed(Exception):
 
 
 def write_model_config(directory: Path) -> Path:
-    (directory / "config.json").write_text(json.dumps(_MODEL_CONFIG))
+    (directory / "config.json").write_text(json.dumps(TINY_LLAMA_CONFIG))
     return directory
 
 
@@ -254,12 +254,12 @@ def _kv_cache_config(vllm_config: Any) -> Any:
 
     spec = FullAttentionSpec(
         block_size=BLOCK_SIZE,
-        num_kv_heads=_MODEL_CONFIG["num_key_value_heads"],
+        num_kv_heads=TINY_LLAMA_CONFIG["num_key_value_heads"],
         head_size=vllm_config.model_config.get_head_size(),
         dtype=torch.float32,
     )
     layers = [f"model.layers.{i}.self_attn.attn"
-              for i in range(_MODEL_CONFIG["num_hidden_layers"])]
+              for i in range(TINY_LLAMA_CONFIG["num_hidden_layers"])]
     return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
                          kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
 

@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from engine_sidecar.preflight import TINY_LLAMA_CONFIG
+
 GENERATOR_VERSION = "1"
 VOCAB_SIZE = 2048
 MAX_POSITIONS = 4096
@@ -20,23 +22,13 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+# The pre-flight check's tiny Llama, with a vocabulary, a context and weights to match.
 MODEL_CONFIG: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 64,  # vLLM's CPU attention refuses head_dim 16
+    **TINY_LLAMA_CONFIG,
     "vocab_size": VOCAB_SIZE,
     "max_position_embeddings": MAX_POSITIONS,
-    "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
     "tie_word_embeddings": True,
-    "torch_dtype": "float32",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
 }
 
 
