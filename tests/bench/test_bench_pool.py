@@ -232,3 +232,109 @@ def test_every_engine_enforces_its_own_entry_of_the_one_rendered_policy() -> Non
             current += 1
     assert enforced[0] != enforced[1] and sum(enforced) == 640
     assert current >= 1
+
+
+# -- what the picker sees -------------------------------------------------------------
+
+# Premium may hold 15% of an engine (120 blocks: one 66-block request at Full
+# reservation, the next ones wait in the sidecar's queue); the free tier may fill 60%.
+SEEN = """
+name: pool-test-seen
+description: premium's quota is full on one engine, free work fills the other
+seed: 5
+duration: 10
+drainTimeout: 60
+engine: {capacityBlocks: 800, blockSize: 16, maxNumSeqs: 32, maxNumBatchedTokens: 4096,
+         maxModelLen: 4096}
+pool:
+  tiers:
+    premium: {reservation: Full, maxQueueSeconds: 60}
+    free: {reservation: Full}
+tenants:
+  acme:
+    tier: premium
+    kvCache: {guaranteedBlocks: "10%", maxBlocks: "15%"}
+    workloads:
+      chat:
+        arrival: {process: steady, rate: 1}
+        promptTokens: 800
+        outputTokens: 200
+        maxTokens: 256
+  hobbyist:
+    tier: free
+    kvCache: {guaranteedBlocks: "5%", maxBlocks: "60%"}
+    workloads:
+      batch:
+        arrival: {process: steady, rate: 1}
+        promptTokens: 900
+        outputTokens: 64
+        maxTokens: 64
+baseline: {dropTiers: []}
+"""
+
+
+def _picked_with(signals: str, tmp: Path) -> tuple[int, list[EngineLoad]]:
+    """Engine 0: premium's quota full, three premium turns queued in its sidecar;
+    engine 1: five free turns running. Where does the least-KV picker send premium's
+    next turn, and what did it read?"""
+    from kvquota.bench.cost import load_profile
+    from kvquota.bench.pool import PoolRun
+    from kvquota.bench.twin import POLICIES
+
+    scenario = parse_scenario(SEEN, source="seen")
+    run = PoolRun(scenario, POLICIES["kvquota"], PoolSpec(2, "least-kv", signals=signals),
+                  load_profile(scenario.profile))
+    premium = [s for s in run.sessions if s.tenant == "acme"]
+    free = [s for s in run.sessions if s.tenant == "hobbyist"]
+    run.open(tmp)
+    try:
+        busy, other = run.engines
+        for engine, sessions in ((busy, premium[:4]), (other, free[:5])):
+            for session in sessions:
+                run.deliver(engine, (0.0, 0, session, 0, None))
+            for _ in range(4):  # admitted turns prefill and run
+                engine.turn()
+        assert busy.gateway is not None and busy.gateway.queue.depth("acme") == 3
+        nxt = (0.0, 0, premium[4], 0, None)
+        loads = [e.load(premium[4].tier, signals) for e in run.engines]
+        return run.pick(nxt).index, loads
+    finally:
+        run.close()
+
+
+def test_a_picker_on_vllms_series_sends_premium_where_its_sidecar_queues(
+    tmp_path: Path,
+) -> None:
+    picked, loads = _picked_with("vllm", tmp_path)
+    # vLLM's series show engine 0 emptier (premium's one running turn) and no waiting:
+    # the three premium turns in its sidecar's queue are invisible.
+    assert picked == 0
+    assert loads[0].waiting == 0 and loads[0].kv_usage < loads[1].kv_usage
+
+
+def test_with_kvquotas_signals_the_picker_sees_premiums_queue_and_avoids_it(
+    tmp_path: Path,
+) -> None:
+    picked, loads = _picked_with("kvquota", tmp_path)
+    # Premium's series count its queued turns on engine 0, and leave out the free
+    # tier's blocks on engine 1 (premium takes them back first).
+    assert picked == 1
+    assert loads[0].waiting == 3 and loads[1].waiting == 0
+    assert loads[1].kv_usage < loads[0].kv_usage
+
+
+def test_stock_engines_show_vllms_series_whatever_the_switch(tmp_path: Path) -> None:
+    from kvquota.bench.pool import pool_tasks
+    from kvquota.bench.twin import POLICIES
+
+    scenario = parse_scenario(SEEN, source="seen")
+    tasks = pool_tasks(scenario, [POLICIES["priority"], POLICIES["kvquota"]], None,
+                       replicas=2, router="least-kv", splits=("even", "demand"),
+                       signals=("vllm", "kvquota"))
+    pools = [task[2] for task in tasks if len(task) == 3]
+    assert [(p.split, p.signals) for p in pools] == [
+        ("even", "vllm"), ("even", "vllm"), ("even", "kvquota"),
+        ("demand", "vllm"), ("demand", "kvquota"),
+    ]
+    with pytest.raises(ValueError, match="vllm, kvquota"):
+        PoolSpec(2, "least-kv", signals="envoy")

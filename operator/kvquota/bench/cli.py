@@ -54,6 +54,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--split", default="even",
                         help="pool: how quotas are split over engines, comma-separated: "
                         "even (the operator's default), demand (kvquota.rebalance)")
+    parser.add_argument("--picker-signals", default="vllm",
+                        help="pool: what the router reads of each engine, comma-separated: "
+                        "vllm (vLLM's own waiting and KV usage; the sidecar's queue "
+                        "unseen), kvquota (KVQuota's per-tier series for the request's "
+                        "tier); stock engines always show vLLM's")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="PATH=VALUE", help="override a scenario setting, e.g. "
                         "pool.tiers.premium.reservation=Full (repeatable; suite: every "
@@ -150,6 +155,7 @@ def _bench(args: argparse.Namespace) -> int:
         replicas=args.replicas,
         router=args.router,
         splits=tuple(s.strip() for s in args.split.split(",") if s.strip()),
+        picker_signals=tuple(s.strip() for s in args.picker_signals.split(",") if s.strip()),
         overrides=parse_overrides(args.overrides),
     )
     document = run_bench(options, out=sys.stdout)

@@ -23,6 +23,12 @@ rebalance, or the step of the engine whose clock is furthest behind (kept in a h
 `_EngineClock`, so a step costs log N, not N); an idle engine's clock jumps to its next
 arrival. Nothing reads the wall clock except to report the
 run's cost (the report divides it by the `engineHours` simulated).
+
+The router reads each engine as a real endpoint picker does (`PoolSpec.signals`):
+vLLM's own waiting count and KV usage (the sidecar's queue unseen), or KVQuota's
+per-tier series for the routed request's tier, computed by the sidecar's own code
+(`picker_signals.tier_signals`) from the engine's policy, plugin stats, queue and
+pool view. Stock engines have no sidecar: their picker reads vLLM's series either way.
 """
 
 from __future__ import annotations
@@ -39,11 +45,20 @@ from typing import TYPE_CHECKING, Any
 from engine_sidecar.gateway.active_policy import ActivePolicy
 from engine_sidecar.gateway.admission import Decision
 from engine_sidecar.gateway.auth import Authenticator
+from engine_sidecar.gateway.picker_signals import tier_signals
 from engine_sidecar.gateway.status import DecisionCounters, build_status
-from engine_sidecar.policy import EnginePolicy, Isolation, write_atomically
+from engine_sidecar.policy import EnginePolicy, Isolation, Tier, write_atomically
 from engine_sidecar.stats import SidecarStatus
 from kvquota.bench.metrics import Outcome, RunResult, Timeline
-from kvquota.bench.routers import EngineLoad, Router, RouteRequest, make_router
+from kvquota.bench.routers import (
+    KVQUOTA_SIGNALS,
+    SIGNALS,
+    VLLM_SIGNALS,
+    EngineLoad,
+    Router,
+    RouteRequest,
+    make_router,
+)
 from kvquota.bench.scenario import Bursts, Scenario, Session, generate_sessions
 from kvquota.bench.twin import (
     KV_REFUSALS,
@@ -74,12 +89,16 @@ class PoolSpec:
     router: str
     split: str = "even"
     rebalance_interval: float = OperatorConfig.poll_interval
+    signals: str = VLLM_SIGNALS  # what the picker reads (`routers.SIGNALS`)
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
         if self.split not in SPLITS:
             raise ValueError(f"unknown split {self.split!r}; choose from {', '.join(SPLITS)}")
+        if self.signals not in SIGNALS:
+            raise ValueError(f"unknown picker signals {self.signals!r}; choose from "
+                             f"{', '.join(SIGNALS)}")
         if self.rebalance_interval <= 0:
             raise ValueError("the rebalance interval must be > 0 seconds")
 
@@ -144,14 +163,24 @@ class _Engine(TwinRun):
 
     # -- what the router and the operator see ---------------------------------------
 
-    def load(self) -> EngineLoad:
+    def load(self, tier: Tier, signals: str) -> EngineLoad:
+        """What the picker routing a request of `tier` scrapes from this engine now:
+        vLLM's series (vLLM's own accessors: its waiting queue, not the sidecar's), or,
+        with KVQuota's signals and a sidecar in front, that tier's series as the
+        sidecar serves them (its `tier_signals`, on its policy, stats, queue, view)."""
         scheduler = self.harness.scheduler
-        queued = self.gateway.queue.waiting() if self.gateway is not None else 0
-        return EngineLoad(
-            kv_usage=float(scheduler.kv_cache_manager.usage),
-            waiting=len(scheduler.waiting) + queued,
-            running=len(scheduler.running),
-        )
+        running, waiting = scheduler.get_request_counts()
+        kv_usage = float(scheduler.get_kv_cache_usage())
+        gateway = self.gateway
+        if signals == KVQUOTA_SIGNALS and gateway is not None:
+            queue = gateway.queue
+            signal = next(s for s in tier_signals(queue.policy, self._engine_stats(self.harness),
+                                                  queue, queue.view())
+                          if s.tier == tier.value)
+            waiting = signal.waiting
+            if signal.kv_usage is not None:
+                kv_usage = signal.kv_usage
+        return EngineLoad(kv_usage=kv_usage, waiting=waiting, running=running)
 
     def status(self) -> SidecarStatus:
         """What the engine's sidecar serves at `/kvquota/status` now (`build_status`,
@@ -324,12 +353,10 @@ class PoolRun:
         started, cpu_started = time.perf_counter(), time.process_time()
         with tempfile.TemporaryDirectory(prefix="kvquota-pool-") as tmp:
             try:
-                self.engines = [_Engine(self, i, Path(tmp) / f"engine-{i}")
-                                for i in range(self.pool.replicas)]
+                self.open(Path(tmp))
                 result = self._loop()
             finally:
-                for engine in self.engines:
-                    engine.harness.shutdown()
+                self.close()
         result.wall_seconds = time.perf_counter() - started
         result.cpu_seconds = time.process_time() - cpu_started
         engine_hours = result.makespan * self.pool.replicas / 3600
@@ -337,8 +364,18 @@ class PoolRun:
 
         return result
 
-    def _route(self, event: TwinEvent) -> _Engine:
-        at, _, session, turn, _ = event
+    def open(self, tmp: Path) -> None:
+        """The pool's engines, their files under `tmp` (`run` does this; `close` after)."""
+        self.engines = [_Engine(self, i, tmp / f"engine-{i}")
+                        for i in range(self.pool.replicas)]
+
+    def close(self) -> None:
+        for engine in self.engines:
+            engine.harness.shutdown()
+
+    def pick(self, event: TwinEvent) -> _Engine:
+        """The engine the router sends this turn to, from what its picker sees now."""
+        _, _, session, turn, _ = event
         key = (session.session_id, turn)
         prompt = self.prompts.get(key)
         if prompt is None:
@@ -347,11 +384,19 @@ class PoolRun:
             self.prompts[key] = prompt  # `_arrive` takes it from here
         request = RouteRequest(session.tenant, session.session_id, prompt,
                                self.salts.get(session.tenant))
-        engine = self.engines[self.router.pick(request, [e.load() for e in self.engines])]
+        loads = [e.load(session.tier, self.pool.signals) for e in self.engines]
+        return self.engines[self.router.pick(request, loads)]
+
+    def deliver(self, engine: _Engine, event: TwinEvent) -> None:
+        """The turn arrives at `engine`'s sidecar (admitted, queued or refused there)."""
         engine.routed += 1
-        engine.catch_up(at)
+        engine.catch_up(event[0])
         engine.blocked = False
         engine._arrive(engine.harness, event)
+
+    def _route(self, event: TwinEvent) -> _Engine:
+        engine = self.pick(event)
+        self.deliver(engine, event)
         return engine
 
     def _rebalance(self) -> list[_Engine]:
@@ -431,7 +476,10 @@ class PoolRun:
 
     @property
     def key(self) -> str:
-        return f"{self.spec.key}:{self.pool.split}" if self.spec.admission else self.spec.key
+        if not self.spec.admission:
+            return self.spec.key
+        signals = ":signals" if self.pool.signals == KVQUOTA_SIGNALS else ""
+        return f"{self.spec.key}:{self.pool.split}{signals}"
 
     def _sample(self, timeline: Timeline, now: float) -> None:
         total: Counter[str] = Counter()
@@ -444,6 +492,8 @@ class PoolRun:
         label = self.spec.label
         if self.spec.admission:
             label += f", {self.pool.split} split"
+            if self.pool.signals == KVQUOTA_SIGNALS:
+                label += ", KVQuota signals"
         result = RunResult(
             key=self.key, label=label, outcomes=self.outcomes, timeline=timeline,
             makespan=makespan, steps=sum(e.steps for e in self.engines), notes=notes,
@@ -464,6 +514,7 @@ class PoolRun:
             "replicas": self.pool.replicas,
             "router": self.pool.router,
             "split": self.pool.split if self.spec.admission else None,
+            "signals": self.pool.signals if self.spec.admission else VLLM_SIGNALS,
             "refusedWithinPoolGuarantee": {
                 tier.value: self.refused_within_pool.get(tier.value, 0)
                 for tier in self.scenario.tiers
@@ -500,18 +551,28 @@ def run_pool(
 def pool_tasks(
     scenario: Scenario, specs: list[PolicySpec], baseline: Scenario | None, *,
     replicas: int, router: str, splits: tuple[str, ...],
+    signals: tuple[str, ...] = (VLLM_SIGNALS,),
 ) -> list[TwinTask]:
-    """The runs of a pool bench: every policy (those with admission once per split),
-    then the baseline if any; `scenario` and `baseline` already scaled."""
+    """The runs of a pool bench: every policy (those with admission once per split and
+    picker signals; without a sidecar a picker reads vLLM's series), then the baseline
+    if any; `scenario` and `baseline` already scaled."""
     from kvquota.bench.twin import BASELINE
 
     unknown = [s for s in splits if s not in SPLITS]
     if unknown or not splits:
         raise ValueError(f"unknown splits {unknown}; choose from {', '.join(SPLITS)}")
+    unknown = [s for s in signals if s not in SIGNALS]
+    if unknown or not signals:
+        raise ValueError(f"unknown picker signals {unknown}; choose from {', '.join(SIGNALS)}")
     tasks: list[TwinTask] = []
     for spec in specs:
-        for split in (splits if spec.admission else ("even",)):
-            tasks.append((scenario, spec, PoolSpec(replicas, router, split)))
+        if not spec.admission:
+            tasks.append((scenario, spec, PoolSpec(replicas, router)))
+            continue
+        for split in splits:
+            for signal in signals:
+                tasks.append((scenario, spec, PoolSpec(replicas, router, split,
+                                                       signals=signal)))
     if baseline is not None:
         tasks.append((baseline, BASELINE, PoolSpec(replicas, router)))
     return tasks

@@ -58,13 +58,13 @@ def format_pool_table(document: dict[str, Any]) -> str:
     lines = [
         f"pool: {pool.get('replicas')} engines, router {pool.get('router')}; "
         f"{tier} TTFT p99 baseline {_f(base, '{:.3f}')} s",
-        f"{'run':<18} {'p99 s':>7} {'x base':>7} {'refused<poolG':>13} "
+        f"{'run':<24} {'p99 s':>7} {'x base':>7} {'refused<poolG':>13} "
         f"{'refused<engG':>12} {'tok/s':>9} {'req/engine':>11} {'wall(cpu) s/engine-h':>21}",
     ]
     for row in pool_rows(document):
         low, high = row["requestsPerEngine"]
         lines.append(
-            f"{row['run']:<18} {_f(row['ttftP99'], '{:.3f}'):>7} "
+            f"{row['run']:<24} {_f(row['ttftP99'], '{:.3f}'):>7} "
             f"{_f(row['ttftP99VsBaseline'], '{:.2f}'):>7} "
             f"{row['refusedWithinPoolGuarantee']:>13} {row['refusedWithinEngineGuarantee']:>12} "
             f"{_f(row['throughput'], '{:.0f}'):>9} {f'{low}-{high}':>11} "

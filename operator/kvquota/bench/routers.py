@@ -19,6 +19,19 @@
   previous turn (the engine holding its lease, as the sidecar's hint header names it);
   a first turn goes by `least-kv`.
 
+What a router reads of an engine (`EngineLoad`) is what a real endpoint picker scrapes,
+chosen by the pool's `signals` (`SIGNALS`, `kvquota bench --picker-signals`):
+
+- `vllm`: vLLM's own series, `vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc`
+  (the pickers' defaults). A request held in the KVQuota sidecar's admission queue is
+  in neither: an engine whose sidecar queues looks idle.
+- `kvquota`: KVQuota's per-tier series for the request's tier,
+  `kvquota:num_requests_waiting{tier}` and `kvquota:kv_cache_usage_perc{tier}` (engine
+  waiting plus sidecar queued, blocks held plus reserved; tier T counts T and the tiers
+  served before it), computed by the sidecar's own `picker_signals.tier_signals`. A
+  real pool gets this with one picker (InferencePool) per tier, each configured to
+  read its tier's series (manifests/examples/picker).
+
 Ties go to the lowest engine index, so a run is deterministic.
 """
 
@@ -32,6 +45,8 @@ from typing import Protocol
 
 MAX_PREFIX_BLOCKS = 256  # the extension's default: longer prompts are matched this far
 PREFIX_WEIGHT, KV_WEIGHT, QUEUE_WEIGHT = 2.0, 1.0, 1.0
+VLLM_SIGNALS, KVQUOTA_SIGNALS = "vllm", "kvquota"
+SIGNALS = (VLLM_SIGNALS, KVQUOTA_SIGNALS)
 
 
 @dataclass(frozen=True)
@@ -44,11 +59,11 @@ class RouteRequest:
 
 @dataclass(frozen=True)
 class EngineLoad:
-    """What a router sees of an engine (the extension scrapes vLLM's metrics)."""
+    """What a router sees of an engine: the series its picker scrapes (`SIGNALS`)."""
 
-    kv_usage: float  # 0..1, the engine's KV cache in use
-    waiting: int  # requests not yet running (sidecar queue + engine waiting queue)
-    running: int
+    kv_usage: float  # 0..1: vllm:kv_cache_usage_perc, or kvquota's for the request's tier
+    waiting: int  # vllm:num_requests_waiting (engine only), or kvquota's (+ sidecar queue)
+    running: int  # vllm:num_requests_running
 
 
 class Router(Protocol):

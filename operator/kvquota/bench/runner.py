@@ -35,6 +35,7 @@ class BenchOptions:
     replicas: int | None = None  # a pool of twin engines behind `router` (kvquota.bench.pool)
     router: str = "round-robin"
     splits: tuple[str, ...] = ("even",)
+    picker_signals: tuple[str, ...] = ("vllm",)  # what the pool's picker reads (routers.SIGNALS)
     overrides: dict[str, Any] = field(default_factory=dict)  # `--set`, merged into the scenario
 
 
@@ -130,7 +131,8 @@ def run_bench(options: BenchOptions, out: TextIO | None = None) -> dict[str, Any
         from kvquota.bench.pool import pool_tasks
 
         tasks = pool_tasks(scenario, specs, base_scenario, replicas=options.replicas,
-                           router=options.router, splits=options.splits)
+                           router=options.router, splits=options.splits,
+                           signals=options.picker_signals)
     elif base_scenario is not None:
         tasks.append((base_scenario, BASELINE))
     num_runs = len(tasks) if specs else len(options.policies) + (base_scenario is not None)
@@ -173,5 +175,6 @@ def run_bench(options: BenchOptions, out: TextIO | None = None) -> dict[str, Any
         document["scenario"]["overrides"] = options.overrides
     if options.replicas is not None:
         document["pool"] = {"replicas": options.replicas, "router": options.router,
-                            "splits": list(options.splits)}
+                            "splits": list(options.splits),
+                            "pickerSignals": list(options.picker_signals)}
     return document
