@@ -97,6 +97,7 @@ from engine_sidecar.tenant_policy import (
     identity_from_extra_args,
     lease_block_cap,
     lease_seconds,
+    outgrew,
     requester_band,
     stats_tenant,
 )
@@ -598,7 +599,8 @@ class TenantAwareScheduler(compat.Scheduler):
 
     def _kvq_count_preemption(self, request: Request) -> None:
         req_id = compat.request_id(request)
-        tenant = self._kvq_ids.get(req_id, NO_IDENTITY).tenant
+        identity = self._kvq_ids.get(req_id, NO_IDENTITY)
+        tenant = identity.tenant
         policy = self._kvq_watcher.policy
         num_blocks = len(compat.request_block_ids(self, req_id))
         view = self._kvq_view
@@ -607,7 +609,10 @@ class TenantAwareScheduler(compat.Scheduler):
             view.debit(tenant, num_blocks)
         else:
             reason = Reason.UNCLASSIFIED
-        self._kvq_counters[stats_tenant(policy, tenant)].preemptions[reason] += 1
+        counters = self._kvq_counters[stats_tenant(policy, tenant)]
+        counters.preemptions[reason] += 1
+        if outgrew(identity, num_blocks):
+            counters.outgrown_preemptions += 1
         if not self._kvq_offloading:
             self._kvq_modes["recompute"] += 1
             return
@@ -800,6 +805,7 @@ class TenantAwareScheduler(compat.Scheduler):
         for key, counters in self._kvq_counters.tenants.items():
             stats = entry(key)
             stats.preemptions = dict(counters.preemptions)
+            stats.outgrown_preemptions = counters.outgrown_preemptions
             stats.lease_breaks = counters.lease_breaks
             stats.lease_drops = dict(counters.lease_drops)
             stats.degraded_events = counters.degraded_events

@@ -37,6 +37,11 @@ class TenantEngineStats(_Wire):
     running: int = 0
     waiting: int = 0
     preemptions: dict[str, int] = Field(default_factory=dict, description="by reason")
+    outgrown_preemptions: int = Field(
+        0, description="running requests preempted while holding more blocks than the "
+        "sidecar reserved for them (they had decoded past their output estimate); "
+        "counted within `preemptions` too"
+    )
     lease_breaks: int = 0
     degraded_events: int = 0
     prefix_hit_tokens: int = 0
@@ -98,13 +103,31 @@ class TenantCounters(_Wire):
     rejected_quota: int = 0
     rejected_watermark: int = 0
     preemptions: int = 0
+    outgrown_preemptions: int = Field(
+        0, description="preemptions of requests that held more than they reserved"
+    )
     lease_breaks: int = 0
     degraded_events: int = 0
 
 
 class TenantUsage(_Wire):
-    blocks: int = 0
-    reserved_blocks: int = 0
+    blocks: int = Field(0, description="held in the engine: running requests + idle leases")
+    reserved_blocks: int = Field(
+        0, description="what admission reserved for the requests in flight: prompt + "
+        "output estimate (max_tokens for a Full tier)"
+    )
+    pending_blocks: int = Field(
+        0, description="reserved for work not allocated yet: reservations beyond what the "
+        "tenant's running requests hold"
+    )
+    charged_blocks: int = Field(
+        0, description="what counts against maxBlocks: the blocks its running requests hold "
+        "plus pendingBlocks (the larger of reservedBlocks and the running blocks)"
+    )
+    output_estimate_tokens: int = Field(
+        0, description="the output tokens a request of the tenant reserves now (learned, "
+        "or the tier's defaultMaxTokens; maxTokens for a Full tier)"
+    )
     leased_blocks: int = 0
     leased_sessions: int = 0
     inflight: int = 0

@@ -52,8 +52,11 @@ the first step in which no allocation failed.
 
 Preemption reasons (`preemptions` in the stats): `unclassified`, `borrower`, `tier`
 (a running request within its guarantee) for running requests; `lease_break` and
-`degraded` for live leases released under pressure. Leases that end without pressure
-are `leaseDrops` (`expired`, `cap`, `policy`, `reset`), not evictions.
+`degraded` for live leases released under pressure. Across those reasons,
+`outgrownPreemptions` counts the running victims that held more blocks than the
+sidecar reserved for them (`RESERVED_BLOCKS_ARG`): the price of reserving estimates.
+Leases that end without pressure are `leaseDrops` (`expired`, `cap`, `policy`,
+`reset`), not evictions.
 """
 
 from __future__ import annotations
@@ -72,6 +75,9 @@ logger = logging.getLogger(__name__)
 
 TENANT_ARG = "kvq_tenant"
 SESSION_ARG = "kvq_session"
+# The blocks the sidecar reserved for one sequence of the request (prompt + its output
+# estimate, README: reservations): a victim holding more had outgrown its estimate.
+RESERVED_BLOCKS_ARG = "kvq_reserved_blocks"
 # Stats key for requests without a known tenant; tenant ids cannot start with "_".
 UNCLASSIFIED = "_unclassified"
 _MAX_ID_LEN = 253
@@ -117,6 +123,7 @@ _RUNNING_REASON = {
 class Identity:
     tenant: str | None
     session: str | None
+    reserved_blocks: int | None = None  # per sequence, as admitted (None: not told)
 
     @property
     def session_key(self) -> tuple[str, str] | None:
@@ -139,7 +146,15 @@ def identity_from_extra_args(extra_args: Mapping[str, Any] | None) -> Identity:
     session = _clean_id(extra_args.get(SESSION_ARG)) if tenant is not None else None
     if tenant is None:
         return NO_IDENTITY
-    return Identity(tenant, session)
+    reserved = extra_args.get(RESERVED_BLOCKS_ARG)
+    if not isinstance(reserved, int) or isinstance(reserved, bool) or reserved < 1:
+        reserved = None
+    return Identity(tenant, session, reserved)
+
+
+def outgrew(identity: Identity, num_blocks: int) -> bool:
+    """Did a request holding `num_blocks` outgrow what the sidecar reserved for it?"""
+    return identity.reserved_blocks is not None and num_blocks > identity.reserved_blocks
 
 
 def _clean_id(value: object) -> str | None:
@@ -645,6 +660,7 @@ class TenantCounters:
     """Monotonic per-tenant counters the stats file exposes."""
 
     preemptions: Counter[str] = field(default_factory=Counter)
+    outgrown_preemptions: int = 0  # running victims that held more than they reserved
     lease_breaks: int = 0
     lease_drops: Counter[str] = field(default_factory=Counter)
     degraded_events: int = 0

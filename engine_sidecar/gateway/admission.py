@@ -247,6 +247,13 @@ def blocks_for(shape: RequestShape, max_tokens: int, block_size: int) -> int:
     )
 
 
+def sequence_blocks(shape: RequestShape, output_tokens: int, block_size: int) -> int:
+    """What one sequence of the request reserves (its longest prompt): the plugin counts
+    a victim holding more as one that outgrew its estimate."""
+    longest = max(shape.prompt_tokens, default=0)
+    return math.ceil((longest + max(output_tokens, 0)) / block_size)
+
+
 @dataclass(frozen=True)
 class Verdict:
     decision: Decision

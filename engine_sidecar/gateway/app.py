@@ -37,7 +37,12 @@ from starlette.types import Receive, Scope, Send
 from engine_sidecar.frozen_heap import freeze_startup_objects
 from engine_sidecar.gateway import errors, tracing
 from engine_sidecar.gateway.active_policy import ActivePolicy, PolicyHolder
-from engine_sidecar.gateway.admission import Decision, PoolView, RequestShape
+from engine_sidecar.gateway.admission import (
+    Decision,
+    PoolView,
+    RequestShape,
+    sequence_blocks,
+)
 from engine_sidecar.gateway.admission_queue import AdmissionQueue, Ticket
 from engine_sidecar.gateway.affinity import affinity_headers, engine_namespace
 from engine_sidecar.gateway.engine_auth import EngineKey, use_engine_key
@@ -491,6 +496,8 @@ class Gateway:
                 request, max_tokens=verdict.max_tokens, priority=tenant.priority,
                 tenant_id=tenant_id, session=session,
                 cache_salt=active.cache_salts.get(tenant_id),
+                reserved_blocks=sequence_blocks(shape, verdict.output_tokens,
+                                                active.policy.block_size),
             )
         except BaseException:
             reservation.release("error")

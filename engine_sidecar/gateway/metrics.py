@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 from engine_sidecar.gateway.active_policy import ActivePolicy
 from engine_sidecar.gateway.admission_queue import AdmissionQueue
 from engine_sidecar.gateway.ledger import Ledger
+from engine_sidecar.gateway.output_estimate import ALL_ROUTES
 from engine_sidecar.stats import EngineStats
 
 OTHER = "other"
@@ -95,6 +96,8 @@ class StateCollector(Collector):
         queue = self._s.queue
         if queue is not None:
             yield from self._queue_families(queue, tenants, label)
+            if active is not None and queue.policy is not None:
+                yield from self._reservation_families(queue, active, label)
 
         if active is not None:
             info = GaugeMetricFamily("kvquota_policy_info", "The active policy version (1).",
@@ -137,6 +140,46 @@ class StateCollector(Collector):
         yield depth
         yield oldest
 
+    @staticmethod
+    def _reservation_families(
+        queue: AdmissionQueue, active: ActivePolicy, label: Callable[[str], str]
+    ) -> Iterator[Metric]:
+        """Reserved vs held, and the output estimates reservations count (#29)."""
+        charged = GaugeMetricFamily(
+            "kvquota_tenant_blocks_charged",
+            "KV blocks counted against the tenant's maxBlocks: what its running requests "
+            "hold plus what its requests reserved and have not allocated yet.",
+            labels=["tenant_id"])
+        pending = GaugeMetricFamily(
+            "kvquota_tenant_blocks_pending",
+            "KV blocks reserved for the tenant's work not allocated yet.", labels=["tenant_id"])
+        estimate = GaugeMetricFamily(
+            "kvquota_tenant_output_estimate_tokens",
+            "Output tokens a request of the tenant reserves now, by route (all: over every "
+            "route); maxTokens for a tier that reserves Full.", labels=["tenant_id", "route"])
+        view = queue.view()
+        policy = active.policy
+        rows: dict[str, list[int]] = {}
+        for tenant_id in {*(view.tenants or {}), *queue.ledger.tenants()}:
+            seen = view.tenant(tenant_id)
+            row = rows.setdefault(label(tenant_id), [0, 0])
+            row[0] += seen.charged
+            row[1] += seen.growth
+        for name, (blocks, growth) in sorted(rows.items()):
+            charged.add_metric([name], blocks)
+            pending.add_metric([name], growth)
+        estimates: dict[tuple[str, str], int] = {}
+        for tenant_id, tenant in policy.tenants.items():
+            name = label(tenant_id)
+            if name in (OTHER, UNKNOWN):
+                continue  # an estimate summed over tenants says nothing
+            for route in ("all", *queue.estimates.routes(tenant_id)):
+                key = ALL_ROUTES if route == "all" else route
+                estimates[(name, route)] = queue.estimates.in_use(tenant, policy, key)
+        for (name, route), tokens in sorted(estimates.items()):
+            estimate.add_metric([name, route], tokens)
+        yield from (charged, pending, estimate)
+
     def _plugin_families(
         self, stats: EngineStats, tenants: object, label: Callable[[str], str]
     ) -> Iterator[Metric]:
@@ -157,6 +200,11 @@ class StateCollector(Collector):
         degraded = CounterMetricFamily("kvquota_degraded_events",
                                        "Degraded-mode releases of premium leases.",
                                        labels=["tenant_id"])
+        outgrown = CounterMetricFamily(
+            "kvquota_tenant_outgrown_preemptions",
+            "Preemptions of the tenant's requests that held more KV blocks than the sidecar "
+            "reserved for them (they decoded past their output estimate).",
+            labels=["tenant_id"])
         evictions = CounterMetricFamily(
             "vllm_tenant_kv_cache_evictions",
             "Preemptions of the tenant's requests by reason.",
@@ -167,9 +215,10 @@ class StateCollector(Collector):
         reasons: dict[tuple[str, str, str], int] = {}
         for tenant_id, t in stats.tenants.items():
             name = label(tenant_id)
-            row = rows.setdefault(name, [0, 0, 0, 0, 0, 0])
+            row = rows.setdefault(name, [0, 0, 0, 0, 0, 0, 0])
             for i, value in enumerate((t.used_blocks, t.leased_blocks, t.leased_sessions,
-                                       t.swapped_blocks, t.lease_breaks, t.degraded_events)):
+                                       t.swapped_blocks, t.lease_breaks, t.degraded_events,
+                                       t.outgrown_preemptions)):
                 row[i] += value
             tenant = policy_tenants.get(tenant_id)
             priority = str(tenant.priority) if tenant is not None else ""
@@ -183,9 +232,10 @@ class StateCollector(Collector):
             swapped.add_metric([name], row[3])
             breaks.add_metric([name], row[4])
             degraded.add_metric([name], row[5])
+            outgrown.add_metric([name], row[6])
         for key, count in sorted(reasons.items()):
             evictions.add_metric(list(key), count)
-        yield from (used, leased, sessions, swapped, breaks, degraded, evictions)
+        yield from (used, leased, sessions, swapped, breaks, degraded, outgrown, evictions)
 
 
 class GatewayMetrics:

@@ -41,10 +41,11 @@ from engine_sidecar.gateway.body_checks import (
     string,
     string_or_strings,
 )
+from engine_sidecar.tenant_policy import RESERVED_BLOCKS_ARG, SESSION_ARG, TENANT_ARG
 
 MAX_SESSION_ID_CHARS = 256
-XARG_TENANT = "kvq_tenant"
-XARG_SESSION = "kvq_session"
+XARG_TENANT = TENANT_ARG  # the plugin's names (`tenant_policy`: one place defines each)
+XARG_SESSION = SESSION_ARG
 # More choices per request would let one request hold many scheduler slots under one
 # concurrency slot; the KV of each is reserved (n times) either way.
 MAX_N = 16
@@ -284,6 +285,7 @@ def rewrite(
     tenant_id: str,
     session: str | None,
     cache_salt: str | None,
+    reserved_blocks: int | None = None,
 ) -> bytes:
     body = request.body
     if request.kind is Kind.CHAT:
@@ -293,17 +295,21 @@ def rewrite(
     else:
         body["max_tokens"] = max_tokens
     return tagged(body, priority=priority, tenant_id=tenant_id, session=session,
-                  cache_salt=cache_salt, strict=request.strict)
+                  cache_salt=cache_salt, strict=request.strict,
+                  reserved_blocks=reserved_blocks)
 
 
 def tagged(body: dict[str, Any], *, priority: int, tenant_id: str, session: str | None,
-           cache_salt: str | None, strict: bool) -> bytes:
+           cache_salt: str | None, strict: bool, reserved_blocks: int | None = None) -> bytes:
     """`body` with the fields only the sidecar sets, encoded for the engine (`strict`:
-    it was parsed as standard JSON, see `json_codec.dumps`)."""
+    it was parsed as standard JSON, see `json_codec.dumps`). `reserved_blocks`: what
+    admission reserved per sequence, so the plugin can tell a victim that outgrew it."""
     body["priority"] = priority
-    xargs: dict[str, str] = {XARG_TENANT: tenant_id}
+    xargs: dict[str, str | int] = {XARG_TENANT: tenant_id}
     if session:
         xargs[XARG_SESSION] = session
+    if reserved_blocks is not None:
+        xargs[RESERVED_BLOCKS_ARG] = reserved_blocks
     body["vllm_xargs"] = xargs
     if cache_salt is not None:
         body["cache_salt"] = cache_salt

@@ -98,6 +98,16 @@ class OutputEstimates:
         learned = self.learned(tenant.tenant_id, route)
         return tenant.default_max_tokens if learned is None else learned
 
+    def in_use(self, tenant: TenantPolicy, policy: EnginePolicy, route: str = ALL_ROUTES) -> int:
+        """The output tokens a request of `tenant` on `route` reserves now, before its
+        own max_tokens caps it (a `Full` tier: the tenant's maxTokens ceiling)."""
+        tokens = self.output_tokens(tenant, route, policy)
+        return tenant.max_tokens if tokens is None else tokens
+
+    def routes(self, tenant_id: str) -> list[str]:
+        """The routes the tenant has finished requests on (`ALL_ROUTES` excluded)."""
+        return sorted(r for t, r in self._windows if t == tenant_id and r != ALL_ROUTES)
+
     def retain(self, tenants: Container[str]) -> None:
         """Forget tenants the policy no longer names."""
         for key in [k for k in self._windows if k[0] not in tenants]:

@@ -80,13 +80,20 @@ def build_status(
     tenant_ids = set(active.policy.tenants) if active else set()
     tenant_ids.update(ledger.tenants())
     tenant_ids.update(queue.tenants())
+    policy = active.policy if active else None
     for tenant_id in sorted(tenant_ids):
         engine = stats.tenants.get(tenant_id) if stats else None
         reserved = ledger.reserved_blocks(tenant_id)
         counts = counters.by_tenant.get(tenant_id, _Counts())
+        view = capacity.tenant(tenant_id) if capacity else None
+        tenant = policy.tenants.get(tenant_id) if policy else None
         usage = TenantUsage(
             blocks=engine.used_blocks if engine else reserved,
             reserved_blocks=reserved,
+            pending_blocks=view.growth if view else reserved,
+            charged_blocks=view.charged if view else reserved,
+            output_estimate_tokens=queue.estimates.in_use(tenant, policy)
+            if tenant is not None and policy is not None else 0,
             leased_blocks=engine.leased_blocks if engine else 0,
             leased_sessions=engine.leased_sessions if engine else 0,
             inflight=ledger.inflight(tenant_id),
@@ -98,6 +105,7 @@ def build_status(
             rejected_quota=counts.rejected_quota,
             rejected_watermark=counts.rejected_watermark,
             preemptions=sum(engine.preemptions.values()) if engine else 0,
+            outgrown_preemptions=engine.outgrown_preemptions if engine else 0,
             lease_breaks=engine.lease_breaks if engine else 0,
             degraded_events=engine.degraded_events if engine else 0,
         )

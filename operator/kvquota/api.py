@@ -624,7 +624,24 @@ class Usage(_Model):
         "leases' (the sidecars' reservations where the scheduler's stats are missing).",
     )
     reserved_blocks: int = Field(
-        0, description="KV blocks the sidecars reserved for the tenant's requests in flight."
+        0, description="KV blocks the sidecars reserved for the tenant's requests in flight: "
+        "each its prompt plus its output estimate (plus max_tokens for a tier whose "
+        "reservation is Full), not max_tokens.",
+    )
+    pending_blocks: int = Field(
+        0, description="KV blocks reserved for the tenant's work not allocated yet "
+        "(reservations beyond what its running requests hold).",
+    )
+    charged_blocks: int = Field(
+        0, description="KV blocks counted against maxBlocks: what the tenant's running "
+        "requests hold plus pendingBlocks. Above reservedBlocks when requests decoded past "
+        "their output estimates.",
+    )
+    output_estimate_tokens: int = Field(
+        0, description="Output tokens a request of the tenant reserves now: the 90th "
+        "percentile of its recent answers, the tier's defaultMaxTokens until enough "
+        "finished, maxTokens for a tier whose reservation is Full (the largest over the "
+        "engines).",
     )
     leased_blocks: int = Field(
         0, description="KV blocks idle leases pin that no running request holds."
@@ -652,6 +669,10 @@ class Counters(_Model):
     )
     preemptions: int = Field(
         0, description="Running requests preempted and leases broken to free KV blocks."
+    )
+    outgrown_preemptions: int = Field(
+        0, description="Of the preemptions, those of requests that held more KV blocks than "
+        "the sidecar reserved for them (they decoded past their output estimate).",
     )
     lease_breaks: int = Field(
         0, description="Leases released early to free KV blocks (not lapsed or capped)."

@@ -42,8 +42,9 @@ class PoolUsage:
     tenants: Mapping[str, TenantStatus] = field(default_factory=dict)
 
 
-# Usage figures that are a longest time, not a count: the pool's is the worst engine's.
-_LONGEST = frozenset({"queue_wait_seconds"})
+# Usage figures that are a longest time or a per-request size, not a count: the pool's
+# is the largest engine's.
+_LONGEST = frozenset({"queue_wait_seconds", "output_estimate_tokens"})
 
 
 def _sum_tenant(parts: Iterable[TenantStatus]) -> TenantStatus:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from engine_sidecar.gateway.output_estimate import MIN_SAMPLES
 from engine_sidecar.policy import EnginePolicy, TenantPolicy, Tier
+from engine_sidecar.tenant_policy import RESERVED_BLOCKS_ARG
 from kvquota.bench.admission import TWIN_ROUTE, TwinGateway
 
 
@@ -43,6 +44,8 @@ def test_finished_twin_turns_teach_the_estimate_that_later_turns_reserve() -> No
     later = gateway.submit("acme", list(range(64)), 4096, None, _Turn())
     assert later.verdict is not None and later.verdict.output_tokens == 200
     assert gateway.ledger.reserved_blocks("acme") == (64 + 200) // 16 + 1
+    # What the plugin is told the turn reserved: 64 + 200 tokens, 17 blocks of 16.
+    assert gateway.plugin_args(later) == {RESERVED_BLOCKS_ARG: 17}
 
 
 def test_a_turn_that_did_not_complete_teaches_nothing() -> None:

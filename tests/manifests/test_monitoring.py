@@ -251,6 +251,7 @@ def _sidecar_exposition() -> str:
     from prometheus_client import generate_latest
 
     from engine_sidecar.gateway.active_policy import build as build_active
+    from engine_sidecar.gateway.admission_queue import AdmissionQueue
     from engine_sidecar.gateway.ledger import Ledger
     from engine_sidecar.policy import EnginePolicy, TenantPolicy
     from engine_sidecar.stats import EngineStats, TenantEngineStats
@@ -269,9 +270,13 @@ def _sidecar_exposition() -> str:
     })
     ledger = Ledger()
     ledger.reserve("acme", 3)
+    queue = AdmissionQueue(ledger, clock=lambda: 0.0, stats=lambda: stats)
+    queue.set_policy(active.policy)
+    queue.estimates.observe("acme", "chat", 12)
     gateway = metrics.GatewayMetrics()
     gateway.attach_state(metrics.StateSources(
         ledger=ledger, active=lambda: active, stats=lambda: stats, label=lambda t: t,
+        queue=queue,
     ))
     gateway.admissions.labels(tenant_id="acme", tier="premium", decision="admitted").inc()
     gateway.ttft.labels(tier="premium").observe(0.2)

@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 from operator_objects import condition, pool, quota
 
-from engine_sidecar.stats import SidecarStatus, TenantCounters, TenantStatus
+from engine_sidecar.stats import SidecarStatus, TenantCounters, TenantStatus, TenantUsage
 from kvquota.conditions import Want, merge_conditions
 from kvquota.plan import PoolPlan, plan_pool
 from kvquota.status import (
@@ -164,3 +164,27 @@ def test_events_for_refusals_and_recoveries_not_for_routine_success() -> None:
                             old=fine, generation=1, now=T0)
     ((kind, reason, _),) = event_worthy("TenantQuota", fine, refused)
     assert (kind, reason) == ("Warning", "Oversubscribed")
+
+
+def test_tenant_status_shows_reserved_vs_held_the_estimate_and_outgrown_preemptions() -> None:
+    plan = _plan(quota("a"))
+    tenant = (plan.tenants or {})[("default", "a")]
+
+    def engine(held: int, reserved: int, estimate: int, outgrown: int) -> SidecarStatus:
+        return SidecarStatus(ready=True, tenants={"a": TenantStatus(
+            usage=TenantUsage(blocks=held, reserved_blocks=reserved,
+                              pending_blocks=max(0, reserved - held),
+                              charged_blocks=max(reserved, held),
+                              output_estimate_tokens=estimate),
+            counters=TenantCounters(preemptions=outgrown + 1, outgrown_preemptions=outgrown))})
+
+    engines = EngineView(ready=2, versions={"e1": None, "e2": None},
+                         usage=aggregate([engine(40, 30, 220, 1), engine(10, 25, 180, 0)]))
+    status = tenant_status(tenant, plan, engines=engines, old=None, generation=1, now=T0)
+    usage = status["usage"]
+    assert (usage["blocks"], usage["reservedBlocks"]) == (50, 55)
+    # One engine's requests decoded past their estimates (40 held, 30 reserved): charged
+    # what they hold; the other still has 15 blocks reserved and not allocated.
+    assert (usage["chargedBlocks"], usage["pendingBlocks"]) == (65, 15)
+    assert usage["outputEstimateTokens"] == 220  # per request: the largest engine's
+    assert status["counters"]["outgrownPreemptions"] == 1

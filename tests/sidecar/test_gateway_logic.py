@@ -43,7 +43,10 @@ def test_forwarded_body_overwrites_priority_xargs_and_salt(
     (sent,) = stub.received
     salt_secret = (keys.dir / "cache-salt").read_bytes()
     assert sent["priority"] == 0
-    assert sent["vllm_xargs"] == {"kvq_tenant": "acme", "kvq_session": "s-42"}
+    # The client's "other" is gone; the sidecar's own: tenant, session, and the blocks
+    # reserved per sequence (3 prompt tokens + the tier default of 8: one block).
+    assert sent["vllm_xargs"] == {"kvq_tenant": "acme", "kvq_session": "s-42",
+                                  "kvq_reserved_blocks": 1}
     assert sent["cache_salt"] == cache_salt(salt_secret, "acme") != "client-chosen"
     assert sent["max_tokens"] == 64
     (sent_headers,) = stub.received_headers
@@ -64,7 +67,8 @@ def test_chat_clamps_through_max_completion_tokens_and_shared_isolation_drops_sa
     (sent,) = stub.received
     assert sent["max_completion_tokens"] == 32 and "max_tokens" not in sent
     assert "cache_salt" not in sent
-    assert sent["vllm_xargs"] == {"kvq_tenant": "acme", "kvq_session": "u-7"}
+    assert sent["vllm_xargs"] == {"kvq_tenant": "acme", "kvq_session": "u-7",
+                                  "kvq_reserved_blocks": 1}
     assert response.json()["usage"]["completion_tokens"] == 32
 
 

@@ -9,17 +9,22 @@ import time
 from collections.abc import Callable
 
 import pytest
+from prometheus_client import generate_latest
 
+from engine_sidecar.gateway.active_policy import build as build_active
 from engine_sidecar.gateway.admission import Decision, RequestShape
 from engine_sidecar.gateway.admission_queue import AdmissionQueue, Ticket
 from engine_sidecar.gateway.ledger import Ledger
+from engine_sidecar.gateway.metrics import GatewayMetrics, StateSources
 from engine_sidecar.gateway.output_estimate import MIN_SAMPLES, OutputEstimates
 from engine_sidecar.gateway.output_meter import OutputMeter
+from engine_sidecar.gateway.status import DecisionCounters, build_status
 from engine_sidecar.policy import ReservationMode, Tier
-from engine_sidecar.stats import EngineStats, TenantEngineStats
+from engine_sidecar.stats import EngineStats, SidecarStatus, TenantEngineStats
+from engine_sidecar.tenant_policy import RESERVED_BLOCKS_ARG
 
 from .conftest import StubFactory
-from .helpers import WAIT, Keys, http_post, make_policy, tenant, wait_for
+from .helpers import WAIT, Keys, http_get, http_post, make_policy, tenant, wait_for
 from .stub_engine import StubEngine
 
 BLOCK = 32
@@ -32,12 +37,13 @@ def _queue(
     stats: Callable[[], EngineStats | None] = lambda: None, **limits: object,
 ) -> AdmissionQueue:
     acme = tenant("acme", tier="premium", priority=0, max_tokens=GENEROUS,
-                  default_max_tokens=1024, max_blocks=300, max_queue_seconds=30,
+                  default_max_tokens=1024, max_blocks=300,
+                  prefix_cache_isolation="Shared", max_queue_seconds=30,
                   max_queued_requests=100, **limits)
     reservation = {Tier.PREMIUM: mode} if mode is not None else {}
     queue = AdmissionQueue(Ledger(), clock=lambda: 0.0, rng=random.Random(1),
                            stats=stats, max_model_len=lambda: None)
-    queue.set_policy(make_policy(acme, reservation=reservation))
+    queue.set_policy(make_policy(acme, reservation=reservation, auth={}))
     return queue
 
 
@@ -141,9 +147,11 @@ def _engine(running_blocks: int) -> EngineStats:
 
 def test_a_full_tier_and_an_estimated_tier_side_by_side() -> None:
     premium = tenant("prem", tier="premium", priority=0, max_tokens=GENEROUS,
-                     default_max_tokens=1024, max_blocks=300)
+                     default_max_tokens=1024, max_blocks=300,
+                  prefix_cache_isolation="Shared")
     free = tenant("cheap", tier="free", priority=2, max_tokens=GENEROUS,
-                  default_max_tokens=1024, max_blocks=300)
+                  default_max_tokens=1024, max_blocks=300,
+                  prefix_cache_isolation="Shared")
     policy = make_policy(premium, free, reservation={Tier.PREMIUM: ReservationMode.FULL})
     queue = AdmissionQueue(Ledger(), clock=lambda: 0.0, max_model_len=lambda: None)
     queue.set_policy(policy)
@@ -207,8 +215,68 @@ def test_the_sidecar_learns_answer_lengths_from_the_responses_it_relays(
     estimates = harness.gateway.estimates
     wait_for(lambda: estimates.learned("acme", "completion") == 5, WAIT,
              "the sidecar did not learn the relayed answers' length")
+    status = http_get(harness.admin_url + "/kvquota/status").json()
+    assert status["tenants"]["acme"]["usage"]["outputEstimateTokens"] == 5
+    metrics = http_get(harness.admin_url + "/metrics").text
+    assert ('kvquota_tenant_output_estimate_tokens{route="completion",tenant_id="acme"} 5.0'
+            in metrics)
     reply = http_post(harness.url + "/v1/completions",
                       json={"prompt": "x y", "max_tokens": 60},
                       headers={"Authorization": f"Bearer {token}"})
     assert reply.status_code == 200
-    assert stub.received[-1]["max_tokens"] == 60  # the client's max_tokens still applies
+    forwarded = stub.received[-1]
+    assert forwarded["max_tokens"] == 60  # the client's max_tokens still applies
+    # The plugin is told what was reserved per sequence: 2 prompt tokens + 5, one block.
+    assert forwarded["vllm_xargs"][RESERVED_BLOCKS_ARG] == 1
+
+
+def _status(mode: ReservationMode | None = None) -> SidecarStatus:
+    """acme has one request in flight, reserved 9 blocks at its estimate; the plugin
+    reports its running requests holding 25 blocks, one of 3 victims outgrown."""
+    acme = tenant("acme", tier="premium", priority=0, max_tokens=GENEROUS,
+                  default_max_tokens=1024, max_blocks=300,
+                  prefix_cache_isolation="Shared")
+    policy = make_policy(acme, reservation={Tier.PREMIUM: mode} if mode else {}, auth={})
+    stats = _engine(running_blocks=25)
+    stats.tenants["acme"].outgrown_preemptions = 1
+    stats.tenants["acme"].preemptions = {"borrower": 3}
+    ledger = Ledger()
+    queue = AdmissionQueue(ledger, clock=lambda: 0.0, stats=lambda: stats)
+    queue.set_policy(policy)
+    _answers(queue)
+    ledger.reserve("acme", 9)
+    return build_status(ready=True, active=build_active(policy, None), policy_error=None,
+                        ledger=ledger, counters=DecisionCounters(), stats=stats,
+                        capacity=queue.view(), queue=queue)
+
+
+def test_the_status_shows_reserved_vs_held_and_the_estimate_in_use() -> None:
+    acme = _status().tenants["acme"]
+    assert acme.usage.reserved_blocks == 9  # at the estimate, not max_tokens (132)
+    assert acme.usage.blocks == 25  # held in the engine
+    assert (acme.usage.charged_blocks, acme.usage.pending_blocks) == (25, 0)
+    assert acme.usage.output_estimate_tokens == 180
+    assert (acme.counters.preemptions, acme.counters.outgrown_preemptions) == (3, 1)
+    full = _status(ReservationMode.FULL).tenants["acme"]
+    assert full.usage.output_estimate_tokens == GENEROUS
+
+
+def test_the_metrics_show_reserved_vs_charged_and_the_estimates() -> None:
+    stats = _engine(running_blocks=2)
+    stats.tenants["acme"].outgrown_preemptions = 4
+    queue = _queue(stats=lambda: stats)
+    _answers(queue, "chat")
+    _ask(queue)  # 9 blocks reserved, 2 of them allocated so far
+    policy = queue.policy
+    assert policy is not None
+    active = build_active(policy, None)
+    metrics = GatewayMetrics()
+    metrics.attach_state(StateSources(ledger=queue.ledger, active=lambda: active,
+                                      stats=lambda: stats, label=lambda t: t, queue=queue))
+    text = generate_latest(metrics.registry).decode()
+    assert 'kvquota_tenant_blocks_reserved{tenant_id="acme"} 9.0' in text
+    assert 'kvquota_tenant_blocks_charged{tenant_id="acme"} 9.0' in text
+    assert 'kvquota_tenant_blocks_pending{tenant_id="acme"} 7.0' in text
+    assert 'kvquota_tenant_output_estimate_tokens{route="chat",tenant_id="acme"} 180.0' in text
+    assert 'kvquota_tenant_output_estimate_tokens{route="all",tenant_id="acme"} 180.0' in text
+    assert 'kvquota_tenant_outgrown_preemptions_total{tenant_id="acme"} 4.0' in text

@@ -19,13 +19,14 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from engine_sidecar.gateway.admission import RequestShape
+from engine_sidecar.gateway.admission import RequestShape, sequence_blocks
 from engine_sidecar.gateway.admission_queue import AdmissionQueue, Ticket
 from engine_sidecar.gateway.ledger import Ledger, Reservation
 from engine_sidecar.gateway.openai_request import Kind
 from engine_sidecar.gateway.prefix import block_fingerprints
 from engine_sidecar.policy import EnginePolicy
 from engine_sidecar.stats import EngineStats
+from engine_sidecar.tenant_policy import RESERVED_BLOCKS_ARG
 
 TWIN_ROUTE = Kind.CHAT.value
 
@@ -101,6 +102,14 @@ class TwinGateway:
             ticket.on_settled = self._on_settled
         self._track(ticket)
         return ticket
+
+    def plugin_args(self, ticket: Ticket) -> dict[str, int]:
+        """The `vllm_xargs` the sidecar adds for an admitted turn beyond tenant and
+        session: the blocks reserved per sequence, so the plugin counts a victim that
+        outgrew its estimate (`outgrownPreemptions`) as it does behind a real sidecar."""
+        assert self.queue.policy is not None and ticket.verdict is not None
+        return {RESERVED_BLOCKS_ARG: sequence_blocks(
+            ticket.shape, ticket.verdict.output_tokens, self.queue.policy.block_size)}
 
     def poll(self) -> list[Ticket]:
         """The queued turns settled since the last call. The queue is pumped as the

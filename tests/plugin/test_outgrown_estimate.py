@@ -1,0 +1,55 @@
+"""Requests that outgrow their reserved estimate (#29), on vLLM's real Scheduler: the
+victim order treats them like any other work, and the plugin counts, per tenant, the
+victims that held more blocks than the sidecar reserved for them."""
+
+from __future__ import annotations
+
+import pytest
+from plugin_policies import engine_policy, tenant, write_policy
+
+from engine_sidecar.tenant_policy import RESERVED_BLOCKS_ARG, identity_from_extra_args
+
+BLOCK = 16
+
+
+def _run(make_harness, policy_path, tokens, gold_reserved: int):
+    """Two 5-block prompts decode 100 tokens each (12 blocks at the end) into 20
+    blocks: one must give way, at about 10 blocks each. Gold borrows (no guarantee), so
+    it is the victim; the sidecar reserved it `gold_reserved` blocks."""
+    write_policy(policy_path, engine_policy(
+        tenant("gold", "premium", guaranteed=0),
+        tenant("bronze", "free", guaranteed=100),
+    ))
+    harness = make_harness(num_blocks=21, block_size=BLOCK, policy_path=policy_path)
+    harness.add_request("gold", tokens(80), 100, priority=0, tenant="gold",
+                        extra_args={RESERVED_BLOCKS_ARG: gold_reserved})
+    harness.add_request("bronze", tokens(80), 100, priority=2, tenant="bronze",
+                        extra_args={RESERVED_BLOCKS_ARG: 12})
+    harness.run_until_done()
+    assert harness.requests["gold"].num_preemptions >= 1
+    assert harness.requests["bronze"].num_preemptions == 0
+    return harness.kvq_stats().tenants
+
+
+def test_a_victim_that_decoded_past_its_estimate_is_counted_as_outgrown(
+    make_harness, policy_path, tokens
+):
+    stats = _run(make_harness, policy_path, tokens, gold_reserved=6)  # prompt + a 16-token estimate
+    gold = stats["gold"]
+    assert gold.outgrown_preemptions >= 1
+    assert gold.outgrown_preemptions <= sum(gold.preemptions.values())
+    assert stats["bronze"].outgrown_preemptions == 0
+
+
+def test_a_victim_within_its_reservation_is_not_counted_as_outgrown(
+    make_harness, policy_path, tokens
+):
+    stats = _run(make_harness, policy_path, tokens, gold_reserved=12)  # prompt + 100 tokens
+    assert sum(stats["gold"].preemptions.values()) >= 1
+    assert stats["gold"].outgrown_preemptions == 0
+
+
+@pytest.mark.parametrize("value", ["12", 0, -3, True, 2.5])
+def test_a_reserved_block_count_that_is_not_a_positive_integer_is_ignored(value) -> None:
+    identity = identity_from_extra_args({"kvq_tenant": "acme", RESERVED_BLOCKS_ARG: value})
+    assert identity.tenant == "acme" and identity.reserved_blocks is None
