@@ -10,8 +10,9 @@ decode step per choice (its default stream interval), so the JSON events of a
 completions stream, less the role event a chat stream opens each choice with, are its
 output tokens; on /v1/responses, the `response.output_text.delta` events.
 
-Exact where usage is present; otherwise close (a larger `--stream-interval` makes it
-count low). It only feeds the learned estimate (`output_estimate`): what a request is
+Exact where usage is present; otherwise a floor: a larger `--stream-interval`, or
+vLLM's server merging the deltas it has not sent yet into one event when it lags,
+makes it count low. It only feeds the learned estimate (`output_estimate`): what a request is
 charged once it runs comes from the blocks it holds, so a miscount moves what is
 reserved ahead, never what is accounted as held. Per chunk it costs one `count` and a
 bounded copy of the tail.

@@ -254,6 +254,29 @@ def test_block_quota_is_429_while_a_stream_is_held(sidecar: Harness, keys: Keys)
     assert status.counters.rejected_quota >= 1 and status.usage.reserved_blocks == 0
 
 
+def test_an_estimated_reservation_admits_what_max_tokens_refused(
+    sidecar: Harness, keys: Keys
+) -> None:
+    # The same two requests as above, reserved at an output estimate instead of
+    # max_tokens: one block each, both admitted at once.
+    sidecar.apply(make_policy(tenant("acme", max_tokens=2000, max_blocks=100,
+                                     max_queue_seconds=0)))
+    token = keys.hs("acme")
+    with _held_stream(sidecar, token, {"max_tokens": 2000}):
+        held = _status(sidecar).tenants["acme"].usage
+        # Admitted and streaming; the client then leaves, so the engine stops decoding.
+        with httpx.stream("POST", sidecar.url + "/v1/completions", timeout=60,
+                          json={"prompt": PROMPT, "max_tokens": 2000, "stream": True},
+                          headers=_bearer(token)) as second:
+            assert second.status_code == 200
+            assert next(second.iter_lines()).startswith("data: ")
+    # The tier's default of 8 tokens, or shorter answers the session's sidecar learned
+    # from acme's earlier requests: one block either way.
+    assert (held.reserved_blocks, held.inflight) == (1, 1)
+    assert 1 <= held.output_estimate_tokens <= 8
+    _wait_ledger_empty(sidecar)
+
+
 def test_watermark_refuses_borrowers_never_guaranteed_tenants(
     sidecar: Harness, keys: Keys
 ) -> None:
