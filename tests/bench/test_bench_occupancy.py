@@ -37,14 +37,14 @@ tenants:
         maxTokens: 16
   hobbyist:
     tier: free
-    kvCache: {guaranteedBlocks: 0, maxBlocks: 52}
+    kvCache: {guaranteedBlocks: 0, maxBlocks: 126}
     limits: {maxConcurrentRequests: 4}
     workloads:
       burst:
         arrival: {process: bursts, every: 6, size: 10, spread: 0.5, start: 1}
-        promptTokens: 400
-        outputTokens: 16
-        maxTokens: 16
+        promptTokens: 800
+        outputTokens: 200
+        maxTokens: 200
 """
 
 
@@ -72,11 +72,11 @@ def test_a_tenant_holding_its_max_blocks_is_reported_at_that_ceiling(
 ) -> None:
     ours = document["policies"]["kvquota"]
     free = ours["tiers"]["free"]["atCeiling"]["hobbyist"]
-    assert free["maxBlocks"] == 52 and free["peakHeld"] <= 52
+    assert free["maxBlocks"] == 126 and free["peakHeld"] <= 126
     assert 0 < free["secondsAtMaxBlocks"] <= 20
     premium = ours["tiers"]["premium"]["atCeiling"]["acme"]
     assert premium["secondsAtMaxBlocks"] == 0 and premium["secondsAtMaxConcurrent"] is None
-    assert "hobbyist (free) maxBlocks 52:" in format_table(document)
+    assert "hobbyist (free) maxBlocks 126:" in format_table(document)
     # Stock vLLM enforces no quota: nothing to be at.
     assert document["policies"]["priority"]["tiers"]["free"]["atCeiling"] is None
 
@@ -128,12 +128,12 @@ def test_the_cli_applies_set_overrides_to_the_scenario(
     out = tmp_path / "out.json"
     code = main(["bench", "--scenario", str(path), "--policies", "kvquota", "--no-baseline",
                  "--jobs", "1", "--no-progress", "--json", str(out),
-                 "--set", "tenants.hobbyist.kvCache.maxBlocks=28"])
+                 "--set", "tenants.hobbyist.kvCache.maxBlocks=130"])
     assert code == 0
     document = json.loads(out.read_text())
     assert document["scenario"]["overrides"] == {
-        "tenants": {"hobbyist": {"kvCache": {"maxBlocks": 28}}}}
-    assert document["policies"]["kvquota"]["ceilings"]["hobbyist"]["maxBlocks"] == 28
+        "tenants": {"hobbyist": {"kvCache": {"maxBlocks": 130}}}}
+    assert document["policies"]["kvquota"]["ceilings"]["hobbyist"]["maxBlocks"] == 130
     capsys.readouterr()
     assert main(["bench", "--scenario", str(path), "--set", "pool.watermark"]) == 2
     assert "give PATH=VALUE" in capsys.readouterr().err
@@ -152,7 +152,7 @@ def test_answers_cut_at_the_tier_ceiling_are_counted_for_kvquota(tmp_path: Path)
     stock = document["policies"]["priority"]["tiers"]
     free = ours["free"]
     assert free["answersCutAtMaxTokens"] == free["completed"] > 0
-    assert free["tokensCutAtMaxTokens"] == (16 - 8) * free["completed"]
+    assert free["tokensCutAtMaxTokens"] == (200 - 8) * free["completed"]
     assert free["outputTokens"] == 8 * free["completed"]
     assert ours["premium"]["answersCutAtMaxTokens"] == 0
     assert stock["free"]["answersCutAtMaxTokens"] == 0

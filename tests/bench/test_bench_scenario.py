@@ -158,3 +158,24 @@ def test_the_premium_burst_scenario_bursts_premium_itself() -> None:
     premium = [t for t in scenario.tenants.values() if t.tier is Tier.PREMIUM]
     assert len(premium) == 1
     assert any(w.arrival.process == "bursts" for w in premium[0].workloads.values())
+
+
+def test_the_engine_scale_reserving_max_tokens_would_exceed_premium_max_blocks() -> None:
+    """On the CPU engine, a few premium requests reserving max_tokens fill premium's
+    maxBlocks, while a dozen typical ones hold less than it with their real answers."""
+    import math
+
+    from kvquota.bench.scenario import resolve_blocks
+
+    scenario = load_scenario("generous-premium-burst", scale="engine")
+    engine = scenario.engine
+    assert engine.block_size % 32 == 0
+    acme = scenario.tenants["acme"]
+    max_blocks = resolve_blocks(acme.kv_cache.max_blocks, engine.capacity_blocks)
+    first_turns = [(s.turns[0].new_tokens, s.turns[0].output_tokens, s.max_tokens)
+                   for s in generate_sessions(scenario) if s.tenant == "acme"]
+    full = [math.ceil((p + min(m or 0, engine.max_model_len - p)) / engine.block_size)
+            for p, _, m in first_turns]
+    held = [math.ceil((p + o) / engine.block_size) for p, o, _ in first_turns]
+    assert sum(sorted(full)[:4]) > max_blocks
+    assert 12 * sorted(held)[len(held) // 2] < max_blocks

@@ -179,8 +179,12 @@ class _Driver:
     """Plays the scenario's sessions against one target in wall time."""
 
     def __init__(self, scenario: Scenario, sessions: list[Session], spec: PolicySpec,
-                 target: Target, progress: Progress | None) -> None:
+                 target: Target, progress: Progress | None,
+                 warmup: Target | None = None) -> None:
         self.scenario = scenario
+        # The engine itself: through the sidecar, warm-up answers would teach a tenant's
+        # output estimate (and count in its status) as if it had sent them.
+        self.warmup = warmup or target
         self.sessions = sessions
         self.spec = spec
         self.target = target
@@ -217,7 +221,7 @@ class _Driver:
             tenant = next(iter(self.policy.tenants))
             length = min(1024, self.scenario.engine.max_model_len // 2)
             await asyncio.gather(*(
-                complete(client, self.target, tenant, [16 + (i + k) % 2000 for k in range(
+                complete(client, self.warmup, tenant, [16 + (i + k) % 2000 for k in range(
                     length if i == 0 else 64)], 4, session=None, priority=None,
                     clock=time.monotonic)
                 for i in range(8)
@@ -622,7 +626,8 @@ def run_engine_policy(
                 procs, spec, scenario, model, run, existing
             )
             stats_path = _stats_path(engine_env) if spec.scheduler == "kvquota" else None
-            driver = _Driver(scenario, sessions, spec, target, progress)
+            driver = _Driver(scenario, sessions, spec, target, progress,
+                             warmup=Target(engine_url, target.model))
 
             async def main() -> dict[str, float]:
                 stop = asyncio.Event()

@@ -217,10 +217,10 @@ def ceiling_times(summary: dict[str, Any]) -> list[str]:
     """'acme maxBlocks 5600: 120 s' for every tenant that spent time at one."""
     out = []
     for tenant, c in (summary.get("ceilings") or {}).items():
-        if c.get("secondsAtMaxBlocks"):
+        if (c.get("secondsAtMaxBlocks") or 0) >= 1:
             out.append(f"{tenant} ({c['tier']}) maxBlocks {c['maxBlocks']}: "
                        f"{c['secondsAtMaxBlocks']:.0f} s (peak held {c['peakHeld']})")
-        if c.get("secondsAtMaxConcurrent"):
+        if (c.get("secondsAtMaxConcurrent") or 0) >= 1:
             out.append(f"{tenant} ({c['tier']}) maxConcurrentRequests "
                        f"{c['maxConcurrentRequests']}: {c['secondsAtMaxConcurrent']:.0f} s")
     return out
