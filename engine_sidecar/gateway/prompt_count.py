@@ -9,8 +9,9 @@
 3. Refuse a prompt whose size alone proves it longer than the tenant's
    `maxPromptTokens` or the model's context (`prompt_bounds`): no tokenizing.
 4. Look the prompt up in the token cache (`token_cache`): a retry is not tokenized again.
-5. Tokenize: short completion prompts inline, long ones in the worker pool; chat prompts
-   by the engine's /tokenize (an HTTP call, off the loop).
+5. Tokenize: short prompts inline, long ones in the worker pool; chat prompts rendered
+   with the model's chat template first (`chat_render`), or, where that does not cover
+   them, by the engine's /tokenize (an HTTP call, off the loop; `tokens.py`).
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ from engine_sidecar.gateway.body_checks import (
 )
 
 MAX_ITEMS = 4096
+# vLLM drops this line from a chat system message's text parts (Claude Code's
+# attribution header), but not from a Responses system message's input_text parts.
+BILLING_HEADER = "x-anthropic-billing-header"
 PARTIAL = frozenset({"in_progress", "incomplete"})
 _text = string(chat_messages.MAX_TEXT_CHARS)
 _name = string(chat_messages.MAX_NAME_CHARS)
@@ -76,10 +79,14 @@ def _message(where: str, item: dict[str, Any], messages: list[dict[str, Any]]) -
                 required=["content"])(where, item)
     if isinstance(content, str):
         messages.append({"role": role, "content": content})
-    else:
-        messages.append({"role": role, "content": [
-            {"type": "text", "text": text}
-            for text in _parts(f"{where}.content", content, "input_text")]})
+        return False
+    texts = _parts(f"{where}.content", content, "input_text")
+    if role == "system" and any(text.startswith(BILLING_HEADER) for text in texts):
+        raise invalid(f"{where}.content: an input_text part of a system message that starts "
+                      f"with {BILLING_HEADER!r} is not supported through the KVQuota sidecar "
+                      "(vLLM keeps it in a Responses prompt but drops it from the chat "
+                      "prompt the sidecar counts with); send it as a string", where)
+    messages.append({"role": role, "content": [{"type": "text", "text": t} for t in texts]})
     return False
 
 

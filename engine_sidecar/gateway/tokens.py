@@ -3,26 +3,33 @@
 Completions: the model's own tokenizer (transformers, loaded once in the background) is
 the fast path, encoding each text prompt as vLLM does; token-id prompts count as sent.
 
-Chat: the engine's own `POST /tokenize`, sent the request's messages and every field
-that changes the rendered prompt (`chat_tokenize_payload`). The prompt is what vLLM's
-renderer makes of the messages: the server's chat template (`--chat-template`, the
-processor's, the tokenizer's), `--default-chat-template-kwargs`, the template's content
-format, developer-role folding, tool-call arguments parsed, tools serialized by its
-request models. A local rendering sees none of that and drifted from the engine (content
-parts it dropped cost nothing in the ledger, issue #13); /tokenize runs the same renderer
-on the same input, so the counts are equal by construction, for one extra round trip
-per chat request (about 4 ms on a 2-core test machine).
+Chat (and the chat prompt of a /v1/responses request): rendered here with the model's
+own chat template and tokenizer, as vLLM renders it (`chat_render`), then encoded like
+a completion prompt (short inline, long in the worker pool). Before issue #32 every
+chat prompt went to the engine's `POST /tokenize`, exact by construction but a round
+trip per request (~440 us of the sidecar's CPU); that is now the fallback, sent the
+request's messages and every field that changes the rendered prompt
+(`chat_tokenize_payload`), for what the local renderer does not cover:
+- a tokenizer without a chat template of its own (vLLM would take a processor's
+  template or a built-in fallback), and a template that raises for the request (the
+  engine's 400 carries the template's message);
+- every chat request once a local count differed from the engine's: the first
+  `VERIFY_CHATS` chat requests are counted both ways (the engine's ids are used) and
+  a single difference turns local rendering off for good, with an error in the log.
+  That catches what the sidecar cannot see of the engine's rendering: its
+  `--chat-template`, `--default-chat-template-kwargs`, `--chat-template-content-format`,
+  a processor (multimodal) chat template, Mistral and Harmony (gpt-oss) tokenizers;
+- with `--engine-tokenizer` (model files only in the engine container), everything.
 
-Where /tokenize renders more than the chat request will, the count is an upper bound:
+Where /tokenize renders more than the chat request will, its count is an upper bound:
 tools sent with `tool_choice: "none"` to an engine started with
 `--exclude-tools-when-tool-choice-none`; tool-call ids that Mistral tokenizers truncate.
-Not covered (vLLM renders these chat requests differently from /tokenize): gpt-oss
-models (Harmony rendering) and Kimi K3's template arguments `tool_choice` and
-`response_format`.
+Not covered by either (vLLM renders these chat requests differently from /tokenize and
+from the tokenizer's template): gpt-oss models (Harmony rendering) and Kimi K3's
+template arguments `tool_choice` and `response_format`.
 
-With `--engine-tokenizer` (model files only in the engine container, no hub access),
-completions are counted by /tokenize too; a local tokenizer that was asked for but
-cannot be loaded is an error, not a fall-back (`app.Gateway._load_tokenizer`).
+A local tokenizer that was asked for but cannot be loaded is an error, not a fall-back
+(`app.Gateway._load_tokenizer`).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from engine_sidecar.gateway.prompt_bounds import longest_token_bytes
 from engine_sidecar.gateway.token_pool import TokenizerPool, encode
 
 if TYPE_CHECKING:
+    from engine_sidecar.gateway.chat_render import LocalChatRenderer
     from engine_sidecar.gateway.forward import Upstream
 
 logger = logging.getLogger(__name__)
@@ -47,6 +55,9 @@ logger = logging.getLogger(__name__)
 # Prompts longer than this are tokenized in the worker pool (about 1 ms of CPU inline
 # for the tiny model's tokenizer on unusual text, measured at 0.85-1 us per character).
 INLINE_CHARS = 2_000
+# Chat requests counted both locally and by the engine's /tokenize before local counts
+# are trusted alone (see the module docstring).
+VERIFY_CHATS = 8
 # The chat fields /tokenize takes as they are (TokenizeChatRequest in vLLM).
 TOKENIZE_CHAT_FIELDS = ("messages", "add_generation_prompt", "continue_final_message",
                         "add_special_tokens", "tools")
@@ -104,17 +115,25 @@ def chat_tokenize_body(request: ParsedRequest) -> bytes:
 
 
 class HfTokenCounter:
-    """Completion prompts with a transformers tokenizer: short ones inline, long ones in
-    the worker pool (`token_pool`); chat prompts with `chat`, the engine's renderer."""
+    """Prompts with a transformers tokenizer: short ones inline, long ones in the worker
+    pool (`token_pool`); chat prompts rendered locally (`chat_render`) where covered,
+    else by `chat` (the engine's /tokenize)."""
 
     def __init__(self, tokenizer: Any, name: str, chat: TokenCounter,
-                 pool: TokenizerPool | None = None) -> None:
+                 pool: TokenizerPool | None = None, *, local_chat: bool = True,
+                 verify_chats: int = VERIFY_CHATS) -> None:
         self._tokenizer = tokenizer
         # The Rust tokenizer underneath a fast tokenizer: same ids, a fraction of the
         # Python overhead of `tokenizer.encode` (which goes through batch encoding).
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._chat = chat
-        self.description = f"local tokenizer {name} (chat: {chat.description})"
+        self.renderer = _local_renderer(tokenizer) if local_chat else None
+        # Chat requests still to be counted both ways before local counts are trusted.
+        self.unverified_chats = verify_chats
+        self.chats_rendered = 0  # chat prompts counted locally (tests, metrics)
+        self.chats_sent = 0  # chat prompts counted by `chat`
+        rendering = "rendered locally, else " if self.renderer is not None else ""
+        self.description = f"local tokenizer {name} (chat: {rendering}{chat.description})"
         self.longest_token_bytes = (longest_token_bytes(self._backend)
                                     if self._backend is not None else None)
         if pool is None and self._backend is not None:
@@ -124,14 +143,14 @@ class HfTokenCounter:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvq-tok")
 
     @classmethod
-    def load(cls, name_or_path: str, chat: TokenCounter, **pool_options: Any
-             ) -> HfTokenCounter:
+    def load(cls, name_or_path: str, chat: TokenCounter, *, local_chat: bool = True,
+             **pool_options: Any) -> HfTokenCounter:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(name_or_path)
         backend = getattr(tokenizer, "backend_tokenizer", None)
         pool = TokenizerPool.for_tokenizer(backend, **pool_options) if backend else None
-        return cls(tokenizer, name_or_path, chat, pool)
+        return cls(tokenizer, name_or_path, chat, pool, local_chat=local_chat)
 
     def _encode(self, text: str, special: bool) -> TokenIds:
         if self._backend is not None:
@@ -154,9 +173,49 @@ class HfTokenCounter:
         encoded = iter(await self.pool.run(encode, texts, special))
         return tuple(p if isinstance(p, list) else next(encoded) for p in request.prompts)
 
+    async def _encode_chat(self, text: str, special: bool) -> TokenIds:
+        if len(text) <= INLINE_CHARS:
+            return self._encode(text, special)
+        if self.pool is None:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._executor, self._encode, text, special)
+        return (await self.pool.run(encode, [text], special))[0]
+
+    async def _tokenize_chat(self, request: ParsedRequest) -> tuple[TokenIds, ...]:
+        renderer = self.renderer
+        rendered = None if renderer is None else renderer.render_text(
+            chat_tokenize_payload(request.body))
+        if rendered is None:
+            self.chats_sent += 1
+            return await self._chat.tokenize(request)
+        special = request.body.get("add_special_tokens", False) is True
+        try:
+            ids = await self._encode_chat(rendered, special)
+        except ApiError:
+            raise
+        except Exception as exc:
+            logger.debug("tokenizer refused a chat prompt: %s", type(exc).__name__)
+            raise _bad_prompt("the prompt cannot be tokenized (check for invalid "
+                              "characters)", request) from None
+        if self.unverified_chats > 0:  # count it both ways; the engine's ids are used
+            self.chats_sent += 1
+            engine_ids = await self._chat.tokenize(request)
+            if self.renderer is not None and list(engine_ids[0]) != list(ids):
+                self.renderer = None
+                logger.error(
+                    "the sidecar's chat rendering differs from the engine's (%d tokens "
+                    "here, %d there): counting every chat prompt with the engine's "
+                    "/tokenize from now on (is the engine started with --chat-template or "
+                    "--default-chat-template-kwargs?)", len(ids), len(engine_ids[0]))
+            elif self.renderer is not None:
+                self.unverified_chats -= 1
+            return engine_ids
+        self.chats_rendered += 1
+        return (ids,)
+
     async def tokenize(self, request: ParsedRequest) -> tuple[TokenIds, ...]:
         if request.kind is Kind.CHAT:
-            return await self._chat.tokenize(request)
+            return await self._tokenize_chat(request)
         try:
             if sum(len(p) for p in request.prompts if isinstance(p, str)) <= INLINE_CHARS:
                 return self._tokenize_sync(request)
@@ -167,6 +226,15 @@ class HfTokenCounter:
             logger.debug("tokenizer refused a request: %s", type(exc).__name__)
             raise _bad_prompt("the prompt cannot be tokenized (check for invalid "
                               "characters)", request) from None
+
+
+def _local_renderer(tokenizer: Any) -> LocalChatRenderer | None:
+    """The local chat renderer, or None (no template of its own, or no jinja2 here)."""
+    try:
+        from engine_sidecar.gateway.chat_render import LocalChatRenderer
+    except ImportError:
+        return None
+    return LocalChatRenderer.for_tokenizer(tokenizer)
 
 
 class EngineTokenCounter:
