@@ -157,3 +157,40 @@ def test_answers_cut_at_the_tier_ceiling_are_counted_for_kvquota(tmp_path: Path)
     assert ours["premium"]["answersCutAtMaxTokens"] == 0
     assert stock["free"]["answersCutAtMaxTokens"] == 0
     assert free["atCeiling"]["hobbyist"]["maxTokens"] == 8
+
+
+# A burst whose answers run far past what its tenant's requests are expected to
+# produce (defaultMaxTokens 16, no finished request to learn from yet): admitted at
+# their small estimates, they outgrow the cache together and the plugin preempts some.
+OUTGROWN = """
+name: outgrown
+seed: 2
+duration: 5
+drainTimeout: 300
+engine: {capacityBlocks: 200, blockSize: 16, maxNumSeqs: 32, maxNumBatchedTokens: 2048,
+         maxModelLen: 1024}
+tenants:
+  hobbyist:
+    tier: free
+    kvCache: {guaranteedBlocks: 0, maxBlocks: 190}
+    limits: {defaultMaxTokens: 16}
+    workloads:
+      burst:
+        arrival: {process: bursts, every: 100, size: 16, spread: 0.1, start: 0.5}
+        promptTokens: 100
+        outputTokens: 400
+        maxTokens: 400
+"""
+
+
+def test_the_twin_counts_preemptions_of_requests_that_outgrew_their_estimate(
+    tmp_path: Path,
+) -> None:
+    """The twin tells the plugin what each turn reserved, as the sidecar does, so a
+    victim holding more than that is counted as outgrown."""
+    path = tmp_path / "outgrown.yaml"
+    path.write_text(OUTGROWN)
+    document = run_bench(BenchOptions(scenario=str(path), policies=("kvquota",),
+                                      baseline=False, progress=False, jobs=1))
+    free = document["policies"]["kvquota"]["tiers"]["free"]
+    assert free["outgrownPreemptions"] > 0, free

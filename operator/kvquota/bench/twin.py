@@ -235,13 +235,13 @@ class TwinRun:
             reason = ticket.waited_on.value
             outcome.waited_on[reason] = outcome.waited_on.get(reason, 0.0) + ticket.waited
         if ticket.reservation is not None:
-            assert ticket.verdict is not None
+            assert ticket.verdict is not None and self.gateway is not None
             outcome.queued_seconds += ticket.waited
             room = self.scenario.engine.max_model_len - len(attempt.prompt)
             want = min(session.turns[turn].output_tokens, attempt.requested_max_tokens or room)
             outcome.cut_tokens = max(0, want - ticket.verdict.max_tokens)
             self._start(harness, attempt, min(want, ticket.verdict.max_tokens),
-                        ticket.reservation)
+                        ticket.reservation, self.gateway.plugin_args(ticket))
             return
         error = ticket.error
         if error is None:  # cancelled: the twin's clients never leave
@@ -261,8 +261,9 @@ class TwinRun:
 
     def _start(
         self, harness: SchedulerHarness, attempt: _Attempt, max_tokens: int,
-        reservation: Reservation | None,
+        reservation: Reservation | None, plugin_args: dict[str, int] | None = None,
     ) -> None:
+        """`plugin_args`: the vllm_xargs the sidecar adds beyond tenant and session."""
         session, turn, outcome = attempt.session, attempt.turn, attempt.outcome
         tenant = self.policy.tenants[session.tenant]
         req_id = f"{session.session_id}.t{turn + 1}.a{outcome.attempts}"
@@ -273,6 +274,7 @@ class TwinRun:
             tenant=session.tenant if use_tenant else None,
             session=session.session_id if use_tenant else None,
             arrival_time=outcome.arrival,
+            extra_args=plugin_args if use_tenant else None,
         )
         self._tier_of_req[req_id] = session.tier.value
         self._live[req_id] = _Live(outcome, session, turn, attempt.prompt, reservation)
