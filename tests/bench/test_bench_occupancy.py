@@ -92,17 +92,16 @@ def test_outgrown_estimate_preemptions_show_per_tier_for_kvquota_only(
 
 
 def test_outgrown_preemptions_are_summed_per_tier_from_the_plugin_stats() -> None:
-    class Counting(TenantEngineStats):
-        outgrown_preemptions: int = 0
-
     stats = EngineStats(timestamp=0.0, tenants={
-        "a": Counting(outgrown_preemptions=2), "b": Counting(outgrown_preemptions=3),
-        "c": Counting(outgrown_preemptions=1), "_unclassified": Counting(),
+        "a": TenantEngineStats(outgrown_preemptions=2),
+        "b": TenantEngineStats(outgrown_preemptions=3),
+        "c": TenantEngineStats(outgrown_preemptions=1),
+        "_unclassified": TenantEngineStats(outgrown_preemptions=4),
     })
     assert outgrown_by_tier(stats, {"a": "free", "b": "free", "c": "premium"}) == {
         "free": 5, "premium": 1}
-    # A plugin without the counter: every tier reads 0, not an error.
-    older = EngineStats(timestamp=0.0, tenants={"a": TenantEngineStats()})
+    # A stats file from a plugin without the counter: every tier reads 0.
+    older = EngineStats.model_validate_json('{"timestamp": 0, "tenants": {"a": {}}}')
     assert outgrown_by_tier(older, {"a": "free"}) == {"free": 0}
 
 
