@@ -137,7 +137,7 @@ class TenantAwareScheduler(compat.Scheduler):
     """vLLM's Scheduler plus tenant leases, victim order and degraded mode."""
 
     # The ranking rules (see engine_sidecar.tenant_policy). The benchmark's victim-order
-    # variants (kvquota.bench.variants) set a subclass on one instance; not a product
+    # variants (kvquota_lab.bench.variants) set a subclass on one instance; not a product
     # setting.
     kvq_ranker_cls: type[VictimRanker] = VictimRanker
 

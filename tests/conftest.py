@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvquota.processes import EngineOptions, ManagedProcess, free_port, vllm_engine
+from kvquota_lab.processes import EngineOptions, ManagedProcess, free_port, vllm_engine
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("KVQUOTA_TEST_CACHE", REPO / ".cache"))
@@ -23,7 +23,7 @@ CACHE = Path(os.environ.get("KVQUOTA_TEST_CACHE", REPO / ".cache"))
 
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
-    from kvquota.tinymodel import generate
+    from kvquota_lab.tinymodel import generate
 
     return generate(CACHE / "tiny-model")
 

@@ -22,7 +22,7 @@ What is enforced where:
 The event loop is uvloop's where it is installed (uvicorn[standard] brings it), asyncio's
 otherwise (`run`): per streamed chunk and per request, uvloop's transports and callbacks
 cost a fraction of asyncio's (issue #18, measured with `python -m
-engine_sidecar.gateway.bench`).
+kvquota_lab.perf.sidecar`).
 """
 
 from __future__ import annotations

@@ -17,10 +17,15 @@ EXTRA_OF_MODULE: dict[str, str] = {
     "tokenizers": "engine",
     "safetensors": "engine",
     "transformers": "sidecar",
-    "matplotlib": "bench",
+    "matplotlib": "lab",
+    "kmock": "lab",
+    "kvquota_lab": "lab",
     "opentelemetry": "tracing",
 }
-_NOTES = {"engine": " (vLLM's CPU build; on GPU nodes install the stock vllm wheel instead)"}
+_NOTES = {
+    "engine": " (vLLM's CPU build; on GPU nodes install the stock vllm wheel instead)",
+    "lab": " (in a KVQuota checkout: the lab is in no image)",
+}
 
 
 class MissingExtra(Exception):
@@ -39,6 +44,11 @@ def _installed(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
         return False
+
+
+def lab_installed() -> bool:
+    """Whether the lab package (`kvquota_lab`: demo, bench, tiny model) is importable."""
+    return _installed("kvquota_lab")
 
 
 def require(command: str, *modules: str) -> None:

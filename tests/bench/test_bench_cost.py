@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvquota.bench.calibrate import fit_profile
-from kvquota.bench.cost import load_profile
+from kvquota_lab.bench.calibrate import fit_profile
+from kvquota_lab.bench.cost import load_profile
 
 
 def test_a100_profile_matches_the_figures_it_cites() -> None:

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 
 from engine_sidecar.policy import write_atomically
-from kvquota.bench.engine_backend import REQUESTS_FILE, RunningEngine, run_engine_policy
-from kvquota.bench.metrics import summarize
-from kvquota.bench.scenario import generate_sessions, parse_scenario
-from kvquota.bench.twin import POLICIES
+from kvquota_lab.bench.engine_backend import REQUESTS_FILE, RunningEngine, run_engine_policy
+from kvquota_lab.bench.metrics import summarize
+from kvquota_lab.bench.scenario import generate_sessions, parse_scenario
+from kvquota_lab.bench.twin import POLICIES
 
 pytestmark = pytest.mark.engine
 

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from engine_sidecar.stats import EngineStats, TenantEngineStats
-from kvquota.bench.occupancy import Occupancy, TenantLimits
-from kvquota.bench.plugin_counts import outgrown_by_tier
-from kvquota.bench.report import format_table
-from kvquota.bench.runner import BenchOptions, run_bench
+from kvquota_lab.bench.occupancy import Occupancy, TenantLimits
+from kvquota_lab.bench.plugin_counts import outgrown_by_tier
+from kvquota_lab.bench.report import format_table
+from kvquota_lab.bench.runner import BenchOptions, run_bench
 
 # A premium chat with room to spare beside a free tenant whose quota fits two of its
 # requests at a time: the answers are as long as max_tokens, so what admission

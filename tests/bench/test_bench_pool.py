@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from kvquota.bench.pool import PoolSpec, run_pool, scale_load
-from kvquota.bench.routers import (
+from kvquota_lab.bench.pool import PoolSpec, run_pool, scale_load
+from kvquota_lab.bench.routers import (
     EngineLoad,
     PrefixAffinity,
     RoundRobin,
@@ -18,8 +18,8 @@ from kvquota.bench.routers import (
     make_router,
     prefix_hashes,
 )
-from kvquota.bench.runner import BenchOptions, run_bench
-from kvquota.bench.scenario import generate_sessions, parse_scenario
+from kvquota_lab.bench.runner import BenchOptions, run_bench
+from kvquota_lab.bench.scenario import generate_sessions, parse_scenario
 
 IDLE = EngineLoad(kv_usage=0.0, waiting=0, running=0)
 
@@ -170,9 +170,9 @@ def test_session_affinity_keeps_conversations_cached(
 
 @pytest.fixture(scope="module")
 def hot() -> dict[str, Any]:
-    from kvquota.bench.cost import load_profile
-    from kvquota.bench.metrics import summarize
-    from kvquota.bench.twin import POLICIES
+    from kvquota_lab.bench.cost import load_profile
+    from kvquota_lab.bench.metrics import summarize
+    from kvquota_lab.bench.twin import POLICIES
 
     scenario = scale_load(parse_scenario(HOT, source="hot"), 2)
     out = {}
@@ -210,9 +210,9 @@ def test_every_engine_enforces_its_own_entry_of_the_one_rendered_policy() -> Non
     # The twin renders one pool policy (the even entries and the per-engine overrides)
     # as the operator does; each engine's sidecar and plugin take their entry by name
     # (`EnginePolicy.for_engine`), as in a pod.
-    from kvquota.bench.cost import load_profile
-    from kvquota.bench.pool import PoolRun
-    from kvquota.bench.twin import POLICIES
+    from kvquota_lab.bench.cost import load_profile
+    from kvquota_lab.bench.pool import PoolRun
+    from kvquota_lab.bench.twin import POLICIES
 
     scenario = scale_load(parse_scenario(HOT, source="hot"), 2)
     spec = PoolSpec(2, "prefix-affinity", "demand", rebalance_interval=2.0)
@@ -277,9 +277,9 @@ def _picked_with(signals: str, tmp: Path) -> tuple[int, list[EngineLoad]]:
     """Engine 0: premium's quota full, three premium turns queued in its sidecar;
     engine 1: five free turns running. Where does the least-KV picker send premium's
     next turn, and what did it read?"""
-    from kvquota.bench.cost import load_profile
-    from kvquota.bench.pool import PoolRun
-    from kvquota.bench.twin import POLICIES
+    from kvquota_lab.bench.cost import load_profile
+    from kvquota_lab.bench.pool import PoolRun
+    from kvquota_lab.bench.twin import POLICIES
 
     scenario = parse_scenario(SEEN, source="seen")
     run = PoolRun(scenario, POLICIES["kvquota"], PoolSpec(2, "least-kv", signals=signals),
@@ -324,8 +324,8 @@ def test_with_kvquotas_signals_the_picker_sees_premiums_queue_and_avoids_it(
 
 
 def test_stock_engines_show_vllms_series_whatever_the_switch(tmp_path: Path) -> None:
-    from kvquota.bench.pool import pool_tasks
-    from kvquota.bench.twin import POLICIES
+    from kvquota_lab.bench.pool import pool_tasks
+    from kvquota_lab.bench.twin import POLICIES
 
     scenario = parse_scenario(SEEN, source="seen")
     tasks = pool_tasks(scenario, [POLICIES["priority"], POLICIES["kvquota"]], None,

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from engine_sidecar.policy import Tier
-from kvquota.bench.scenario import (
+from kvquota_lab.bench.scenario import (
     ScenarioError,
     generate_sessions,
     load_scenario,
@@ -165,7 +165,7 @@ def test_the_engine_scale_reserving_max_tokens_would_exceed_premium_max_blocks()
     maxBlocks, while a dozen typical ones hold less than it with their real answers."""
     import math
 
-    from kvquota.bench.scenario import resolve_blocks
+    from kvquota_lab.bench.scenario import resolve_blocks
 
     scenario = load_scenario("generous-premium-burst", scale="engine")
     engine = scenario.engine

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from kvquota.bench.runner import BenchOptions, run_bench
-from kvquota.bench.suite import (
+from kvquota_lab.bench.runner import BenchOptions, run_bench
+from kvquota_lab.bench.suite import (
     TARGET_NAMES,
     CaseResult,
     diagnosis,

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvquota.bench.runner import BenchOptions, run_bench
+from kvquota_lab.bench.runner import BenchOptions, run_bench
 
 
 def _bench(scenario: str, **kwargs: Any) -> dict[str, Any]:
@@ -85,8 +85,8 @@ def test_a_victim_order_variant_changes_who_is_preempted(
     tiny_model: Path, tmp_path: Path, variant: str | None, first_victim: str
 ) -> None:
     from engine_sidecar.policy import EnginePolicy, TenantPolicy, write_atomically
-    from kvquota.bench.variants import apply_victim_order
-    from kvquota.twin.harness import SchedulerHarness, TwinConfig
+    from kvquota_lab.bench.variants import apply_victim_order
+    from kvquota_lab.twin.harness import SchedulerHarness, TwinConfig
 
     policy_path = tmp_path / "policy.json"
     gold = TenantPolicy(tenant_id="gold", tier="premium", priority=0, guaranteed_blocks=100,

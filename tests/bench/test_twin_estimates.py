@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from engine_sidecar.gateway.output_estimate import MIN_SAMPLES
 from engine_sidecar.policy import EnginePolicy, TenantPolicy, Tier
 from engine_sidecar.tenant_policy import RESERVED_BLOCKS_ARG
-from kvquota.bench.admission import TWIN_ROUTE, TwinGateway
+from kvquota_lab.bench.admission import TWIN_ROUTE, TwinGateway
 
 
 @dataclass

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from kvquota.demo import ROWS
-from kvquota.verdict import Verdict
+from kvquota_lab.demo import ROWS
+from kvquota_lab.verdict import Verdict
 
 pytestmark = pytest.mark.engine
 

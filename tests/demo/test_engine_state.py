@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from engine_sidecar.policy import EnginePolicy, TenantPolicy, Tier
-from kvquota.engine_state import QuotaGauge, StockGauge, parse_vllm_metrics
+from kvquota_lab.engine_state import QuotaGauge, StockGauge, parse_vllm_metrics
 
 ENGINE, SIDECAR = "http://engine", "http://sidecar"
 

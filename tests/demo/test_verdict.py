@@ -3,9 +3,9 @@ measure instead of a ratio when the run could not show it. No engine: hand-built
 
 from __future__ import annotations
 
-from kvquota.loadgen import Result
-from kvquota.summary import summarise
-from kvquota.verdict import POLICY_RUN, STOCK_RUN, judge
+from kvquota_lab.loadgen import Result
+from kvquota_lab.summary import summarise
+from kvquota_lab.verdict import POLICY_RUN, STOCK_RUN, judge
 
 HELD = "12 requests waiting for KV, cache 99% full"
 TURNS = 10

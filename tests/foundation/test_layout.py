@@ -36,6 +36,25 @@ def test_every_subcommand_has_help() -> None:
         assert "usage: kvquota" in out.stdout
 
 
+def test_without_the_lab_its_commands_say_how_to_install_it() -> None:
+    """The images hold no lab: `kvquota demo` there names the extra instead of failing
+    on an import or on its arguments."""
+    hide_lab = "import sys; sys.modules['kvquota_lab'] = None; from kvquota.cli import main; "
+    for argv in (["demo"], ["bench", "suite", "--jobs", "2"], ["tiny-model", "--out", "m"]):
+        out = subprocess.run(
+            [sys.executable, "-c", hide_lab + f"sys.exit(main({argv!r}))"],
+            capture_output=True, text=True, cwd=REPO,
+        )
+        assert out.returncode == 2, out.stderr
+        assert "Traceback" not in out.stderr
+        assert f"kvquota {argv[0]} needs kvquota_lab" in out.stderr
+        assert "pip install 'kvquota[lab]'" in out.stderr
+    listing = subprocess.run([sys.executable, "-c", hide_lab + "main(['--help'])"],
+                             capture_output=True, text=True, cwd=REPO)
+    assert "demo          (lab; not installed)" in listing.stdout
+    assert "operator" in listing.stdout
+
+
 def _digest(directory: Path) -> dict[str, str]:
     return {
         p.name: hashlib.sha256(p.read_bytes()).hexdigest()
@@ -46,7 +65,7 @@ def _digest(directory: Path) -> dict[str, str]:
 def test_tiny_model_is_deterministic_and_offline(
     tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvquota.tinymodel import generate
+    from kvquota_lab.tinymodel import generate
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     again = generate(tmp_path / "again")

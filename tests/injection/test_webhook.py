@@ -22,11 +22,11 @@ import jsonpatch
 import pytest
 from prometheus_client import REGISTRY
 
-from kvquota.emulator import OperatorRunner, serve
 from kvquota.inject.objects import inject_object
 from kvquota.inject.pod import INJECTED_ANNOTATION, REPLACED_ANNOTATION
 from kvquota.inject.webhook import HANDLER_ID, WebhookConfig
 from kvquota.runtime import OperatorConfig
+from kvquota_lab.emulator import OperatorRunner, serve
 
 from .checks import check_injected_pod
 from .conftest import INJECTED, REFUSED, admission_review, load, pod_of

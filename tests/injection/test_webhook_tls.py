@@ -21,9 +21,9 @@ import aiohttp
 import pytest
 import yaml
 
-from kvquota.emulator import OperatorRunner, serve
 from kvquota.inject.webhook import CONFIGURATION, HANDLER_ID, WebhookConfig
 from kvquota.runtime import OperatorConfig
+from kvquota_lab.emulator import OperatorRunner, serve
 
 from .conftest import admission_review, load, pod_of
 from .test_webhook import WAIT, _free_port

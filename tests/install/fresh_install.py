@@ -28,8 +28,10 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parents[2]
-# What `pip install .` reads (the Docker build context copies the same).
-SOURCES = ("pyproject.toml", "README.md", "operator", "engine_sidecar", "manifests/samples")
+# What `pip install .` reads in a checkout (the lab included; the images copy less:
+# tests/manifests/test_images.py).
+SOURCES = ("pyproject.toml", "README.md", "operator", "engine_sidecar", "lab",
+           "manifests/samples")
 
 
 def build_wheel(workdir: Path) -> Path:

@@ -114,10 +114,10 @@ def test_bench_list_needs_no_extra(run: Run) -> None:
     assert "noisy-neighbour" in out.stdout  # scenarios found as package data
 
 
-def test_plot_without_matplotlib_names_the_bench_extra(run: Run) -> None:
+def test_plot_without_matplotlib_names_the_lab_extra(run: Run) -> None:
     out = run("python", "-c", "from kvquota.extras import require; "
               "require('kvquota bench --plot', 'matplotlib')")
-    assert "pip install 'kvquota[bench]'" in out.stderr
+    assert "pip install 'kvquota[lab]'" in out.stderr
 
 
 def test_the_sidecar_starts_its_cli_without_extras(run: Run) -> None:

@@ -65,11 +65,11 @@ def test_copied_paths_exist_and_install_without_the_engine_extra(name: str) -> N
     )
 
 
-def test_image_install_step_ships_the_cli_and_the_plugin(tmp_path: Path) -> None:
-    """What `pip install .` in the build stage gets from the copied files alone."""
+def _image_wheel(dockerfile: str, tmp_path: Path) -> list[str]:
+    """The files of the wheel `pip install .` builds from what `dockerfile` copies."""
     src = tmp_path / "src"
     src.mkdir()
-    for path in _copied("Dockerfile.sidecar"):
+    for path in _copied(dockerfile):
         copy = shutil.copytree if (REPO / path).is_dir() else shutil.copy
         copy(REPO / path, src / path.rstrip("/"))
     out = subprocess.run(
@@ -79,11 +79,26 @@ def test_image_install_step_ships_the_cli_and_the_plugin(tmp_path: Path) -> None
     )
     assert out.returncode == 0, out.stderr
     (wheel,) = (tmp_path / "dist").glob("*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
+    with zipfile.ZipFile(wheel) as archive:
+        entry_points = next(n for n in archive.namelist() if n.endswith("entry_points.txt"))
+        assert "kvquota = kvquota.cli:main" in archive.read(entry_points).decode()
+        return archive.namelist()
+
+
+def test_image_install_step_ships_the_cli_and_the_plugin(tmp_path: Path) -> None:
+    """What `pip install .` in the build stage gets from the copied files alone."""
+    names = _image_wheel("Dockerfile.sidecar", tmp_path)
     assert "engine_sidecar/scheduler.py" in names  # what install-plugin copies
     assert "engine_sidecar/policy.py" in names
-    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "kvquota = kvquota.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_no_image_carries_the_lab(name: str, tmp_path: Path) -> None:
+    """Demo, bench, twin, tiny model, perf harnesses, the KMock API server: lab only."""
+    assert not any(src.startswith("lab") for src in _copied(name))
+    names = _image_wheel(name, tmp_path)
+    lab = [n for n in names if n.startswith("kvquota_lab/") or "/bench" in n]
+    assert lab == [], f"{name} ships lab code: {lab}"
 
 
 # ------------------------------------------------ commands the manifests run

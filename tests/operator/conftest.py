@@ -1,7 +1,7 @@
 """Fixtures for running the real operator (kopf) against the KMock API emulator.
 
 KMock's API is young (pre-1.0), so it stays behind these fixtures,
-`operator_harness` and `kvquota.emulator`: tests talk to a `Cluster` (plain HTTP),
+`operator_harness` and `kvquota_lab.emulator`: tests talk to a `Cluster` (plain HTTP),
 run the operator with `OperatorRunner` (kopf in its own thread and loop) and fake
 engines with `FakeEngines`.
 """
@@ -15,9 +15,9 @@ import aiohttp
 import pytest
 from operator_harness import WAIT, Cluster, FakeEngines, ManualClock
 
-from kvquota.emulator import OperatorRunner, serve
-from kvquota.emulator_process import OperatorProcess
 from kvquota.runtime import OperatorConfig
+from kvquota_lab.emulator import OperatorRunner, serve
+from kvquota_lab.emulator_process import OperatorProcess
 
 
 @pytest.fixture

@@ -15,8 +15,8 @@ import aiohttp.web
 
 from engine_sidecar.policy import EnginePolicy
 from engine_sidecar.stats import STATUS_ROUTE, SidecarStatus
-from kvquota.emulator import ApiServer
 from kvquota.render import POLICY_KEY, configmap_name
+from kvquota_lab.emulator import ApiServer
 
 T = TypeVar("T")
 # Seconds any single wait may take before the test fails. A wait ends as soon as its

@@ -10,7 +10,7 @@ from operator_objects import pool, quota
 from prometheus_client import REGISTRY
 
 from engine_sidecar.policy import EnginePolicy
-from kvquota.emulator import OperatorRunner
+from kvquota_lab.emulator import OperatorRunner
 
 SPLIT = {"namespace": "default", "pool": "demo-pool", "tenant_id": "acme"}
 

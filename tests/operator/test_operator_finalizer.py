@@ -8,9 +8,9 @@ from typing import Any
 from operator_harness import Cluster
 from operator_objects import condition, pool, quota
 
-from kvquota.emulator import OperatorRunner
 from kvquota.render import configmap_name
 from kvquota.run_operator import FINALIZER
+from kvquota_lab.emulator import OperatorRunner
 
 CM = configmap_name("demo-pool")
 # The README's command, as the JSON patch kubectl sends.

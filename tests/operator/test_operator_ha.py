@@ -22,8 +22,8 @@ from operator_harness import Cluster
 from operator_objects import pool, quota
 from test_operator_metrics import samples, value
 
-from kvquota.emulator_process import OperatorProcess
 from kvquota.render import POLICY_KEY, configmap_name
+from kvquota_lab.emulator_process import OperatorProcess
 
 PEERING = "kvquota"  # kvquota.run_operator.PEERING_NAME
 # A short lease so the test waits seconds, not a minute. kopf renews an entry every

@@ -10,9 +10,9 @@ from operator_harness import Cluster, FakeEngines, ManualClock
 from operator_objects import condition, pool, quota
 
 from engine_sidecar.policy import EnginePolicy
-from kvquota.emulator import OperatorRunner
 from kvquota.render import HASH_ANNOTATION, POLICY_KEY, configmap_name
 from kvquota.runtime import OperatorConfig
+from kvquota_lab.emulator import OperatorRunner
 
 CM = configmap_name("demo-pool")
 

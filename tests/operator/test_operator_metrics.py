@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvquota import metrics
 from kvquota.cli import main
-from kvquota.emulator_process import OperatorProcess, free_port
+from kvquota_lab.emulator_process import OperatorProcess, free_port
 
 Labels = frozenset[tuple[str, str]]
 

@@ -22,7 +22,7 @@ def policy_path(tmp_path: Path) -> Path:
 @pytest.fixture
 def make_harness(tiny_model: Path) -> Iterator[Callable[..., object]]:
     """Build SchedulerHarness instances; shut them all down afterwards."""
-    from kvquota.twin.harness import SchedulerHarness, TwinConfig
+    from kvquota_lab.twin.harness import SchedulerHarness, TwinConfig
 
     made: list[SchedulerHarness] = []
 

@@ -1,4 +1,4 @@
-"""vLLM's OffloadingConnector on the real CPU engine (via kvquota.cpu_offload), with
+"""vLLM's OffloadingConnector on the real CPU engine (via kvquota_lab.cpu_offload), with
 the plugin loaded.
 
 A prompt's prefix is evicted from the engine's KV cache by a flood of other prompts, then
@@ -180,7 +180,7 @@ def test_worker_maps_engine_blocks_to_host_chunks() -> None:
     )
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-    from kvquota.cpu_offload import SyncCPUOffloadingWorker
+    from kvquota_lab.cpu_offload import SyncCPUOffloadingWorker
 
     a = torch.randint(-100, 100, (20, 64), dtype=torch.int8)
     b = torch.randint(-100, 100, (20, 64), dtype=torch.int8)

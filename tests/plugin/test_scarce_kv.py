@@ -8,7 +8,7 @@ import pytest
 from plugin_policies import Tokens, engine_policy, tenant, write_policy
 
 from engine_sidecar.gateway.admission import Decision
-from kvquota.bench.admission import TwinGateway
+from kvquota_lab.bench.admission import TwinGateway
 
 BLOCK = 16
 

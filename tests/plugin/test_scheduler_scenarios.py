@@ -1,6 +1,6 @@
 """TenantAwareScheduler inside vLLM's real V1 scheduler (CPU, no model, fake outputs).
 
-Each test drives `kvquota.twin.harness.SchedulerHarness` on virtual time and asserts
+Each test drives `kvquota_lab.twin.harness.SchedulerHarness` on virtual time and asserts
 what a tenant would notice: prefix-cache hits, who got preempted, whether requests
 complete, what the stats file says.
 """

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from engine_sidecar.gateway.bench import UNIQUE, Target, run_load
+from kvquota_lab.perf.sidecar import UNIQUE, Target, run_load
 
 
 async def _recording_server(bodies: list[bytes]) -> tuple[asyncio.Server, str]:

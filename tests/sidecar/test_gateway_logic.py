@@ -11,7 +11,7 @@ import pytest
 from engine_sidecar.gateway.active_policy import cache_salt
 from engine_sidecar.policy import write_atomically
 from engine_sidecar.stats import EngineStats, SidecarStatus, TenantEngineStats
-from kvquota.processes import free_port
+from kvquota_lab.processes import free_port
 
 from .conftest import StubFactory
 from .helpers import WAIT, Keys, http_get, http_post, make_policy, tenant, wait_for

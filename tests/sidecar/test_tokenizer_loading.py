@@ -15,7 +15,7 @@ from .stub_engine import StubEngine
 
 
 def _sidecar_argv(tmp_path: Path, *flags: str) -> list[str]:
-    from kvquota.processes import free_port
+    from kvquota_lab.processes import free_port
 
     return [sys.executable, "-m", "engine_sidecar.cli", "sidecar",
             "--listen", f"127.0.0.1:{free_port()}",
