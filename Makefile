@@ -1,5 +1,5 @@
 # One-command setup: `make test` creates .venv when missing, installs the project with
-# its test, engine and lab extras, then lints, type-checks and runs the suite.
+# all its extras, then lints, type-checks and runs the suite.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvquota-installed
@@ -7,11 +7,11 @@ STAMP := $(VENV)/.kvquota-installed
 .PHONY: test demo lint typecheck crds install clean cross-version
 
 $(STAMP): pyproject.toml
-	@echo "Setting up $(VENV): kvquota with its test, engine and lab extras (vLLM's CPU build,"
+	@echo "Setting up $(VENV): kvquota with all its extras (vLLM's CPU build,"
 	@echo "torch, transformers; a few minutes). Once only."
 	test -x $(PY) || python3 -m venv $(VENV)
 	@# pip is quiet (its full output buries errors): an elapsed-time line every 10 s.
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test,engine,lab]' & pid=$$!; \
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[operator,sidecar,tokenizer,test,engine,lab]' & pid=$$!; \
 	  start=$$(date +%s); \
 	  while kill -0 $$pid 2>/dev/null; do \
 	    sleep 10; kill -0 $$pid 2>/dev/null && echo "  ... pip still installing ($$(( $$(date +%s) - start ))s)"; \
@@ -32,7 +32,7 @@ crds: $(STAMP)
 	$(VENV)/bin/kvquota crds
 
 # Into .cache, once (each step checks its pinned sha256 and is skipped when done), for
-# every vLLM release in engine_sidecar/vllm_compat.py's VERIFIED_VLLM: the Python code
+# every vLLM release in engine_sidecar/plugin/vllm_compat.py's VERIFIED_VLLM: the Python code
 # of those without a CPU build (tests/plugin runs on each), and the first and newest
 # releases' own tests/v1/core suite plus offline model configs (tests/conformance).
 cross-version: $(STAMP)

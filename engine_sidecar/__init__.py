@@ -1,5 +1,10 @@
-"""Engine side of KVQuota: the admission sidecar and the in-engine scheduler plugin.
+"""Engine side of KVQuota, in three parts that import in one direction:
 
-`engine_sidecar.policy` is the contract the operator renders; nothing here imports the
-operator (`kvquota`).
+- `contract/`: what operator, sidecar and plugin agree on (names, wire models, the
+  admission rule, the shared files); imported by all three;
+- `plugin/`: the scheduler plugin inside vLLM (`kvquota install-plugin` copies only
+  `contract/` and `plugin/` into the engine's container);
+- `gateway/`: the admission sidecar (`kvquota sidecar`, `cli.py`).
+
+Nothing here imports the operator (`kvquota`).
 """

@@ -15,18 +15,23 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from engine_sidecar import preflight
-from engine_sidecar.gateway.engine_auth import KEY_ENV, KEY_FILE_ENV, load_engine_key
-from engine_sidecar.gateway.request_body import BODY_BYTES_PER_TOKEN
-from engine_sidecar.stats import (
+from engine_sidecar.contract.listen import parse_listen
+from engine_sidecar.contract.names import (
     ADMIN_PORT,
+    ENGINE_KEY_ENV,
+    ENGINE_KEY_FILE_ENV,
     ENGINE_NAME_ENV,
     POLICY_PATH_ENV,
     STATS_PATH_ENV,
     STATUS_ROUTE,
 )
+from engine_sidecar.gateway.engine_auth import load_engine_key
+from engine_sidecar.gateway.request_body import BODY_BYTES_PER_TOKEN
+from engine_sidecar.plugin import preflight
 
 PACKAGE_DIR = Path(__file__).resolve().parent
+# What runs inside vLLM, and all install-plugin copies: not the gateway, not this CLI.
+PLUGIN_PARTS = ("__init__.py", "contract", "plugin")
 
 
 def register(subparsers: Any) -> None:
@@ -54,7 +59,7 @@ def register(subparsers: Any) -> None:
     sidecar.add_argument("--engine-api-key-file", type=Path, metavar="PATH",
                          help="file holding vLLM's API key (its --api-key), sent to vLLM "
                               "instead of the client's credentials (default: "
-                              f"${KEY_FILE_ENV}, else ${KEY_ENV}; none: no key)")
+                              f"${ENGINE_KEY_FILE_ENV}, else ${ENGINE_KEY_ENV}; none: no key)")
     source = sidecar.add_mutually_exclusive_group(required=True)
     source.add_argument("--policy-file", type=Path, metavar="PATH",
                         help="poll this EnginePolicy JSON file")
@@ -117,7 +122,7 @@ def register(subparsers: Any) -> None:
             "Copies the engine_sidecar package (scheduler plugin and its policy/stats "
             "contract) into DIR/engine_sidecar, replacing an older copy atomically. Mount "
             "DIR into the vLLM container and add it to PYTHONPATH, then start vLLM with "
-            "--scheduler-cls engine_sidecar.scheduler.TenantAwareScheduler. With --check, "
+            "--scheduler-cls engine_sidecar.plugin.scheduler.TenantAwareScheduler. With --check, "
             "the pre-flight check then steps vLLM's real scheduler with that copy through "
             "admit, preempt, lease and finish on the vLLM found here (no model, no GPU); "
             f"inside a vLLM image without kvquota, run `python -m {preflight.__name__}`."
@@ -130,13 +135,6 @@ def register(subparsers: Any) -> None:
                          help="run the pre-flight check (exit 1 naming what this vLLM "
                               "lacks)")
     install.set_defaults(func=_run_install_plugin)
-
-
-def parse_listen(value: str, flag: str = "--listen") -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        raise SystemExit(f"{flag} must be HOST:PORT, got {value!r}")
-    return host.strip("[]") or "0.0.0.0", int(port)
 
 
 def check_server_flags(args: argparse.Namespace) -> tuple[tuple[str, int], tuple[str, int]]:
@@ -242,13 +240,20 @@ def _run_sidecar(args: argparse.Namespace) -> int:
 
 
 def install_plugin(target: Path) -> Path:
-    """Copy the package into target/engine_sidecar, replacing any older copy."""
+    """Copy the plugin (`PLUGIN_PARTS` of the package) into target/engine_sidecar,
+    replacing any older copy."""
     target.mkdir(parents=True, exist_ok=True)
     final = target / PACKAGE_DIR.name
     staging = Path(tempfile.mkdtemp(dir=target, prefix=".engine_sidecar."))
     try:
-        shutil.copytree(PACKAGE_DIR, staging / PACKAGE_DIR.name,
-                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        package = staging / PACKAGE_DIR.name
+        package.mkdir()
+        for part in PLUGIN_PARTS:
+            if (PACKAGE_DIR / part).is_dir():
+                shutil.copytree(PACKAGE_DIR / part, package / part,
+                                ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+            else:
+                shutil.copy2(PACKAGE_DIR / part, package / part)
         old = target / f".{PACKAGE_DIR.name}.old"
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)

@@ -17,9 +17,11 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from engine_sidecar.contract import files
+from engine_sidecar.contract.files import write_atomically
+from engine_sidecar.contract.policy import EnginePolicy, Isolation
 from engine_sidecar.gateway.auth import Authenticator, KeyFileError
 from engine_sidecar.gateway.secret_bytes import secret_bytes
-from engine_sidecar.policy import EnginePolicy, Isolation, write_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +44,11 @@ class ActivePolicy:
         return self.policy.version or self.policy.content_hash()
 
 
-def _secret_fingerprint(path: Path) -> tuple[int, int] | None:
+def _secret_fingerprint(path: Path) -> files.Signature | None:
     try:
-        st = path.stat()
+        return files.signature(path)
     except OSError:
         return None
-    return (st.st_mtime_ns, st.st_size)
 
 
 def cache_salt(secret: bytes, tenant_id: str) -> str:
@@ -116,7 +117,7 @@ class PolicyHolder:
         self._last_raw: bytes | None = None
         self._latest: EnginePolicy | None = None  # last well-formed policy offered
         self._offered: EnginePolicy | None = None  # the active one, as offered
-        self._secret_prints: dict[Path, tuple[int, int] | None] = {}
+        self._secret_prints: dict[Path, files.Signature | None] = {}
 
     def offer(self, raw: str | bytes, origin: str) -> bool:
         """Try a policy document; True if it is now the active one."""
@@ -154,7 +155,7 @@ class PolicyHolder:
         elif self._offered is not None:
             self._activate(self._offered, "secrets")
 
-    def _fingerprints(self) -> dict[Path, tuple[int, int] | None]:
+    def _fingerprints(self) -> dict[Path, files.Signature | None]:
         if self.secrets_dir is None:
             return {}
         names = {CACHE_SALT_FILE}

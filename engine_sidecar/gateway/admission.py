@@ -37,18 +37,13 @@ from collections.abc import Collection, Container, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
+from engine_sidecar.contract.names import UNCLASSIFIED
+from engine_sidecar.contract.policy import EnginePolicy, TenantPolicy
+from engine_sidecar.contract.reclaim import Band, Holding, reclaimable_blocks, requester_band
+from engine_sidecar.contract.stats import EngineStats, TenantEngineStats
 from engine_sidecar.gateway import errors
 from engine_sidecar.gateway.errors import ApiError
 from engine_sidecar.gateway.ledger import Ledger
-from engine_sidecar.policy import EnginePolicy, TenantPolicy
-from engine_sidecar.stats import EngineStats, TenantEngineStats
-from engine_sidecar.tenant_policy import (
-    UNCLASSIFIED,
-    Band,
-    Holding,
-    reclaimable_blocks,
-    requester_band,
-)
 
 
 class Decision(StrEnum):

@@ -47,6 +47,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from engine_sidecar.contract.policy import EnginePolicy
+from engine_sidecar.contract.stats import EngineStats
 from engine_sidecar.gateway import errors
 from engine_sidecar.gateway.admission import (
     Decision,
@@ -63,8 +65,6 @@ from engine_sidecar.gateway.admission import (
 from engine_sidecar.gateway.errors import ApiError
 from engine_sidecar.gateway.ledger import Ledger, Reservation
 from engine_sidecar.gateway.output_estimate import OutputEstimates
-from engine_sidecar.policy import EnginePolicy
-from engine_sidecar.stats import EngineStats
 
 RATE_SAMPLES = 32  # admissions per tenant the drain rate is measured over
 RATE_WINDOW_S = 60.0  # older admissions say nothing about the current drain rate

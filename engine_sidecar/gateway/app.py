@@ -34,7 +34,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from engine_sidecar.frozen_heap import freeze_startup_objects
+from engine_sidecar.contract.names import STATUS_ROUTE
 from engine_sidecar.gateway import errors, tracing
 from engine_sidecar.gateway.active_policy import ActivePolicy, PolicyHolder
 from engine_sidecar.gateway.admission import (
@@ -58,6 +58,7 @@ from engine_sidecar.gateway.forward import (
     server_timing,
     wait_for_disconnect,
 )
+from engine_sidecar.gateway.frozen_heap import freeze_startup_objects
 from engine_sidecar.gateway.ledger import Ledger, Reservation
 from engine_sidecar.gateway.metrics import GatewayMetrics, StateSources
 from engine_sidecar.gateway.model_names import engine_name, public_cards
@@ -81,7 +82,6 @@ from engine_sidecar.gateway.request_body import (
 from engine_sidecar.gateway.responses_request import rewrite_responses
 from engine_sidecar.gateway.status import DecisionCounters, build_status, hide_paths
 from engine_sidecar.gateway.tokens import EngineTokenCounter, HfTokenCounter, TokenCounter
-from engine_sidecar.stats import STATUS_ROUTE
 
 logger = logging.getLogger(__name__)
 

@@ -23,6 +23,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
+from engine_sidecar.contract.policy import AuthPolicy, JwtPolicy
 from engine_sidecar.gateway.errors import (
     INVALID_REQUEST,
     UNAUTHENTICATED,
@@ -30,7 +31,6 @@ from engine_sidecar.gateway.errors import (
     ApiError,
 )
 from engine_sidecar.gateway.secret_bytes import secret_bytes
-from engine_sidecar.policy import AuthPolicy, JwtPolicy
 
 logger = logging.getLogger(__name__)
 

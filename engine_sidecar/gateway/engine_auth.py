@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from engine_sidecar.contract.names import ENGINE_KEY_ENV, ENGINE_KEY_FILE_ENV
 from engine_sidecar.gateway import errors
 from engine_sidecar.gateway.errors import ApiError
 from engine_sidecar.gateway.secret_bytes import secret_bytes
@@ -29,8 +30,6 @@ from engine_sidecar.gateway.secret_bytes import secret_bytes
 if TYPE_CHECKING:
     from engine_sidecar.gateway.forward import DataPlane, Upstream, UpstreamResponse
 
-KEY_FILE_ENV = "KVQUOTA_ENGINE_API_KEY_FILE"
-KEY_ENV = "VLLM_API_KEY"
 AUTHORIZATION = b"authorization"
 
 
@@ -54,7 +53,7 @@ def load_engine_key(key_file: Path | None, environ: dict[str, str] | None = None
     """The key from `key_file`, else $KVQUOTA_ENGINE_API_KEY_FILE, else $VLLM_API_KEY;
     None when none is set. Raises SystemExit naming the setting (never the key)."""
     env = os.environ if environ is None else environ
-    path = key_file or (Path(env[KEY_FILE_ENV]) if env.get(KEY_FILE_ENV) else None)
+    path = key_file or (Path(env[ENGINE_KEY_FILE_ENV]) if env.get(ENGINE_KEY_FILE_ENV) else None)
     if path is not None:
         try:
             text = secret_bytes(path.read_bytes()).decode("latin-1")
@@ -62,8 +61,8 @@ def load_engine_key(key_file: Path | None, environ: dict[str, str] | None = None
             raise SystemExit(f"--engine-api-key-file {path}: cannot be read "
                              f"({exc.strerror})") from None
         where = f"--engine-api-key-file {path}"
-    elif env.get(KEY_ENV):
-        text, where = env[KEY_ENV], f"${KEY_ENV}"
+    elif env.get(ENGINE_KEY_ENV):
+        text, where = env[ENGINE_KEY_ENV], f"${ENGINE_KEY_ENV}"
     else:
         return None
     try:

@@ -15,7 +15,9 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from engine_sidecar.stats import STALE_AFTER_S, EngineStats
+from engine_sidecar.contract import files
+from engine_sidecar.contract.names import STALE_AFTER_S
+from engine_sidecar.contract.stats import EngineStats
 
 
 class EngineStatsReader:
@@ -33,7 +35,7 @@ class EngineStatsReader:
         self.clock = clock
         self.error: str | None = None
         self._stats: EngineStats | None = None
-        self._signature: tuple[int, int, int] | None = None
+        self._signature: files.Signature | None = None
         self._checked_at = float("-inf")
 
     def current(self) -> EngineStats | None:
@@ -63,11 +65,12 @@ class EngineStatsReader:
             return self._stats
         self._checked_at = now
         try:
-            st = self.path.stat()
+            signature = files.signature(self.path)
         except OSError:
+            signature = None
+        if signature is None:
             self._stats, self._signature = None, None
             return None
-        signature = (st.st_mtime_ns, st.st_size, st.st_ino)
         if signature == self._signature:
             return self._stats
         try:

@@ -21,11 +21,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from engine_sidecar.contract.stats import EngineStats
 from engine_sidecar.gateway.active_policy import ActivePolicy
 from engine_sidecar.gateway.admission_queue import AdmissionQueue
 from engine_sidecar.gateway.ledger import Ledger
 from engine_sidecar.gateway.output_estimate import ALL_ROUTES
-from engine_sidecar.stats import EngineStats
 
 OTHER = "other"
 UNKNOWN = "unknown"

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from engine_sidecar.contract.names import RESERVED_BLOCKS_ARG, SESSION_ARG, TENANT_ARG
 from engine_sidecar.gateway import chat_messages, json_codec
 from engine_sidecar.gateway.body_checks import (
     INT64,
@@ -41,11 +42,8 @@ from engine_sidecar.gateway.body_checks import (
     string,
     string_or_strings,
 )
-from engine_sidecar.tenant_policy import RESERVED_BLOCKS_ARG, SESSION_ARG, TENANT_ARG
 
 MAX_SESSION_ID_CHARS = 256
-XARG_TENANT = TENANT_ARG  # the plugin's names (`tenant_policy`: one place defines each)
-XARG_SESSION = SESSION_ARG
 # More choices per request would let one request hold many scheduler slots under one
 # concurrency slot; the KV of each is reserved (n times) either way.
 MAX_N = 16
@@ -305,9 +303,9 @@ def tagged(body: dict[str, Any], *, priority: int, tenant_id: str, session: str 
     it was parsed as standard JSON, see `json_codec.dumps`). `reserved_blocks`: what
     admission reserved per sequence, so the plugin can tell a victim that outgrew it."""
     body["priority"] = priority
-    xargs: dict[str, str | int] = {XARG_TENANT: tenant_id}
+    xargs: dict[str, str | int] = {TENANT_ARG: tenant_id}
     if session:
-        xargs[XARG_SESSION] = session
+        xargs[SESSION_ARG] = session
     if reserved_blocks is not None:
         xargs[RESERVED_BLOCKS_ARG] = reserved_blocks
     body["vllm_xargs"] = xargs

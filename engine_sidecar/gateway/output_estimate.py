@@ -38,7 +38,7 @@ from collections import deque
 from collections.abc import Container
 from dataclasses import dataclass, field
 
-from engine_sidecar.policy import EnginePolicy, ReservationMode, TenantPolicy
+from engine_sidecar.contract.policy import EnginePolicy, ReservationMode, TenantPolicy
 
 WINDOW = 64  # latest output lengths kept per tenant and route
 MIN_SAMPLES = 8  # below this the window says too little; the tier default applies

@@ -35,11 +35,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from engine_sidecar.contract.policy import EnginePolicy, Tier
+from engine_sidecar.contract.stats import EngineStats
 from engine_sidecar.gateway.active_policy import ActivePolicy
 from engine_sidecar.gateway.admission import PoolView
 from engine_sidecar.gateway.admission_queue import AdmissionQueue
-from engine_sidecar.policy import EnginePolicy, Tier
-from engine_sidecar.stats import EngineStats
 
 WAITING = "kvquota:num_requests_waiting"
 KV_USAGE = "kvquota:kv_cache_usage_perc"

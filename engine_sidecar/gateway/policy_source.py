@@ -15,11 +15,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from engine_sidecar.contract import files
+from engine_sidecar.contract.names import POLICY_FILE
 from engine_sidecar.gateway.active_policy import PolicyHolder
 
 logger = logging.getLogger(__name__)
 
-CONFIGMAP_KEY = "policy.json"
 
 
 class PolicySource(Protocol):
@@ -38,12 +39,11 @@ class FilePolicySource:
         self.interval = interval
         self.description = f"file {path}"
 
-    def _signature(self) -> tuple[int, int, int] | None:
+    def _signature(self) -> files.Signature | None:
         try:
-            st = self.path.stat()
+            return files.signature(self.path)
         except OSError:
             return None
-        return (st.st_mtime_ns, st.st_size, st.st_ino)
 
     def poll(self, holder: PolicyHolder, last: object) -> object:
         """One check; returns the signature to compare with next time."""
@@ -82,7 +82,7 @@ class ConfigMapPolicySource:
         namespace: str,
         name: str,
         *,
-        key: str = CONFIGMAP_KEY,
+        key: str = POLICY_FILE,
         api_client_factory: Callable[[], Any] | None = None,
         watch_timeout_seconds: int = 300,
         secrets_interval: float = 2.0,

@@ -19,7 +19,7 @@ from engine_sidecar.gateway.errors import ApiError
 if TYPE_CHECKING:
     from starlette.types import Receive, Scope
 
-    from engine_sidecar.policy import TenantPolicy
+    from engine_sidecar.contract.policy import TenantPolicy
 
 # JSON-escaped text (`\uXXXX` per character, surrogate pairs for emoji), long tokens
 # (runs of spaces) and token-id lists all stay well under this per prompt token.

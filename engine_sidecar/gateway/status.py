@@ -13,17 +13,17 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from engine_sidecar.gateway.active_policy import ActivePolicy
-from engine_sidecar.gateway.admission import Decision, PoolView
-from engine_sidecar.gateway.admission_queue import AdmissionQueue
-from engine_sidecar.gateway.ledger import Ledger
-from engine_sidecar.stats import (
+from engine_sidecar.contract.stats import (
     EngineStats,
     SidecarStatus,
     TenantCounters,
     TenantStatus,
     TenantUsage,
 )
+from engine_sidecar.gateway.active_policy import ActivePolicy
+from engine_sidecar.gateway.admission import Decision, PoolView
+from engine_sidecar.gateway.admission_queue import AdmissionQueue
+from engine_sidecar.gateway.ledger import Ledger
 
 # An absolute path: a "/" that starts a word (not inside a URL or a "ns/name").
 _ABSOLUTE_PATH = re.compile(r"(?<![\w.:/~-])/(?:[^\s/'\"(),;:]+/)*([^\s/'\"(),;:]+)")

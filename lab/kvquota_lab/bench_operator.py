@@ -72,7 +72,7 @@ def _quota(i: int, guaranteed: int, pool: str = POOL) -> dict[str, Any]:
 
 
 def bench_render(tenants: int, repeats: int) -> list[float]:
-    from engine_sidecar.policy import write_atomically
+    from engine_sidecar.contract.files import write_atomically
     from kvquota.plan import plan_pool
     from kvquota.render import build_configmap
 
@@ -117,7 +117,8 @@ async def bench_operator_process(tenants: int, changes: int, rss_tenants: int,
                                  workdir: Path) -> ProcessResult:
     import aiohttp
 
-    from kvquota.render import HASH_ANNOTATION, POLICY_KEY, configmap_name
+    from engine_sidecar.contract.names import POLICY_FILE
+    from kvquota.render import HASH_ANNOTATION, configmap_name
     from kvquota_lab.emulator import serve
     from kvquota_lab.emulator_process import OperatorProcess
 
@@ -136,7 +137,7 @@ async def bench_operator_process(tenants: int, changes: int, rss_tenants: int,
                 current = cm and cm["metadata"].get("annotations", {}).get(HASH_ANNOTATION)
                 if cm and current != last_hash:
                     last_hash = current
-                    policy = json.loads(cm["data"][POLICY_KEY])
+                    policy = json.loads(cm["data"][POLICY_FILE])
                     if check(policy):
                         return dict(policy)
                 await asyncio.sleep(0.002)

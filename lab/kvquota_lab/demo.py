@@ -29,9 +29,9 @@ from typing import Any
 
 import yaml
 
-from engine_sidecar.frozen_heap import freeze_startup_objects
-from engine_sidecar.policy import EnginePolicy
-from engine_sidecar.stats import STATS_PATH_ENV
+from engine_sidecar.contract.names import STATS_PATH_ENV
+from engine_sidecar.contract.policy import EnginePolicy
+from engine_sidecar.gateway.frozen_heap import freeze_startup_objects
 from kvquota.extras import require
 from kvquota.paths import copy_samples, user_cache
 from kvquota_lab.engine_state import QuotaGauge, StockGauge

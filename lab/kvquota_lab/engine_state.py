@@ -29,8 +29,9 @@ from typing import Any, Protocol
 
 import httpx
 
-from engine_sidecar.policy import EnginePolicy
-from engine_sidecar.stats import STATUS_ROUTE, EngineStats, SidecarStatus
+from engine_sidecar.contract.names import STATUS_ROUTE
+from engine_sidecar.contract.policy import EnginePolicy
+from engine_sidecar.contract.stats import EngineStats, SidecarStatus
 
 # A request waits for KV only when the free blocks cannot take its next chunk. Below 90%
 # usage there is room for two burst requests (31 blocks each of 640), so a request

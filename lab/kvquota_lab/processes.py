@@ -19,9 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from engine_sidecar.stats import POLICY_PATH_ENV, STATS_PATH_ENV
-
-PLUGIN_CLASS = "engine_sidecar.scheduler.TenantAwareScheduler"
+from engine_sidecar.contract.names import PLUGIN_CLASS, POLICY_PATH_ENV, STATS_PATH_ENV
 
 
 def free_port() -> int:

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from engine_sidecar.preflight import TINY_LLAMA_CONFIG
+from engine_sidecar.plugin.preflight import TINY_LLAMA_CONFIG
 
 GENERATOR_VERSION = "1"
 VOCAB_SIZE = 2048

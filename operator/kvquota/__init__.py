@@ -1,9 +1,7 @@
-"""KVQuota: the operator, the `kvquota` CLI and the tools around it.
+"""KVQuota: the operator and the `kvquota` CLI.
 
-Imports `engine_sidecar` (the engine contract), never the reverse.
+Imports `engine_sidecar.contract` (the API version and every cross-process name, the
+EnginePolicy it renders), never the reverse.
 """
 
 __version__ = "0.1.0"
-GROUP = "kvquota.dev"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"

@@ -13,7 +13,8 @@ from typing import Annotated, Any, Literal, NamedTuple
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 from pydantic.alias_generators import to_camel
 
-from engine_sidecar.policy import (
+from engine_sidecar.contract.names import API_VERSION, ApiVersion
+from engine_sidecar.contract.policy import (
     MAX_TOKEN_LIFETIME_SECONDS,
     TENANT_ID_PATTERN,
     Isolation,
@@ -733,7 +734,7 @@ class ObjectMeta(BaseModel):
 
 
 class InferencePool(_Model):
-    api_version: Literal["kvquota.dev/v1alpha1"] = "kvquota.dev/v1alpha1"
+    api_version: ApiVersion = API_VERSION
     kind: Literal["InferencePool"] = "InferencePool"
     metadata: ObjectMeta
     spec: InferencePoolSpec
@@ -741,7 +742,7 @@ class InferencePool(_Model):
 
 
 class TenantQuota(_Model):
-    api_version: Literal["kvquota.dev/v1alpha1"] = "kvquota.dev/v1alpha1"
+    api_version: ApiVersion = API_VERSION
     kind: Literal["TenantQuota"] = "TenantQuota"
     metadata: ObjectMeta
     spec: TenantQuotaSpec

@@ -4,9 +4,10 @@ Each subcommand lives in its own module exposing `register(subparsers)`, which a
 parser whose `func(args) -> int` runs it. Modules keep heavy imports inside `func` so
 `kvquota --help` stays fast.
 
-The product's commands come first. The lab's (`kvquota_lab`: demo, bench, tiny model)
-are listed only where the lab is installed; elsewhere (the images) each of them is a
-stub that says how to install it.
+Each image holds only its own commands: a command whose module is not there is not
+listed (the sidecar image has no `operator`). The lab's commands (`kvquota_lab`: demo,
+bench, tiny model), and any command whose extra's dependencies are missing, are listed
+as stubs that say which extra to install.
 """
 
 from __future__ import annotations
@@ -15,36 +16,37 @@ import argparse
 import importlib
 import sys
 
-from kvquota import API_VERSION, __version__
-from kvquota.extras import MissingExtra, lab_installed, missing_extra
+from engine_sidecar.contract.names import API_VERSION
+from kvquota import __version__
+from kvquota.extras import MissingExtra, missing_extra
 
-# (module, ...) in the order `--help` lists them. An image holds only some of them.
-COMMAND_MODULES = (
-    "kvquota.run_operator",
-    "kvquota.inject.cli",
-    "engine_sidecar.cli",
-    "kvquota.crdgen",
-)
-# command -> its lab module.
-LAB_COMMANDS = {
-    "demo": "kvquota_lab.demo",
-    "bench": "kvquota_lab.bench.cli",
-    "tiny-model": "kvquota_lab.tinymodel",
+# command -> (the module that registers it, the extra its dependencies come from), in
+# the order `--help` lists them.
+COMMANDS = {
+    "operator": ("kvquota.run_operator", "operator"),
+    "inject": ("kvquota.inject.cli", "operator"),
+    "sidecar": ("engine_sidecar.cli", "sidecar"),
+    "install-plugin": ("engine_sidecar.cli", "sidecar"),
+    "crds": ("kvquota.crdgen", ""),
+    "demo": ("kvquota_lab.demo", "lab"),
+    "bench": ("kvquota_lab.bench.cli", "lab"),
+    "tiny-model": ("kvquota_lab.tinymodel", "lab"),
 }
 
 
-def _lab_missing(command: str) -> MissingExtra:
-    return MissingExtra(f"kvquota {command}", "lab", ["kvquota_lab"])
-
-
-def _register_lab(subparsers: argparse._SubParsersAction) -> None:
-    if lab_installed():
-        for name in LAB_COMMANDS.values():
-            importlib.import_module(name).register(subparsers)
-        return
-    for command in LAB_COMMANDS:
-        # Listed in --help only: `main` answers these before parsing their arguments.
-        subparsers.add_parser(command, help="(lab; not installed)", add_help=False)
+def _unavailable(command: str, error: ModuleNotFoundError) -> MissingExtra | None:
+    """Why `command` cannot run here: None when its module is simply not part of this
+    installation (an image holds only its own commands), else the extra to install."""
+    module, extra = COMMANDS[command]
+    missing = error.name or ""
+    if (module == missing or module.startswith(missing + ".")) and extra != "lab":
+        return None
+    named = missing_extra(f"kvquota {command}", error)  # vLLM, say: not the command's
+    if named is not None and named.extra != extra and named.extra in ("engine", "lab"):
+        return named
+    if not extra:
+        raise error
+    return MissingExtra(f"kvquota {command}", extra, [missing.split(".")[0]])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,28 +56,37 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version",
                         version=f"kvquota {__version__} (API {API_VERSION})")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMAND_MODULES:
+    unavailable: dict[str, MissingExtra] = {}
+    for module_name in dict.fromkeys(module for module, _ in COMMANDS.values()):
         try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if not exc.name or not name.startswith(exc.name):  # a real missing dependency
-                raise
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as error:
+            for command in (c for c, (m, _) in COMMANDS.items() if m == module_name):
+                reason = _unavailable(command, error)
+                if reason is None:
+                    continue
+                # Listed only: `main` answers these before parsing their arguments.
+                subparsers.add_parser(command, add_help=False,
+                                      help=f"(needs the '{reason.extra}' extra)")
+                unavailable[command] = reason
             continue
         module.register(subparsers)
-    _register_lab(subparsers)
+    parser.set_defaults(unavailable=unavailable)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in LAB_COMMANDS and not lab_installed():
-        print(f"error: {_lab_missing(argv[0])}", file=sys.stderr)
+    parser = build_parser()
+    unavailable = parser.get_default("unavailable")
+    if argv and argv[0] in unavailable:
+        print(f"error: {unavailable[argv[0]]}", file=sys.stderr)
         return 2
-    args = build_parser().parse_args(argv)
+    args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except ModuleNotFoundError as error:  # an extra's module, imported late
-        missing = missing_extra(f"kvquota {args.command}", error)
+        missing = _unavailable(args.command, error)
         if missing is None:
             raise
         print(f"error: {missing}", file=sys.stderr)

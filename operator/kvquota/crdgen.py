@@ -17,8 +17,8 @@ import yaml
 from pydantic import BaseModel
 from pydantic.json_schema import GenerateJsonSchema
 
-from engine_sidecar.policy import TENANT_ID_PATTERN
-from kvquota import GROUP, VERSION
+from engine_sidecar.contract.names import GROUP, VERSION
+from engine_sidecar.contract.policy import TENANT_ID_PATTERN
 from kvquota.api import (
     InferencePoolSpec,
     InferencePoolStatus,

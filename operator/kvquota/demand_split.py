@@ -17,8 +17,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from engine_sidecar.policy import EnginePolicy, EngineShare, TenantPolicy
-from engine_sidecar.stats import SidecarStatus
+from engine_sidecar.contract.policy import EnginePolicy, EngineShare, TenantPolicy
+from engine_sidecar.contract.stats import SidecarStatus
 from kvquota.rebalance import (
     EngineDemand,
     EngineSplit,

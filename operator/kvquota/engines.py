@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from engine_sidecar.stats import ADMIN_PORT, ADMIN_PORT_NAME, STATUS_ROUTE, SidecarStatus
-from kvquota import GROUP
+from engine_sidecar.contract.names import ADMIN_PORT, ADMIN_PORT_NAME, GROUP, STATUS_ROUTE
+from engine_sidecar.contract.stats import SidecarStatus
 from kvquota.api import LabelSelector
 from kvquota.usage import EngineObservation
 

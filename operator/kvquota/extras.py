@@ -16,7 +16,14 @@ EXTRA_OF_MODULE: dict[str, str] = {
     "torch": "engine",
     "tokenizers": "engine",
     "safetensors": "engine",
-    "transformers": "sidecar",
+    "transformers": "tokenizer",
+    "starlette": "sidecar",
+    "uvicorn": "sidecar",
+    "msgspec": "sidecar",
+    "jwt": "sidecar",
+    "kopf": "operator",
+    "celpy": "operator",
+
     "matplotlib": "lab",
     "kmock": "lab",
     "kvquota_lab": "lab",
@@ -44,11 +51,6 @@ def _installed(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
         return False
-
-
-def lab_installed() -> bool:
-    """Whether the lab package (`kvquota_lab`: demo, bench, tiny model) is importable."""
-    return _installed("kvquota_lab")
 
 
 def require(command: str, *modules: str) -> None:

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvquota import GROUP, VERSION
+from engine_sidecar.contract.names import GROUP, VERSION
 
 if TYPE_CHECKING:
     import kubernetes.client

@@ -39,8 +39,8 @@ from typing import Any, TextIO
 
 import yaml
 
-from engine_sidecar.policy import write_atomically
-from kvquota import API_VERSION
+from engine_sidecar.contract.files import write_atomically
+from engine_sidecar.contract.names import API_VERSION
 from kvquota.conditions import find
 from kvquota.paths import user_cache
 from kvquota.plan import PoolPlan, plan_pool

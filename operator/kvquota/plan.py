@@ -16,7 +16,7 @@ from typing import Any, TypeVar, cast
 
 from pydantic import ValidationError
 
-from engine_sidecar.policy import EnginePolicy, TenantPolicy, Tier
+from engine_sidecar.contract.policy import EnginePolicy, TenantPolicy, Tier
 from kvquota.api import (
     EffectiveSettings,
     InferencePoolSpec,

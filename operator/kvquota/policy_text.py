@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
-from engine_sidecar.policy import EnginePolicy, EngineShare, TenantPolicy, version_of
+from engine_sidecar.contract.policy import EnginePolicy, EngineShare, TenantPolicy, version_of
 
 _CANONICAL: dict[str, Any] = {"sort_keys": True, "separators": (",", ":")}
 _ENTRIES = TypeAdapter(dict[str, TenantPolicy])

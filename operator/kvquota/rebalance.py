@@ -48,7 +48,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from engine_sidecar.stats import SidecarStatus
+from engine_sidecar.contract.stats import SidecarStatus
 from kvquota.capacity import split_quota
 
 

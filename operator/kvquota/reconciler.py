@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 from pydantic import ValidationError
 
-from engine_sidecar.policy import EnginePolicy
+from engine_sidecar.contract.names import POLICY_FILE
+from engine_sidecar.contract.policy import EnginePolicy
 from kvquota import metrics
 from kvquota.api import InferencePoolSpec, LabelSelector
 from kvquota.conditions import Want
@@ -34,7 +35,7 @@ from kvquota.demand_split import PoolSplit, moved_tenants_split
 from kvquota.engines import gateway_selector
 from kvquota.plan import ObjKey, PlanMemo, PoolPlan, TenantPlan, plan_pool
 from kvquota.policy_text import RenderedPolicy
-from kvquota.render import HASH_ANNOTATION, POLICY_KEY, build_configmap, configmap_name
+from kvquota.render import HASH_ANNOTATION, build_configmap, configmap_name
 from kvquota.status import (
     POOL_FIELDS,
     TENANT_FIELDS,
@@ -391,7 +392,7 @@ class PoolReconciler:
         return bool(
             (meta.get("annotations") or {}).get(HASH_ANNOTATION)
             == desired["metadata"]["annotations"][HASH_ANNOTATION]
-            and (current.get("data") or {}).get(POLICY_KEY) == desired["data"][POLICY_KEY]
+            and (current.get("data") or {}).get(POLICY_FILE) == desired["data"][POLICY_FILE]
             and meta.get("ownerReferences") == desired["metadata"].get("ownerReferences")
         )
 
@@ -403,7 +404,7 @@ class PoolReconciler:
         if not version or history.carries_version(version):
             return
         try:
-            history.record(EnginePolicy.from_json((current.get("data") or {}).get(POLICY_KEY, "")))
+            history.record(EnginePolicy.from_json((current.get("data") or {}).get(POLICY_FILE, "")))
         except ValueError:
             logger.warning("ConfigMap of pool %s holds an unreadable policy", version)
 

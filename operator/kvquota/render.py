@@ -10,7 +10,14 @@ import hashlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from engine_sidecar.policy import (
+from engine_sidecar.contract.names import (
+    API_VERSION,
+    GROUP,
+    POLICY_CONFIGMAP_SUFFIX,
+    POLICY_FILE,
+    POOL_LABEL,
+)
+from engine_sidecar.contract.policy import (
     AnonymousPolicy,
     AuthPolicy,
     EnginePolicy,
@@ -20,27 +27,24 @@ from engine_sidecar.policy import (
     TenantPolicy,
     Tier,
 )
-from kvquota import API_VERSION, GROUP
 from kvquota.api import AuthSpec, InferencePoolSpec
 from kvquota.policy_text import RenderedPolicy, RenderedTenant, compose, render_tenant
 from kvquota.policy_text import tenant_digest as tenant_digest  # re-exported
 
-POLICY_KEY = "policy.json"
 HASH_ANNOTATION = f"{GROUP}/policy-hash"
-POOL_LABEL = f"{GROUP}/pool"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kvquota", "app.kubernetes.io/component": "policy"}
-_SUFFIX = "-kvquota-policy"
 _MAX_NAME = 253
 
 
 def configmap_name(pool_name: str) -> str:
     """`<pool>-kvquota-policy`; a pool name near the 253-character limit is shortened
     with a hash so two long names never collide."""
-    name = pool_name + _SUFFIX
+    name = pool_name + POLICY_CONFIGMAP_SUFFIX
     if len(name) <= _MAX_NAME:
         return name
     digest = hashlib.sha256(pool_name.encode()).hexdigest()[:8]
-    return f"{pool_name[: _MAX_NAME - len(_SUFFIX) - 9]}-{digest}{_SUFFIX}"
+    suffix = POLICY_CONFIGMAP_SUFFIX
+    return f"{pool_name[: _MAX_NAME - len(suffix) - 9]}-{digest}{suffix}"
 
 
 def render_auth(auth: AuthSpec) -> AuthPolicy:
@@ -137,5 +141,5 @@ def build_configmap(
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": metadata,
-        "data": {POLICY_KEY: text + "\n"},
+        "data": {POLICY_FILE: text + "\n"},
     }

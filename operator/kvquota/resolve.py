@@ -9,7 +9,7 @@ a default above it (the engine would refuse the policy).
 
 from __future__ import annotations
 
-from engine_sidecar.policy import LeasePolicy, TenantPolicy, Tier
+from engine_sidecar.contract.policy import LeasePolicy, TenantPolicy, Tier
 from kvquota.api import (
     TIER_DEFAULTS,
     EffectiveSettings,

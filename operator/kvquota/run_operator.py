@@ -34,7 +34,7 @@ import argparse
 import logging
 from typing import TYPE_CHECKING
 
-from kvquota import GROUP
+from engine_sidecar.contract.names import GROUP
 
 if TYPE_CHECKING:
     import kopf
@@ -179,7 +179,7 @@ def main(args: argparse.Namespace) -> int:
 def webhook_config(args: argparse.Namespace) -> WebhookConfig:
     from pathlib import Path
 
-    from engine_sidecar.cli import parse_listen
+    from engine_sidecar.contract.listen import parse_listen
     from kvquota.inject.pod import InjectionOptions
     from kvquota.inject.webhook import WebhookConfig
 

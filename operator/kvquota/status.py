@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from engine_sidecar.policy import Tier
-from engine_sidecar.stats import TenantStatus
+from engine_sidecar.contract.policy import Tier
+from engine_sidecar.contract.stats import TenantStatus
 from kvquota.api import MAX_STATUS_ENGINES, Counters, Usage
 from kvquota.conditions import Want, find, merge_conditions, timestamp
 from kvquota.demand_split import tenant_engine_split

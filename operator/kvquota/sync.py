@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 
-from engine_sidecar.policy import EnginePolicy
+from engine_sidecar.contract.policy import EnginePolicy
 from kvquota.render import tenant_digest
 
 

@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from engine_sidecar.stats import SidecarStatus, TenantCounters, TenantStatus, TenantUsage
+from engine_sidecar.contract.stats import SidecarStatus, TenantCounters, TenantStatus, TenantUsage
 
 
 @dataclass(frozen=True)

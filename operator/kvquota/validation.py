@@ -15,7 +15,7 @@ from typing import Any
 
 import celpy
 
-from kvquota import API_VERSION, GROUP, VERSION
+from engine_sidecar.contract.names import API_VERSION, GROUP, VERSION
 from kvquota.crdgen import KINDS, load_crd_schema
 
 _TYPES: dict[str, tuple[type, ...]] = {

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from engine_sidecar.policy import write_atomically
+from engine_sidecar.contract.files import write_atomically
 from kvquota_lab.bench.engine_backend import REQUESTS_FILE, RunningEngine, run_engine_policy
 from kvquota_lab.bench.metrics import summarize
 from kvquota_lab.bench.scenario import generate_sessions, parse_scenario

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from engine_sidecar.stats import EngineStats, TenantEngineStats
+from engine_sidecar.contract.stats import EngineStats, TenantEngineStats
 from kvquota_lab.bench.occupancy import Occupancy, TenantLimits
 from kvquota_lab.bench.plugin_counts import outgrown_by_tier
 from kvquota_lab.bench.report import format_table

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from engine_sidecar.policy import Tier
+from engine_sidecar.contract.policy import Tier
 from kvquota_lab.bench.scenario import (
     ScenarioError,
     generate_sessions,

@@ -84,7 +84,8 @@ def test_victim_order_variants_run_as_extra_policies(tiny_scenario: Path) -> Non
 def test_a_victim_order_variant_changes_who_is_preempted(
     tiny_model: Path, tmp_path: Path, variant: str | None, first_victim: str
 ) -> None:
-    from engine_sidecar.policy import EnginePolicy, TenantPolicy, write_atomically
+    from engine_sidecar.contract.files import write_atomically
+    from engine_sidecar.contract.policy import EnginePolicy, TenantPolicy
     from kvquota_lab.bench.variants import apply_victim_order
     from kvquota_lab.twin.harness import SchedulerHarness, TwinConfig
 

@@ -5,7 +5,7 @@
     python tests/conformance/prepare.py tests 0.34.0  # one release's own test suite
 
 What is fetched follows the one list of verified releases,
-`engine_sidecar.vllm_compat.VERIFIED_VLLM`, each with its pinned sha256; everything
+`engine_sidecar.plugin.vllm_compat.VERIFIED_VLLM`, each with its pinned sha256; everything
 comes through pip (`--require-hashes`), which refuses a file that does not match:
 - `site`: for each release with a wheel hash (those without a CPU build, whose
   scheduler is pure Python and runs beside the installed torch), the wheel, unpacked
@@ -47,7 +47,7 @@ _NATIVE_NAMES = ("vllm/vllm-rs",)
 def verified_releases() -> dict[str, tuple[str | None, str | None]]:
     """version -> (wheel sha256, source archive sha256), from the plugin's list."""
     sys.path[:0] = [str(REPO)]
-    from engine_sidecar.vllm_compat import VERIFIED_VLLM
+    from engine_sidecar.plugin.vllm_compat import VERIFIED_VLLM
 
     return {version: tuple(release) for version, release in VERIFIED_VLLM.items()}  # type: ignore[misc]
 

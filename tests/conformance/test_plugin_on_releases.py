@@ -2,7 +2,7 @@
 
 `tests/plugin` runs on the installed vLLM (the CPU build, the first verified release)
 with the rest of the suite; this runs it again on each release in
-`engine_sidecar.vllm_compat.VERIFIED_VLLM` that has no CPU build, in a subprocess with
+`engine_sidecar.plugin.vllm_compat.VERIFIED_VLLM` that has no CPU build, in a subprocess with
 that release's pure-Python code first on PYTHONPATH (`prepare.py` unpacks it; `make test`
 runs that). The version gate stays on: each release must pass it as it is.
 """
@@ -24,7 +24,8 @@ def test_plugin_scheduler_tests_pass_on_release(version: str) -> None:
         pytest.skip(f"no vLLM {version} at {site}: python tests/conformance/prepare.py")
     env = dict(
         os.environ,
-        PYTHONPATH=os.pathsep.join([str(site), str(REPO), str(REPO / "operator")]),
+        PYTHONPATH=os.pathsep.join(
+            [str(site), str(REPO), str(REPO / "operator"), str(REPO / "lab")]),
     )
     env.pop("KVQUOTA_ALLOW_UNSUPPORTED_VLLM", None)
     probe = subprocess.run(

@@ -36,7 +36,8 @@ def _run_suite(version: str, scheduler: str, junit: Path) -> subprocess.Popen[by
         os.environ,
         KVQUOTA_CONFORMANCE_SCHEDULER=scheduler,
         PYTHONPATH=os.pathsep.join(
-            [*([str(site)] if unpacked else []), str(HERE), str(REPO), str(REPO / "operator")]
+            [*([str(site)] if unpacked else []), str(HERE), str(REPO), str(REPO / "operator"),
+             str(REPO / "lab")]
         ),
         HF_HUB_OFFLINE="1",
         HF_HUB_CACHE=str(HF_HUB_DIR),

@@ -65,7 +65,7 @@ def _swap() -> None:
     import vllm.v1.core.sched.async_scheduler as async_module
     import vllm.v1.core.sched.scheduler as scheduler_module
 
-    from engine_sidecar.scheduler import AsyncTenantAwareScheduler, TenantAwareScheduler
+    from engine_sidecar.plugin.scheduler import AsyncTenantAwareScheduler, TenantAwareScheduler
 
     scheduler_module.Scheduler = TenantAwareScheduler  # type: ignore[misc]
     async_module.AsyncScheduler = AsyncTenantAwareScheduler  # type: ignore[misc]

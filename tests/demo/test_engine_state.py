@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine_sidecar.policy import EnginePolicy, TenantPolicy, Tier
+from engine_sidecar.contract.policy import EnginePolicy, TenantPolicy, Tier
 from kvquota_lab.engine_state import QuotaGauge, StockGauge, parse_vllm_metrics
 
 ENGINE, SIDECAR = "http://engine", "http://sidecar"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import subprocess
 import sys
@@ -51,7 +52,7 @@ def test_without_the_lab_its_commands_say_how_to_install_it() -> None:
         assert "pip install 'kvquota[lab]'" in out.stderr
     listing = subprocess.run([sys.executable, "-c", hide_lab + "main(['--help'])"],
                              capture_output=True, text=True, cwd=REPO)
-    assert "demo          (lab; not installed)" in listing.stdout
+    assert "demo          (needs the 'lab' extra)" in listing.stdout
     assert "operator" in listing.stdout
 
 
@@ -83,3 +84,50 @@ def test_tiny_model_tokenizer_has_a_chat_template(tiny_model: Path) -> None:
     text = tokenizer.decode(ids if isinstance(ids, list) else ids["input_ids"])
     assert text.startswith("<|user|>premium tenant asks</s>")
     assert text.endswith("<|assistant|>")
+
+
+# part -> the parts it may import (anywhere in a module, inside functions too).
+LAYERS = {
+    "engine_sidecar.contract": {"engine_sidecar.contract"},
+    "engine_sidecar.plugin": {"engine_sidecar.contract", "engine_sidecar.plugin"},
+    "engine_sidecar.gateway": {"engine_sidecar.contract", "engine_sidecar.gateway"},
+    "engine_sidecar.cli": {"engine_sidecar.contract", "engine_sidecar.gateway",
+                           "engine_sidecar.plugin"},
+    "kvquota": {"engine_sidecar.contract", "kvquota"},
+}
+ROOTS = {"engine_sidecar": REPO / "engine_sidecar", "kvquota": REPO / "operator" / "kvquota"}
+
+
+def _product_imports() -> dict[str, set[str]]:
+    """Each product module -> the product modules (and packages) it imports."""
+    found: dict[str, set[str]] = {}
+    for package, root in ROOTS.items():
+        for path in root.rglob("*.py"):
+            parts = [package, *path.relative_to(root).with_suffix("").parts]
+            module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            imports = found.setdefault(module, set())
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    imports |= {a.name for a in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    imports |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return {m: {i for i in imports if i.split(".")[0] in ROOTS | {"kvquota_lab": 0}}
+            for m, imports in found.items()}
+
+
+def _part(module: str) -> str | None:
+    return max((p for p in LAYERS if module == p or module.startswith(p + ".")),
+               key=len, default=None)
+
+
+def test_product_imports_go_one_way() -> None:
+    """The contract imports no other part; the plugin and the gateway only the contract;
+    the operator only the contract of the engine side; nothing imports the lab."""
+    wrong = []
+    for module, imports in _product_imports().items():
+        part = _part(module)
+        for name in imports:
+            target = _part(name)
+            if name.startswith("kvquota_lab") or (target and target not in LAYERS[part or ""]):
+                wrong.append(f"{module} imports {name}")
+    assert wrong == []

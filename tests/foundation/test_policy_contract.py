@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from engine_sidecar.policy import EnginePolicy, TenantPolicy, Tier
+from engine_sidecar.contract.policy import EnginePolicy, TenantPolicy, Tier
 
 
 def _tenant(tenant_id: str = "acme", **overrides: object) -> TenantPolicy:

@@ -135,7 +135,7 @@ def test_the_copied_plugin_is_checked_in_the_engines_image_before_vllm_starts(
     check = _check(after)
     assert check["image"] == vllm["image"]  # the vLLM the engine will run
     assert check["command"] == [VllmCommand.parse(vllm).python(), "-m",
-                                "engine_sidecar.preflight", "--strict"]
+                                "engine_sidecar.plugin.preflight", "--strict"]
     env = {e["name"]: e for e in check["env"]}
     assert env["PYTHONPATH"] == next(e for e in vllm["env"] if e["name"] == "PYTHONPATH")
     assert {"name": "kvquota-python", "mountPath": PLUGIN_DIR,

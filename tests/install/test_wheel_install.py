@@ -1,5 +1,6 @@
-"""`pip install kvquota` as a user gets it: the built wheel in a fresh venv that sees
-only the wheel's declared runtime dependencies (`fresh_install`), none of the extras.
+"""`pip install 'kvquota[operator,sidecar]'` as a user gets it: the built wheel in a
+fresh venv that sees only the wheel's declared runtime dependencies with those two
+extras (`support.fresh_install`), none of the others; and the bare `pip install kvquota`.
 
 The shared test environment has every extra installed, so a missing-extra message can
 only be proved here, where vLLM, matplotlib and the test tools really are absent (the
@@ -14,10 +15,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support.fresh_install import build_wheel, clean_env, fresh_venv
 
 import kvquota
-
-from .fresh_install import build_wheel, clean_env, fresh_venv
 
 Run = Callable[..., subprocess.CompletedProcess[str]]
 
@@ -25,7 +25,7 @@ Run = Callable[..., subprocess.CompletedProcess[str]]
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
     workdir = tmp_path_factory.mktemp("wheel")
-    bin_dir = fresh_venv(workdir, build_wheel(workdir))
+    bin_dir = fresh_venv(workdir, build_wheel(workdir), extras=("operator", "sidecar"))
     home = workdir / "home"
     home.mkdir()
     return bin_dir, clean_env(home)
@@ -123,3 +123,26 @@ def test_plot_without_matplotlib_names_the_lab_extra(run: Run) -> None:
 def test_the_sidecar_starts_its_cli_without_extras(run: Run) -> None:
     out = run("kvquota", "sidecar", "--help")
     assert out.returncode == 0, out.stderr
+
+
+def test_a_bare_install_names_the_extra_each_command_needs(tmp_path: Path) -> None:
+    """`pip install kvquota` holds the contract and `kvquota crds`; the operator's and
+    the sidecar's dependencies come with their extras, and each command says which."""
+    bin_dir = fresh_venv(tmp_path, build_wheel(tmp_path))
+    home = tmp_path / "home"
+    home.mkdir()
+    env = clean_env(home)
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(bin_dir / "kvquota"), *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    crds = run("crds", "--out", "crds")  # no extra needed
+    assert crds.returncode == 0, crds.stderr
+    assert len(list((tmp_path / "crds").glob("*.yaml"))) >= 2
+    for command, extra in ((("operator", "--all-namespaces"), "operator"),
+                           (("sidecar", "--policy-file", "p.json"), "sidecar")):
+        out = run(*command)
+        assert out.returncode == 2, out.stderr
+        assert "Traceback" not in out.stderr
+        assert f"pip install 'kvquota[{extra}]'" in out.stderr

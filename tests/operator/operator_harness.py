@@ -13,9 +13,10 @@ import aiohttp
 import aiohttp.test_utils
 import aiohttp.web
 
-from engine_sidecar.policy import EnginePolicy
-from engine_sidecar.stats import STATUS_ROUTE, SidecarStatus
-from kvquota.render import POLICY_KEY, configmap_name
+from engine_sidecar.contract.names import POLICY_FILE, STATUS_ROUTE
+from engine_sidecar.contract.policy import EnginePolicy
+from engine_sidecar.contract.stats import SidecarStatus
+from kvquota.render import configmap_name
 from kvquota_lab.emulator import ApiServer
 
 T = TypeVar("T")
@@ -104,7 +105,7 @@ class Cluster:
 
     async def policy(self, pool: str, *, namespace: str = "default") -> EnginePolicy | None:
         cm = await self.get("ConfigMap", configmap_name(pool), namespace=namespace)
-        return EnginePolicy.from_json(cm["data"][POLICY_KEY]) if cm else None
+        return EnginePolicy.from_json(cm["data"][POLICY_FILE]) if cm else None
 
     async def wait_for(self, probe: Callable[[], Awaitable[T | None]], what: str,
                        timeout: float = WAIT) -> T:

@@ -9,7 +9,7 @@ from operator_harness import Cluster, FakeEngines
 from operator_objects import pool, quota
 from prometheus_client import REGISTRY
 
-from engine_sidecar.policy import EnginePolicy
+from engine_sidecar.contract.policy import EnginePolicy
 from kvquota_lab.emulator import OperatorRunner
 
 SPLIT = {"namespace": "default", "pool": "demo-pool", "tenant_id": "acme"}

@@ -22,7 +22,8 @@ from operator_harness import Cluster
 from operator_objects import pool, quota
 from test_operator_metrics import samples, value
 
-from kvquota.render import POLICY_KEY, configmap_name
+from engine_sidecar.contract.names import POLICY_FILE
+from kvquota.render import configmap_name
 from kvquota_lab.emulator_process import OperatorProcess
 
 PEERING = "kvquota"  # kvquota.run_operator.PEERING_NAME
@@ -47,7 +48,7 @@ async def policies_written(cluster: Cluster) -> AsyncIterator[list[dict[str, int
                 cm = event.get("object") or {}
                 if event.get("type") == "DELETED" or cm["metadata"]["name"] != CM:
                     continue
-                policy = json.loads(cm["data"][POLICY_KEY])
+                policy = json.loads(cm["data"][POLICY_FILE])
                 tenants = {t: p["guaranteedBlocks"] for t, p in policy["tenants"].items()}
                 if not seen or seen[-1] != tenants:
                     seen.append(tenants)

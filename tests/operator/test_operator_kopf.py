@@ -9,8 +9,9 @@ from typing import Any
 from operator_harness import Cluster, FakeEngines, ManualClock
 from operator_objects import condition, pool, quota
 
-from engine_sidecar.policy import EnginePolicy
-from kvquota.render import HASH_ANNOTATION, POLICY_KEY, configmap_name
+from engine_sidecar.contract.names import POLICY_FILE
+from engine_sidecar.contract.policy import EnginePolicy
+from kvquota.render import HASH_ANNOTATION, configmap_name
 from kvquota.runtime import OperatorConfig
 from kvquota_lab.emulator import OperatorRunner
 
@@ -62,7 +63,7 @@ async def test_create_renders_configmap_owned_by_the_pool(
     assert demo["status"]["policyHash"] == policy.version
     assert demo["status"]["guaranteedBlocks"] == 300
     assert _is(demo, "Oversubscribed", "False")
-    assert POLICY_KEY in cm["data"]
+    assert POLICY_FILE in cm["data"]
 
 
 async def test_operator_bookkeeping_uses_our_prefix_and_blocks_no_quota_deletion(

@@ -19,7 +19,7 @@ import pytest
 import yaml
 from operator_objects import quota
 
-from engine_sidecar.policy import EnginePolicy
+from engine_sidecar.contract.policy import EnginePolicy
 from kvquota import local
 from kvquota.cli import main as kvquota_main
 from kvquota.local import default_output, render, run_local, scan

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_sidecar.stats import SidecarStatus
+from engine_sidecar.contract.stats import SidecarStatus
 from kvquota.rebalance import (
     EngineDemand,
     EngineSplit,

@@ -9,7 +9,7 @@ import pytest
 from operator_objects import pool
 from pydantic import ValidationError
 
-from engine_sidecar.policy import EnginePolicy, ReservationMode, TenantPolicy, Tier
+from engine_sidecar.contract.policy import EnginePolicy, ReservationMode, TenantPolicy, Tier
 from kvquota.api import InferencePoolSpec
 from kvquota.render import (
     HASH_ANNOTATION,

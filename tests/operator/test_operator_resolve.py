@@ -6,7 +6,7 @@ from typing import Any
 
 from operator_objects import pool, quota
 
-from engine_sidecar.policy import Isolation, Tier
+from engine_sidecar.contract.policy import Isolation, Tier
 from kvquota.api import InferencePoolSpec, TenantQuotaSpec
 from kvquota.resolve import effective_settings, tenant_policy, tier_settings
 

@@ -8,8 +8,8 @@ import json
 import pytest
 from operator_objects import pool
 
-from engine_sidecar.policy import EnginePolicy, EngineShare, TenantPolicy, Tier
-from engine_sidecar.stats import SidecarStatus, TenantCounters, TenantStatus, TenantUsage
+from engine_sidecar.contract.policy import EnginePolicy, EngineShare, TenantPolicy, Tier
+from engine_sidecar.contract.stats import SidecarStatus, TenantCounters, TenantStatus, TenantUsage
 from kvquota.api import InferencePoolSpec
 from kvquota.demand_split import PoolSplit, SplitInputs, engine_overrides
 from kvquota.policy_text import render_tenant

@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 from operator_objects import condition, pool, quota
 
-from engine_sidecar.stats import SidecarStatus, TenantCounters, TenantStatus, TenantUsage
+from engine_sidecar.contract.stats import SidecarStatus, TenantCounters, TenantStatus, TenantUsage
 from kvquota.conditions import Want, merge_conditions
 from kvquota.plan import PoolPlan, plan_pool
 from kvquota.status import (

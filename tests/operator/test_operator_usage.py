@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine_sidecar.stats import (
+from engine_sidecar.contract.stats import (
     SidecarStatus,
     TenantCounters,
     TenantStatus,

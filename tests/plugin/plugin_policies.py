@@ -7,8 +7,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from engine_sidecar.policy import EnginePolicy, LeasePolicy, TenantPolicy, write_atomically
-from engine_sidecar.stats import EngineStats
+from engine_sidecar.contract.files import write_atomically
+from engine_sidecar.contract.policy import EnginePolicy, LeasePolicy, TenantPolicy
+from engine_sidecar.contract.stats import EngineStats
 
 TIERS = {"premium": 0, "standard": 1, "free": 2}
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from plugin_policies import engine_policy, tenant, wait_stats, write_policy
 
-from engine_sidecar.policy import write_atomically
+from engine_sidecar.contract.files import write_atomically
 
 pytestmark = pytest.mark.engine
 

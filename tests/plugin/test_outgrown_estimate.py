@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 from plugin_policies import engine_policy, tenant, write_policy
 
-from engine_sidecar.tenant_policy import RESERVED_BLOCKS_ARG, identity_from_extra_args
+from engine_sidecar.contract.names import RESERVED_BLOCKS_ARG
+from engine_sidecar.plugin.tenant_policy import identity_from_extra_args
 
 BLOCK = 16
 

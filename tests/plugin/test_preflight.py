@@ -1,4 +1,4 @@
-"""The pre-flight check (`python -m engine_sidecar.preflight`), as a user runs it.
+"""The pre-flight check (`python -m engine_sidecar.plugin.preflight`), as a user runs it.
 
 It says ok on every verified vLLM release (the installed CPU build here; the others
 from the unpacked copies `tests/conformance/prepare.py` makes, in subprocesses with the
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from engine_sidecar import preflight, vllm_compat
-from engine_sidecar.stats import STATS_PATH_ENV
+from engine_sidecar.contract.names import STATS_PATH_ENV
+from engine_sidecar.plugin import preflight, vllm_compat
 
 REPO = Path(__file__).resolve().parents[2]
 # Where prepare.py unpacks each release: <cache>/vllm-<version>/site.
@@ -52,7 +52,7 @@ def _release_site(version: str) -> Path | None:
 
 
 def _run_check(*code: str, release_site: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """`python -m engine_sidecar.preflight` in a fresh process, after `code` (which
+    """`python -m engine_sidecar.plugin.preflight` in a fresh process, after `code` (which
     may break this vLLM the way a future release might), on `release_site` if given,
     else on this process's vLLM (an unpacked copy stays first on PYTHONPATH)."""
     path = [str(release_site), str(REPO)] if release_site else [
@@ -60,7 +60,7 @@ def _run_check(*code: str, release_site: Path | None = None) -> subprocess.Compl
     run_env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     run_env.pop(vllm_compat.ALLOW_UNSUPPORTED_ENV, None)
     script = "\n".join([*code, "import runpy",
-                        "runpy.run_module('engine_sidecar.preflight', run_name='__main__')"])
+                        "runpy.run_module('engine_sidecar.plugin.preflight', run_name='__main__')"])
     return subprocess.run([sys.executable, "-c", script], cwd=REPO, env=run_env,
                           capture_output=True, text=True, timeout=600)
 

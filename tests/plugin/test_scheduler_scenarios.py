@@ -544,7 +544,7 @@ def test_without_offloading_every_preemption_recomputes(make_harness, policy_pat
 
 
 def test_stats_file_reports_every_tenant(make_harness, policy_path, tokens, tmp_path: Path):
-    from engine_sidecar.stats import EngineStats
+    from engine_sidecar.contract.stats import EngineStats
 
     stats_path = tmp_path / "stats.json"
     policy = engine_policy(tenant("acme", guaranteed=100, lease_seconds=300),

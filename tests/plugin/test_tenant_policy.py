@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 from plugin_policies import engine_policy, tenant, write_policy
 
-from engine_sidecar.policy import EnginePolicy
-from engine_sidecar.policy_watch import PolicyWatcher
-from engine_sidecar.stats import EngineStats, TenantEngineStats
-from engine_sidecar.stats_publisher import LeaseView, StatsPublisher, StatsSnapshot
-from engine_sidecar.tenant_policy import (
+from engine_sidecar.contract.policy import EnginePolicy
+from engine_sidecar.contract.reclaim import Band
+from engine_sidecar.contract.stats import EngineStats, TenantEngineStats
+from engine_sidecar.plugin.policy_watch import PolicyWatcher
+from engine_sidecar.plugin.stats_publisher import LeaseView, StatsPublisher, StatsSnapshot
+from engine_sidecar.plugin.tenant_policy import (
     NO_IDENTITY,
-    Band,
     DegradedEpisodes,
     Identity,
     Lease,

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 from plugin_policies import Tokens, engine_policy, tenant, write_policy
 
-from engine_sidecar import vllm_compat
-from engine_sidecar.vllm_compat import UnsupportedVllmError, check_supported_vllm
+from engine_sidecar.plugin import vllm_compat
+from engine_sidecar.plugin.vllm_compat import UnsupportedVllmError, check_supported_vllm
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from engine_sidecar.contract.policy import EnginePolicy
 from engine_sidecar.gateway.app import Gateway, GatewayConfig
 from engine_sidecar.gateway.openai_request import ParsedRequest
 from engine_sidecar.gateway.policy_source import FilePolicySource
@@ -26,7 +27,6 @@ from engine_sidecar.gateway.tokens import (
     TokenCounter,
     TokenIds,
 )
-from engine_sidecar.policy import EnginePolicy
 
 from .helpers import WAIT, Keys, ServerThread, wait_for, write_policy
 from .stub_engine import StubEngine

@@ -20,8 +20,9 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from starlette.types import ASGIApp
 
+from engine_sidecar.contract.files import write_atomically
+from engine_sidecar.contract.policy import EnginePolicy, TenantPolicy
 from engine_sidecar.gateway.server import ConnectionLimits, server_config
-from engine_sidecar.policy import EnginePolicy, TenantPolicy, write_atomically
 
 ISSUER = "https://idp.example.test"
 AUDIENCE = "kvquota-test"

@@ -3,7 +3,7 @@ port, and nothing either port shows names a path on the server."""
 
 from __future__ import annotations
 
-from engine_sidecar.stats import SidecarStatus
+from engine_sidecar.contract.stats import SidecarStatus
 
 from .conftest import StubFactory
 from .helpers import Keys, http_get, http_post, make_policy, tenant

@@ -7,6 +7,9 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine_sidecar.contract.names import UNCLASSIFIED
+from engine_sidecar.contract.policy import EnginePolicy, TenantPolicy
+from engine_sidecar.contract.stats import EngineStats, TenantEngineStats
 from engine_sidecar.gateway.admission import (
     Decision,
     PoolView,
@@ -18,9 +21,6 @@ from engine_sidecar.gateway.admission import (
 )
 from engine_sidecar.gateway.ledger import Ledger
 from engine_sidecar.gateway.prefix import prompt_fingerprints
-from engine_sidecar.policy import EnginePolicy, TenantPolicy
-from engine_sidecar.stats import EngineStats, TenantEngineStats
-from engine_sidecar.tenant_policy import UNCLASSIFIED
 
 from .helpers import make_policy, tenant
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+from engine_sidecar.contract.policy import TenantPolicy
+from engine_sidecar.contract.stats import EngineStats
 from engine_sidecar.gateway.admission import Decision, RequestShape
 from engine_sidecar.gateway.admission_queue import AdmissionQueue
 from engine_sidecar.gateway.ledger import Ledger
-from engine_sidecar.policy import TenantPolicy
-from engine_sidecar.stats import EngineStats
 
 from .helpers import make_policy, tenant
 

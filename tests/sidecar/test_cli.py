@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -9,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from engine_sidecar.cli import check_server_flags, install_plugin, parse_listen
+from engine_sidecar.cli import check_server_flags, install_plugin
+from engine_sidecar.contract.listen import parse_listen
 from kvquota.cli import build_parser
 
 
@@ -54,15 +56,37 @@ def test_install_plugin_copies_an_importable_package(tmp_path: Path) -> None:
     (first / "stale.py").write_text("")
     installed = install_plugin(target)  # a second run replaces the copy
     assert installed == target / "engine_sidecar"
-    assert (installed / "scheduler.py").is_file() and (installed / "policy.py").is_file()
+    assert (installed / "plugin" / "scheduler.py").is_file()
+    assert (installed / "contract" / "policy.py").is_file()
     assert not (installed / "stale.py").exists()
     assert not list(installed.rglob("__pycache__"))
     env = {**os.environ, "PYTHONPATH": str(target), "PYTHONSAFEPATH": "1"}
     where = subprocess.run(
-        [sys.executable, "-c", "import engine_sidecar.policy as p; print(p.__file__)"],
+        [sys.executable, "-c", "import engine_sidecar.plugin.scheduler as p; print(p.__file__)"],
         env=env, cwd=tmp_path, capture_output=True, text=True, check=False)
     assert where.returncode == 0, where.stderr
     assert where.stdout.strip().startswith(str(installed))
+
+
+def test_install_plugin_writes_the_contract_and_the_plugin_only(tmp_path: Path) -> None:
+    """What goes into the vLLM container: no gateway, no CLI, and nothing in the copy
+    imports a module the copy lacks (or the operator)."""
+    installed = install_plugin(tmp_path)
+    assert sorted(p.name for p in installed.iterdir()) == ["__init__.py", "contract", "plugin"]
+    written = {p.relative_to(installed).with_suffix("").as_posix().replace("/", ".")
+               for p in installed.rglob("*.py")}
+    modules = {"engine_sidecar." + m.removesuffix(".__init__") for m in written} | {
+        "engine_sidecar"}
+    assert not any(".gateway" in m or m.endswith(".cli") for m in modules), modules
+    for path in installed.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                top = name.split(".")[0]
+                assert top not in ("kvquota", "kvquota_lab"), f"{path.name} imports {name}"
+                if top == "engine_sidecar":
+                    assert name in modules, f"{path.name} imports {name}, not in the copy"
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -73,7 +97,9 @@ def _kvquota(*argv: str, cwd: Path, first_on_path: Path | None = None,
              ) -> subprocess.CompletedProcess[str]:
     """The `kvquota` command in a fresh process (it imports vLLM)."""
     path = [str(first_on_path)] if first_on_path else []
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*path, str(REPO), str(REPO / "operator")])}
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join([*path, str(REPO), str(REPO / "operator"),
+                                          str(REPO / "lab")])}
     env.pop("KVQUOTA_ALLOW_UNSUPPORTED_VLLM", None)
     return subprocess.run([sys.executable, "-m", "kvquota.cli", *argv], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=600, check=False)

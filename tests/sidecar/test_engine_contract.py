@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from engine_sidecar.policy import EnginePolicy
-from engine_sidecar.stats import EngineStats, SidecarStatus
+from engine_sidecar.contract.policy import EnginePolicy
+from engine_sidecar.contract.stats import EngineStats, SidecarStatus
 
 from .conftest import Harness
 from .helpers import (

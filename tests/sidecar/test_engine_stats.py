@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from engine_sidecar.contract.names import STALE_AFTER_S
+from engine_sidecar.contract.stats import EngineStats
 from engine_sidecar.gateway.admission import pool_view
 from engine_sidecar.gateway.engine_stats import EngineStatsReader
 from engine_sidecar.gateway.ledger import Ledger
-from engine_sidecar.stats import STALE_AFTER_S, EngineStats
-from engine_sidecar.stats_publisher import StatsPublisher, StatsSnapshot
+from engine_sidecar.plugin.stats_publisher import StatsPublisher, StatsSnapshot
 
 from .helpers import make_policy, tenant
 

@@ -41,7 +41,7 @@ def test_bare_freeze_with_triton_loaded_reports_leaks_at_exit() -> None:
 
 def test_freeze_startup_objects_ends_without_a_leak_report() -> None:
     proc = _run("""
-        from engine_sidecar.frozen_heap import freeze_startup_objects
+        from engine_sidecar.gateway.frozen_heap import freeze_startup_objects
         freeze_startup_objects()
         freeze_startup_objects()  # the sidecar may load a tokenizer more than once
         print("verdict: done")
@@ -54,7 +54,7 @@ def test_freeze_startup_objects_ends_without_a_leak_report() -> None:
 def test_a_real_error_still_reaches_stderr() -> None:
     """Nothing is filtered: a frozen process that fails shows its traceback, whole."""
     proc = _run("""
-        from engine_sidecar.frozen_heap import freeze_startup_objects
+        from engine_sidecar.gateway.frozen_heap import freeze_startup_objects
         freeze_startup_objects()
         raise RuntimeError("engine failed: KV cache too small")
     """)

@@ -8,9 +8,9 @@ import time
 import httpx
 import pytest
 
+from engine_sidecar.contract.files import write_atomically
+from engine_sidecar.contract.stats import EngineStats, SidecarStatus, TenantEngineStats
 from engine_sidecar.gateway.active_policy import cache_salt
-from engine_sidecar.policy import write_atomically
-from engine_sidecar.stats import EngineStats, SidecarStatus, TenantEngineStats
 from kvquota_lab.processes import free_port
 
 from .conftest import StubFactory

@@ -7,7 +7,7 @@ import base64
 
 import httpx
 
-from engine_sidecar.policy import LeasePolicy
+from engine_sidecar.contract.policy import LeasePolicy
 
 from .conftest import StubFactory
 from .helpers import Keys, http_post, make_policy, tenant

@@ -12,9 +12,9 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine_sidecar.policy import Tier
-from engine_sidecar.stats import EngineStats, TenantEngineStats
-from engine_sidecar.tenant_policy import UNCLASSIFIED
+from engine_sidecar.contract.names import UNCLASSIFIED
+from engine_sidecar.contract.policy import Tier
+from engine_sidecar.contract.stats import EngineStats, TenantEngineStats
 
 from .conftest import Harness, StubFactory
 from .helpers import WAIT, Keys, http_get, http_post, make_policy, tenant, wait_for

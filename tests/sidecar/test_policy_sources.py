@@ -12,9 +12,9 @@ from typing import Any
 import httpx
 import kmock
 
+from engine_sidecar.contract.policy import EnginePolicy
 from engine_sidecar.gateway.active_policy import PolicyHolder
 from engine_sidecar.gateway.policy_source import ConfigMapPolicySource, FilePolicySource
-from engine_sidecar.policy import EnginePolicy
 
 from .helpers import Keys, make_policy, tenant, write_policy
 

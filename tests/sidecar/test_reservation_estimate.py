@@ -11,6 +11,9 @@ from collections.abc import Callable
 import pytest
 from prometheus_client import generate_latest
 
+from engine_sidecar.contract.names import RESERVED_BLOCKS_ARG
+from engine_sidecar.contract.policy import ReservationMode, Tier
+from engine_sidecar.contract.stats import EngineStats, SidecarStatus, TenantEngineStats
 from engine_sidecar.gateway.active_policy import build as build_active
 from engine_sidecar.gateway.admission import Decision, RequestShape
 from engine_sidecar.gateway.admission_queue import AdmissionQueue, Ticket
@@ -19,9 +22,6 @@ from engine_sidecar.gateway.metrics import GatewayMetrics, StateSources
 from engine_sidecar.gateway.output_estimate import MIN_SAMPLES, OutputEstimates
 from engine_sidecar.gateway.output_meter import OutputMeter
 from engine_sidecar.gateway.status import DecisionCounters, build_status
-from engine_sidecar.policy import ReservationMode, Tier
-from engine_sidecar.stats import EngineStats, SidecarStatus, TenantEngineStats
-from engine_sidecar.tenant_policy import RESERVED_BLOCKS_ARG
 
 from .conftest import StubFactory
 from .helpers import WAIT, Keys, http_get, http_post, make_policy, tenant, wait_for

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from engine_sidecar.stats import SidecarStatus
+from engine_sidecar.contract.stats import SidecarStatus
 
 from .conftest import Harness
 from .helpers import FULL_RESERVATION, Keys, http_get, make_policy, tenant

@@ -19,14 +19,14 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from engine_sidecar.contract.names import RESERVED_BLOCKS_ARG
+from engine_sidecar.contract.policy import EnginePolicy
+from engine_sidecar.contract.stats import EngineStats
 from engine_sidecar.gateway.admission import RequestShape, sequence_blocks
 from engine_sidecar.gateway.admission_queue import AdmissionQueue, Ticket
 from engine_sidecar.gateway.ledger import Ledger, Reservation
 from engine_sidecar.gateway.openai_request import Kind
 from engine_sidecar.gateway.prefix import block_fingerprints
-from engine_sidecar.policy import EnginePolicy
-from engine_sidecar.stats import EngineStats
-from engine_sidecar.tenant_policy import RESERVED_BLOCKS_ARG
 
 TWIN_ROUTE = Kind.CHAT.value
 

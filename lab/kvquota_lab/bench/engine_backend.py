@@ -41,8 +41,9 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine_sidecar.policy import AuthPolicy, write_atomically
-from engine_sidecar.stats import EngineStats
+from engine_sidecar.contract.files import write_atomically
+from engine_sidecar.contract.policy import AuthPolicy
+from engine_sidecar.contract.stats import EngineStats
 from kvquota_lab.bench.metrics import Outcome, RunResult, Timeline
 from kvquota_lab.bench.occupancy import Occupancy
 from kvquota_lab.bench.plugin_counts import outgrown_by_tier
@@ -510,7 +511,7 @@ def _start_stack(
     existing: RunningEngine | None = None,
 ) -> tuple[dict[str, str], str, Target]:
     """Start what `spec` needs; returns the engine's environment, its URL, the target."""
-    from engine_sidecar.stats import POLICY_PATH_ENV, STATS_PATH_ENV
+    from engine_sidecar.contract.names import POLICY_PATH_ENV, STATS_PATH_ENV
     from kvquota_lab.stack import engine_process, sidecar_process
 
     if existing is not None and spec.scheduler == "kvquota":
@@ -552,7 +553,7 @@ def _start_stack(
 
 
 def _stats_path(engine_env: dict[str, str]) -> Path | None:
-    from engine_sidecar.stats import STATS_PATH_ENV
+    from engine_sidecar.contract.names import STATS_PATH_ENV
 
     value = engine_env.get(STATS_PATH_ENV)
     return Path(value) if value else None

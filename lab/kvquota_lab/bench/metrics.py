@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from engine_sidecar.policy import Tier
+from engine_sidecar.contract.policy import Tier
 from kvquota_lab.bench.occupancy import Occupancy
 from kvquota_lab.bench.scenario import TIER_ORDER, Scenario
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from engine_sidecar.stats import EngineStats
+from engine_sidecar.contract.stats import EngineStats
 
 
 def outgrown_by_tier(stats: EngineStats, tier_of: Mapping[str, str]) -> dict[str, int]:

@@ -42,13 +42,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engine_sidecar.contract.files import write_atomically
+from engine_sidecar.contract.policy import EnginePolicy, Isolation, Tier
+from engine_sidecar.contract.stats import SidecarStatus
 from engine_sidecar.gateway.active_policy import ActivePolicy
 from engine_sidecar.gateway.admission import Decision
 from engine_sidecar.gateway.auth import Authenticator
 from engine_sidecar.gateway.picker_signals import tier_signals
 from engine_sidecar.gateway.status import DecisionCounters, build_status
-from engine_sidecar.policy import EnginePolicy, Isolation, Tier, write_atomically
-from engine_sidecar.stats import SidecarStatus
 from kvquota.demand_split import PoolSplit, SplitInputs, engine_overrides
 from kvquota.rebalance import TenantTotals
 from kvquota.runtime import OperatorConfig

@@ -35,7 +35,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from engine_sidecar.policy import TENANT_ID_PATTERN, EnginePolicy, Isolation, Tier
+from engine_sidecar.contract.policy import TENANT_ID_PATTERN, EnginePolicy, Isolation, Tier
 from kvquota.api import (
     InferencePoolSpec,
     KVCacheSpec,

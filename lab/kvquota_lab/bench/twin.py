@@ -24,9 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engine_sidecar.contract.files import write_atomically
+from engine_sidecar.contract.policy import EnginePolicy
 from engine_sidecar.gateway.admission import Decision
-from engine_sidecar.policy import EnginePolicy, write_atomically
-from engine_sidecar.stats_publisher import STEP_INTERVAL_S
+from engine_sidecar.plugin.stats_publisher import STEP_INTERVAL_S
 from kvquota_lab.bench.admission import TwinGateway
 from kvquota_lab.bench.cost import CostProfile
 from kvquota_lab.bench.metrics import Outcome, RunResult, Timeline
@@ -35,9 +36,9 @@ from kvquota_lab.bench.plugin_counts import outgrown_by_tier
 from kvquota_lab.bench.scenario import Scenario, Session, generate_sessions
 
 if TYPE_CHECKING:
+    from engine_sidecar.contract.stats import EngineStats
     from engine_sidecar.gateway.admission_queue import Ticket
     from engine_sidecar.gateway.ledger import Reservation
-    from engine_sidecar.stats import EngineStats
     from kvquota_lab.bench.pool import PoolSpec
     from kvquota_lab.twin.harness import SchedulerHarness, SchedulerKind, TwinRequest
 

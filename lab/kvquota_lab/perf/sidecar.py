@@ -387,7 +387,7 @@ def _write_policy(workdir: Path, model: str, tenants: dict[str, dict[str, Any]] 
     """Policy file, secrets dir and a JWT per tenant (default: one premium "bench")."""
     import jwt
 
-    from engine_sidecar.policy import EnginePolicy
+    from engine_sidecar.contract.policy import EnginePolicy
 
     tenants = tenants or {"bench": BENCH_TENANT}
     secrets_dir = workdir / "secrets"

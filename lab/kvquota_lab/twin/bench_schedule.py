@@ -21,7 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from engine_sidecar.policy import EnginePolicy, LeasePolicy, TenantPolicy, write_atomically
+from engine_sidecar.contract.files import write_atomically
+from engine_sidecar.contract.policy import EnginePolicy, LeasePolicy, TenantPolicy
 from kvquota_lab.twin.harness import SchedulerHarness, SchedulerKind, StepRecord, TwinConfig
 
 BLOCK_SIZE = 16

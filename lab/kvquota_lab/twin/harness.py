@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from engine_sidecar.scheduler import TenantAwareScheduler
-    from engine_sidecar.stats import EngineStats
+    from engine_sidecar.contract.stats import EngineStats
+    from engine_sidecar.plugin.scheduler import TenantAwareScheduler
 
 SchedulerKind = Literal["stock-fcfs", "stock-priority", "kvquota"]
 _FIRST_SAMPLED_TOKEN = 16  # below: special tokens (EOS is 2 in the tiny model)
@@ -233,7 +233,7 @@ class SchedulerHarness:
     @staticmethod
     def _scheduler_cls(kind: SchedulerKind) -> type[Scheduler]:
         if kind == "kvquota":
-            from engine_sidecar.scheduler import TenantAwareScheduler
+            from engine_sidecar.plugin.scheduler import TenantAwareScheduler
 
             return TenantAwareScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
@@ -243,7 +243,7 @@ class SchedulerHarness:
     @property
     def plugin(self) -> TenantAwareScheduler | None:
         """The scheduler as KVQuota's plugin, or None for a stock scheduler."""
-        from engine_sidecar.scheduler import TenantAwareScheduler
+        from engine_sidecar.plugin.scheduler import TenantAwareScheduler
 
         sched = self.scheduler
         return sched if isinstance(sched, TenantAwareScheduler) else None
@@ -312,7 +312,7 @@ class SchedulerHarness:
 
     def step(self) -> StepRecord:
         """One engine step: schedule(), a fake forward pass, update_from_output()."""
-        from engine_sidecar.vllm_compat import model_runner_output
+        from engine_sidecar.plugin.vllm_compat import model_runner_output
 
         scheduler = self.scheduler
         index = len(self.steps)

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from kvquota import GROUP, VERSION
+from engine_sidecar.contract.names import GROUP, VERSION
 
 BACKOFF = 5.0  # seconds before kopf retries a failed handler
 KEPT_METADATA = ("name", "namespace", "uid", "generation", "resourceVersion",

@@ -24,9 +24,9 @@ import copy
 import re
 from typing import Any
 
+from engine_sidecar.contract.names import ENGINE_KEY_ENV
 from kvquota.inject.vllm_argv import VllmCommand
 
-KEY_ENV = "VLLM_API_KEY"  # read by vLLM and by the sidecar (engine_sidecar.gateway.engine_auth)
 _REFERENCE = re.compile(r"(?<!\$)\$\(([-._a-zA-Z][-._a-zA-Z0-9]*)\)")
 
 
@@ -42,10 +42,10 @@ def engine_key_env(vllm: dict[str, Any], command: VllmCommand, taken: set[str]
     env = [e for e in vllm.get("env") or [] if isinstance(e, dict) and e.get("name")]
     flags = [f for f in command.find("api-key") if f.value is not None]
     if flags:
-        key_entry: dict[str, Any] = {"name": KEY_ENV, "value": flags[-1].value}
+        key_entry: dict[str, Any] = {"name": ENGINE_KEY_ENV, "value": flags[-1].value}
         before = env
     else:
-        at = next((i for i, e in enumerate(env) if e["name"] == KEY_ENV), None)
+        at = next((i for i, e in enumerate(env) if e["name"] == ENGINE_KEY_ENV), None)
         if at is None:
             return []
         key_entry, before = copy.deepcopy(env[at]), env[:at]

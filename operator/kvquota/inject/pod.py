@@ -14,7 +14,7 @@ vLLM's API key (`--api-key`, `VLLM_API_KEY`) is carried to the sidecar's environ
 
 Two init containers run before vLLM: `kvquota-install-plugin` (the sidecar's image)
 copies the plugin onto a shared volume, then `kvquota-check-plugin` runs the pre-flight
-check (`engine_sidecar.preflight`) on that copy in the vLLM container's own image, so a
+check (`engine_sidecar.plugin.preflight`) on that copy in the vLLM container's own image, so a
 vLLM the plugin does not run on stops the pod at init, with the check's message.
 
 Flags the plugin needs are added; a conflicting `--scheduling-policy` or
@@ -28,19 +28,29 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-from engine_sidecar import preflight
-from engine_sidecar.stats import ENGINE_NAME_ENV, POLICY_PATH_ENV, STATS_PATH_ENV
-from kvquota import GROUP
+from engine_sidecar.contract.names import (
+    ADMIN_PORT,
+    ADMIN_PORT_NAME,
+    ENGINE_NAME_ENV,
+    GROUP,
+    PLUGIN_CLASS,
+    POLICY_CONFIGMAP_SUFFIX,
+    POLICY_FILE,
+    POLICY_PATH_ENV,
+    POOL_LABEL,
+    PREFLIGHT_MODULE,
+    PREFLIGHT_STRICT_FLAG,
+    STATS_FILE,
+    STATS_PATH_ENV,
+)
 from kvquota.inject.engine_key import KeyRefused, engine_key_env
 from kvquota.inject.vllm_argv import (
     DEFAULT_PORT,
-    PLUGIN_CLASS,
     NotVllm,
     VllmCommand,
     unwrap_shell,
 )
 
-POOL_LABEL = f"{GROUP}/pool"
 ENGINE_LABEL = f"{GROUP}/engine"
 INJECTED_ANNOTATION = f"{GROUP}/injected"
 REPLACED_ANNOTATION = f"{GROUP}/replaced"
@@ -55,7 +65,6 @@ SECRETS_DIR = "/etc/kvquota/secrets"
 # Paths the sidecar forwards without credentials (engine_sidecar.gateway.passthrough).
 PROBE_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
 ENGINE_PORT = 8001  # vLLM's loopback port, or the next free one
-ADMIN_PORT = 9100  # the sidecar's admin port, or the next free one
 _RESTRICTED = {
     "runAsNonRoot": True, "runAsUser": 10001, "allowPrivilegeEscalation": False,
     "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]},
@@ -116,7 +125,7 @@ def inject_pod(
     used = _used_ports(spec)
     serve_port = _port_flag(command)
     engine_port = _free(used | {serve_port}, ENGINE_PORT)
-    admin_port = _free(used | {serve_port, engine_port}, ADMIN_PORT)
+    admin_port = _free(used | {serve_port, engine_port}, ADMIN_PORT)  # or the next free
     replaced = [unwrapped] if unwrapped else []
     replaced += _edit_flags(command, engine_port)
     command.write_back()
@@ -267,8 +276,8 @@ def _add_plugin_env(vllm: dict[str, Any]) -> None:
     else:
         raise InjectionRefused(f"container {vllm['name']!r} takes PYTHONPATH from a "
                                "reference; the plugin must be prepended to it")
-    for name, value in ((POLICY_PATH_ENV, f"{RUN_DIR}/policy.json"),
-                        (STATS_PATH_ENV, f"{RUN_DIR}/stats.json")):
+    for name, value in ((POLICY_PATH_ENV, f"{RUN_DIR}/{POLICY_FILE}"),
+                        (STATS_PATH_ENV, f"{RUN_DIR}/{STATS_FILE}")):
         if name in by_name:
             by_name[name].clear()
             by_name[name].update(name=name, value=value)
@@ -296,7 +305,7 @@ def _sidecar(options: InjectionOptions, serve_port: int, engine_port: int,
             "--listen", f"0.0.0.0:{serve_port}",
             "--admin-listen", f"$(POD_IP):{admin_port}",
             "--upstream", f"http://127.0.0.1:{engine_port}",
-            "--policy-configmap", "$(POD_NAMESPACE)/$(KVQUOTA_POOL)-kvquota-policy",
+            "--policy-configmap", f"$(POD_NAMESPACE)/$(KVQUOTA_POOL){POLICY_CONFIGMAP_SUFFIX}",
             "--secrets-dir", SECRETS_DIR,
         ],
         "env": [
@@ -306,14 +315,14 @@ def _sidecar(options: InjectionOptions, serve_port: int, engine_port: int,
             # The pool this engine serves: its label (set above to `pool`).
             {"name": "KVQUOTA_POOL",
              "valueFrom": _field(f"metadata.labels['{POOL_LABEL}']")},
-            {"name": POLICY_PATH_ENV, "value": f"{RUN_DIR}/policy.json"},
-            {"name": STATS_PATH_ENV, "value": f"{RUN_DIR}/stats.json"},
+            {"name": POLICY_PATH_ENV, "value": f"{RUN_DIR}/{POLICY_FILE}"},
+            {"name": STATS_PATH_ENV, "value": f"{RUN_DIR}/{STATS_FILE}"},
         ],
-        "ports": [client_port, {"name": "admin", "containerPort": admin_port,
+        "ports": [client_port, {"name": ADMIN_PORT_NAME, "containerPort": admin_port,
                                 "protocol": "TCP"}],
-        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "admin"},
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": ADMIN_PORT_NAME},
                            "periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 3},
-        "livenessProbe": {"httpGet": {"path": "/healthz", "port": "admin"},
+        "livenessProbe": {"httpGet": {"path": "/healthz", "port": ADMIN_PORT_NAME},
                           "initialDelaySeconds": 10, "periodSeconds": 15,
                           "timeoutSeconds": 5, "failureThreshold": 4},
         "resources": {"requests": {"cpu": "250m", "memory": "256Mi"},
@@ -341,7 +350,7 @@ def _init_container(options: InjectionOptions) -> dict[str, Any]:
 
 
 def _check_container(vllm: dict[str, Any], python: str) -> dict[str, Any]:
-    """The pre-flight check (`engine_sidecar.preflight`) on the copied plugin, in the
+    """The pre-flight check (`engine_sidecar.plugin.preflight`) on the copied plugin, in the
     vLLM container's own image and environment (its PYTHONPATH already starts with the
     plugin): the vLLM that will run is the one checked. A vLLM the plugin does not run
     on, or would refuse to start on, fails the pod at init with the check's message
@@ -349,7 +358,7 @@ def _check_container(vllm: dict[str, Any], python: str) -> dict[str, Any]:
     check: dict[str, Any] = {
         "name": CHECK,
         "image": vllm["image"],
-        "command": preflight.init_command(python),
+        "command": [python, "-m", PREFLIGHT_MODULE, PREFLIGHT_STRICT_FLAG],
         "workingDir": PLUGIN_DIR,  # `-m` puts it first on sys.path: the copied plugin
         # The engine's environment (its variables may change what vLLM does), with a
         # writable home: vLLM caches what it learns of models under ~/.cache.

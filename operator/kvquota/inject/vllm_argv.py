@@ -18,7 +18,6 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-PLUGIN_CLASS = "engine_sidecar.scheduler.TenantAwareScheduler"
 DEFAULT_PORT = 8000  # vLLM's --port default
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 DEFAULT_PYTHON = "python3"

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvquota import GROUP
+from engine_sidecar.contract.names import GROUP
 from kvquota.inject.certs import CA_FILE, CERT_FILE, KEY_FILE, ServingCert, issue, service_names
 from kvquota.inject.pod import InjectionOptions
 

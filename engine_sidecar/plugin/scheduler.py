@@ -3,7 +3,7 @@
 Load it in vLLM's OpenAI server with::
 
     vllm serve MODEL --scheduling-policy priority \\
-        --scheduler-cls engine_sidecar.scheduler.TenantAwareScheduler
+        --scheduler-cls engine_sidecar.plugin.scheduler.TenantAwareScheduler
 
 It runs in vLLM's EngineCore process and reads two environment variables:
 
@@ -11,9 +11,9 @@ It runs in vLLM's EngineCore process and reads two environment variables:
   checked at most every 0.5 s and applied between steps; a bad file keeps the last
   good policy (logged once, shown as `policyError`). No file: every request is
   unclassified and the plugin picks the same victims as vLLM's priority policy.
-- `KVQUOTA_STATS_PATH`: where the plugin publishes `engine_sidecar.stats.EngineStats`
+- `KVQUOTA_STATS_PATH`: where the plugin publishes `engine_sidecar.contract.stats.EngineStats`
   as JSON, replaced atomically every 0.25 s while the engine steps and every 0.5 s
-  while it idles (see `engine_sidecar.stats_publisher`). That file is the plugin's only
+  while it idles (see `engine_sidecar.plugin.stats_publisher`). That file is the plugin's only
   channel: the sidecar reads it and exports the Prometheus families
   `vllm_tenant_kv_cache_evictions_total{tenant_id,priority,preemption_reason}`,
   `vllm_tenant_active_swapped_blocks{tenant_id}` and `kvquota_*`, so the EngineCore
@@ -29,7 +29,7 @@ What the plugin adds to vLLM's scheduler:
   the session's last activity, within `lease.maxSessions` / `lease.maxBlocks`; the
   next turn of the session is a prefix-cache hit. Expired leases go back to vLLM's
   LRU. Pinned blocks count as the tenant's usage;
-- victim order: the total order documented in `engine_sidecar.tenant_policy`,
+- victim order: the total order documented in `engine_sidecar.plugin.tenant_policy`,
   applied whenever vLLM fails to allocate, for waiting requests too: the sidecar admits
   a request counting the free blocks above the watermark plus every block this order
   gives back before the request's own class, and the plugin makes that true by
@@ -58,7 +58,7 @@ What the plugin adds to vLLM's scheduler:
   preemption counts as `recompute`; with it, a victim counts when it resumes, as
   `offload` if its KV came back from the connector, else `recompute`.
 
-All vLLM private-API access goes through `engine_sidecar.vllm_compat`.
+All vLLM private-API access goes through `engine_sidecar.plugin.vllm_compat`.
 """
 
 from __future__ import annotations
@@ -71,18 +71,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine_sidecar import vllm_compat as compat
-from engine_sidecar.policy_watch import PolicyWatcher
-from engine_sidecar.stats import POLICY_PATH_ENV, STATS_PATH_ENV, EngineStats, TenantEngineStats
-from engine_sidecar.stats_publisher import (
+from engine_sidecar.contract.names import POLICY_PATH_ENV, STATS_PATH_ENV, UNCLASSIFIED
+from engine_sidecar.contract.reclaim import requester_band
+from engine_sidecar.contract.stats import EngineStats, TenantEngineStats
+from engine_sidecar.plugin import vllm_compat as compat
+from engine_sidecar.plugin.policy_watch import PolicyWatcher
+from engine_sidecar.plugin.stats_publisher import (
     STEP_INTERVAL_S,
     LeaseView,
     StatsPublisher,
     StatsSnapshot,
 )
-from engine_sidecar.tenant_policy import (
+from engine_sidecar.plugin.tenant_policy import (
     NO_IDENTITY,
-    UNCLASSIFIED,
     CounterBook,
     DegradedEpisodes,
     Identity,
@@ -98,7 +99,6 @@ from engine_sidecar.tenant_policy import (
     lease_block_cap,
     lease_seconds,
     outgrew,
-    requester_band,
     stats_tenant,
 )
 
@@ -136,7 +136,7 @@ class _StepView:
 class TenantAwareScheduler(compat.Scheduler):
     """vLLM's Scheduler plus tenant leases, victim order and degraded mode."""
 
-    # The ranking rules (see engine_sidecar.tenant_policy). The benchmark's victim-order
+    # The ranking rules (see engine_sidecar.plugin.tenant_policy). The benchmark's victim-order
     # variants (kvquota_lab.bench.variants) set a subclass on one instance; not a product
     # setting.
     kvq_ranker_cls: type[VictimRanker] = VictimRanker

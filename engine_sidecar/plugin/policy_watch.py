@@ -15,15 +15,15 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from engine_sidecar.policy import EnginePolicy
-from engine_sidecar.stats import ENGINE_NAME_ENV
+from engine_sidecar.contract import files
+from engine_sidecar.contract.names import ENGINE_NAME_ENV
+from engine_sidecar.contract.policy import EnginePolicy
 
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.5
 _MAX_ERROR_LEN = 500
 
-_Signature = tuple[int, int, int]
 
 
 class PolicyWatcher:
@@ -51,7 +51,7 @@ class PolicyWatcher:
         self.clock = clock
         self.policy: EnginePolicy | None = None
         self.error: str | None = None
-        self._signature: _Signature | None = None
+        self._signature: files.Signature | None = None
         self._next_poll = -float("inf")
 
     @property
@@ -69,17 +69,16 @@ class PolicyWatcher:
             return False
         self._next_poll = now + self.interval
         try:
-            stat = os.stat(self.path)
-        except FileNotFoundError:
+            signature = files.signature(self.path)
+        except OSError as exc:
+            self._fail(f"cannot stat policy file {self.path}: {exc.strerror or exc}")
+            return False
+        if signature is None:
             if self._signature is not None:
                 self._signature = None
                 if self.policy is not None:
                     self._fail(f"policy file {self.path} is missing")
             return False
-        except OSError as exc:
-            self._fail(f"cannot stat policy file {self.path}: {exc.strerror or exc}")
-            return False
-        signature = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
         if signature == self._signature:
             return False
         self._signature = signature

@@ -3,10 +3,10 @@
 vLLM's `Scheduler` interface is not public ("compatibility may not be maintained"), so
 the plugin names the vLLM releases it was verified on (`VERIFIED_VLLM`) and refuses to
 start on other minor series, naming the touchpoints that are missing; when none is,
-the pre-flight check (`python -m engine_sidecar.preflight`) steps the real scheduler
+the pre-flight check (`python -m engine_sidecar.plugin.preflight`) steps the real scheduler
 with the plugin, and `KVQUOTA_ALLOW_UNSUPPORTED_VLLM=1` lets it run, with a warning.
 When porting to a new vLLM, this module and the method names overridden in
-`engine_sidecar.scheduler` (listed in `HOOKED_SCHEDULER_METHODS`) are all there is to
+`engine_sidecar.plugin.scheduler` (listed in `HOOKED_SCHEDULER_METHODS`) are all there is to
 check. The touchpoints:
 
 - `Scheduler` / `AsyncScheduler` (base classes); the overridden methods
@@ -63,6 +63,8 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
+from engine_sidecar.contract.names import PREFLIGHT_MODULE
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -102,7 +104,7 @@ VERIFIED_VLLM: dict[str, VerifiedRelease] = {
 SUPPORTED_VLLM: tuple[str, ...] = tuple(
     dict.fromkeys(version.rsplit(".", 1)[0] for version in VERIFIED_VLLM)
 )
-PREFLIGHT_COMMAND = "python -m engine_sidecar.preflight"
+PREFLIGHT_COMMAND = f"python -m {PREFLIGHT_MODULE}"
 ALLOW_UNSUPPORTED_ENV = "KVQUOTA_ALLOW_UNSUPPORTED_VLLM"
 
 HOOKED_SCHEDULER_METHODS = (

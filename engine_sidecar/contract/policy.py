@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from enum import StrEnum
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -25,7 +22,8 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-API_VERSION = "kvquota.dev/v1alpha1"
+from engine_sidecar.contract.names import API_VERSION, ApiVersion
+
 TENANT_ID_PATTERN = r"^[a-z0-9]([-a-z0-9_.]{0,61}[a-z0-9])?$"
 TenantId = Annotated[str, Field(pattern=TENANT_ID_PATTERN, max_length=63)]
 
@@ -173,7 +171,7 @@ class AuthPolicy(_Model):
 
 
 class EnginePolicy(_Model):
-    api_version: Literal["kvquota.dev/v1alpha1"] = "kvquota.dev/v1alpha1"
+    api_version: ApiVersion = API_VERSION
     kind: Literal["EnginePolicy"] = "EnginePolicy"
     pool: str = Field(min_length=1, max_length=253, description="namespace/name of the pool")
     model: str = Field(min_length=1, max_length=512)
@@ -277,21 +275,6 @@ class EnginePolicy(_Model):
 def version_of(canonical: str) -> str:
     """A policy's version from its canonical JSON (sorted keys, no spaces, no version)."""
     return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()[:16]
-
-
-def write_atomically(path: str | Path, text: str) -> None:
-    """Replace `path` so readers see the old or the new content, never a torn file."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-    try:
-        os.fchmod(fd, 0o644)  # policy and stats are read by the other container's user
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def dump(obj: BaseModel) -> dict[str, Any]:

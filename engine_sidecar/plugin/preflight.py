@@ -1,6 +1,6 @@
 """The pre-flight check: does the plugin run on the vLLM this image has?
 
-    python -m engine_sidecar.preflight [--strict]
+    python -m engine_sidecar.plugin.preflight [--strict]
 
 vLLM's scheduler interface is private and changes between releases, and the version
 gate (`vllm_compat.check_supported_vllm`) can only look for touchpoints that exist
@@ -39,16 +39,20 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine_sidecar.stats import POLICY_PATH_ENV, STATS_PATH_ENV
-from engine_sidecar.tenant_policy import SESSION_ARG, TENANT_ARG
+from engine_sidecar.contract.names import (
+    POLICY_PATH_ENV,
+    PREFLIGHT_STRICT_FLAG,
+    SESSION_ARG,
+    STATS_PATH_ENV,
+    TENANT_ARG,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-    from engine_sidecar.scheduler import TenantAwareScheduler
+    from engine_sidecar.plugin.scheduler import TenantAwareScheduler
 
 STAGES = ("admit", "preempt", "lease", "finish")
-STRICT_FLAG = "--strict"
 BLOCK_SIZE = 16
 NUM_BLOCKS = 21  # block 0 is vLLM's null block: 20 usable
 MAX_STEPS = 300  # per stage; every stage needs well under 100
@@ -73,14 +77,6 @@ TINY_LLAMA_CONFIG: dict[str, Any] = {
 }
 
 
-def init_command(python: str) -> list[str]:
-    """The command of the init container injection adds: it runs in the engine's image
-    (where the vLLM the engine will run is), with the plugin's directory on PYTHONPATH,
-    and fails the pod at init, with this check's message, where the engine would not
-    start the plugin."""
-    return [python, "-m", __name__, STRICT_FLAG]
-
-
 class StageFailed(Exception):
     """The scheduler ran but did not do what the stage expects."""
 
@@ -93,7 +89,7 @@ def write_model_config(directory: Path) -> Path:
 def write_policy(path: Path) -> Path:
     """Two tenants: premium (priority 0, leases idle sessions for 5 minutes) and free
     (priority 2, no guarantee: every block it holds is borrowed)."""
-    from engine_sidecar.policy import EnginePolicy, LeasePolicy, TenantPolicy, Tier
+    from engine_sidecar.contract.policy import EnginePolicy, LeasePolicy, TenantPolicy, Tier
 
     tenants = [
         TenantPolicy(tenant_id="premium", tier=Tier.PREMIUM, priority=0,
@@ -116,7 +112,7 @@ class CheckedScheduler:
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.structured_output import StructuredOutputManager
 
-        from engine_sidecar.scheduler import TenantAwareScheduler
+        from engine_sidecar.plugin.scheduler import TenantAwareScheduler
 
         vllm_config = _vllm_config(model_dir)
         self.scheduler: TenantAwareScheduler = TenantAwareScheduler(
@@ -156,7 +152,7 @@ class CheckedScheduler:
     def step(self) -> None:
         """schedule(), a forward pass that samples one token for every request whose
         prompt is computed, update_from_output()."""
-        from engine_sidecar.vllm_compat import model_runner_output
+        from engine_sidecar.plugin.vllm_compat import model_runner_output
 
         output = self.scheduler.schedule()
         req_ids = list(output.num_scheduled_tokens)
@@ -320,7 +316,7 @@ def _scoped(env: dict[str, str | None]) -> Iterator[None]:
 def step_through(allow_unverified: bool) -> list[str]:
     """Build the scheduler and run every stage; the problems met (none: ok). Stops at
     the first failing stage: each one starts from where the last left off."""
-    from engine_sidecar.vllm_compat import ALLOW_UNSUPPORTED_ENV
+    from engine_sidecar.plugin.vllm_compat import ALLOW_UNSUPPORTED_ENV
 
     problems: list[str] = []
     with tempfile.TemporaryDirectory(prefix="kvquota-preflight-") as tmp, _scoped({
@@ -356,11 +352,11 @@ def run_check(strict: bool = False) -> tuple[bool, list[str]]:
                        "the engine's image, with the plugin's directory on PYTHONPATH"]
     version = str(getattr(vllm, "__version__", "unknown"))
     try:
-        from engine_sidecar import vllm_compat
+        from engine_sidecar.plugin import vllm_compat
     except ImportError as exc:  # a module or name the plugin imports has moved
         return False, [f"missing touchpoint: {exc}",
                        f"not ok: vLLM {version}: the plugin cannot import its touchpoints"]
-    package = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parents[1]  # engine_sidecar/, as installed
     lines = [f"checking the plugin at {package} on vLLM {version} at "
              f"{Path(vllm.__file__).resolve().parent}"]
     verified = vllm_compat.is_supported_version(version)
@@ -388,10 +384,10 @@ def run_check(strict: bool = False) -> tuple[bool, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m engine_sidecar.preflight",
+        prog="python -m engine_sidecar.plugin.preflight",
         description="Step vLLM's real scheduler with the KVQuota plugin through admit, "
                     "preempt, lease and finish (no model, no GPU, no network).")
-    parser.add_argument(STRICT_FLAG, action="store_true",
+    parser.add_argument(PREFLIGHT_STRICT_FLAG, action="store_true",
                         help="also fail where the plugin would refuse to start: a vLLM "
                              "that is not a verified release, unless "
                              "KVQUOTA_ALLOW_UNSUPPORTED_VLLM=1 (the injected init "

@@ -14,17 +14,6 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-POLICY_PATH_ENV = "KVQUOTA_POLICY_PATH"
-STATS_PATH_ENV = "KVQUOTA_STATS_PATH"
-# The engine's pod name, in both containers: the sidecar names it in the lease-engine
-# header; both pick their entry of the policy's per-engine split by it.
-ENGINE_NAME_ENV = "POD_NAME"
-STATUS_ROUTE = "/kvquota/status"
-ADMIN_PORT = 9100  # the sidecar's admin port: status, metrics, probes
-ADMIN_PORT_NAME = "admin"  # its container port name in the engine pod
-HEARTBEAT_S = 0.5  # the plugin rewrites its stats file at least this often
-STALE_AFTER_S = max(2.0, 10 * HEARTBEAT_S)  # ten missed rewrites: nobody is writing
-
 
 class _Wire(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")

@@ -23,10 +23,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine_sidecar.policy import EnginePolicy, write_atomically
-from engine_sidecar.policy_watch import PolicyWatcher
-from engine_sidecar.stats import HEARTBEAT_S, EngineStats, TenantEngineStats
-from engine_sidecar.tenant_policy import lease_seconds
+from engine_sidecar.contract.files import write_atomically
+from engine_sidecar.contract.names import HEARTBEAT_S
+from engine_sidecar.contract.policy import EnginePolicy
+from engine_sidecar.contract.stats import EngineStats, TenantEngineStats
+from engine_sidecar.plugin.policy_watch import PolicyWatcher
+from engine_sidecar.plugin.tenant_policy import lease_seconds
 
 logger = logging.getLogger(__name__)
 

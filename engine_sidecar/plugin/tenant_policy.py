@@ -1,7 +1,7 @@
 """The tenant policy the scheduler plugin applies, kept free of vLLM so it is testable.
 
 Everything here works on plain values (tenant ids, token counts, times, opaque block
-handles); `engine_sidecar.scheduler` feeds it from vLLM's scheduler state.
+handles); `engine_sidecar.plugin.scheduler` feeds it from vLLM's scheduler state.
 
 Victim order (DESIGN.md §4), a total order over the candidates for giving blocks
 back: running requests and live leases (the pinned blocks of an idle session). The
@@ -66,31 +66,19 @@ import math
 from collections import Counter, deque
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from enum import IntEnum, StrEnum
+from enum import StrEnum
 from typing import Any, Generic, TypeVar
 
-from engine_sidecar.policy import EnginePolicy, TenantPolicy
+from engine_sidecar.contract.names import RESERVED_BLOCKS_ARG, SESSION_ARG, TENANT_ARG, UNCLASSIFIED
+from engine_sidecar.contract.policy import EnginePolicy, TenantPolicy
+from engine_sidecar.contract.reclaim import Band
 
 logger = logging.getLogger(__name__)
 
-TENANT_ARG = "kvq_tenant"
-SESSION_ARG = "kvq_session"
-# The blocks the sidecar reserved for one sequence of the request (prompt + its output
-# estimate, README: reservations): a victim holding more had outgrown its estimate.
-RESERVED_BLOCKS_ARG = "kvq_reserved_blocks"
 # Stats key for requests without a known tenant; tenant ids cannot start with "_".
-UNCLASSIFIED = "_unclassified"
 _MAX_ID_LEN = 253
 
 B = TypeVar("B")  # an opaque KV block handle (vLLM's KVCacheBlock in the engine)
-
-
-class Band(IntEnum):
-    """Coarse victim class; a larger value gives blocks back first."""
-
-    GUARANTEED = 1
-    BORROWER = 2
-    UNCLASSIFIED = 3
 
 
 class Reason(StrEnum):
@@ -501,86 +489,6 @@ class LeaseTable(Generic[B]):
 
 
 RankKey = tuple[float, ...]
-
-
-# -- what the victim order gives back: the admission rule --------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Holding:
-    """One tenant's KV on an engine, as the victim order sees it (plain counts).
-
-    `used` is what counts against the tenant's guarantee (blocks held plus growth its
-    admitted requests may still allocate); `held` is what it holds now, running and
-    pinned, i.e. what preemption and lease releases can actually free; `idle_leased`
-    is the part of `held` pinned by leases of sessions with no request in flight.
-    """
-
-    priority: int
-    guaranteed: int
-    used: int
-    held: int
-    idle_leased: int
-
-
-def requester_band(used: int, blocks: int, guaranteed: int) -> Band:
-    """The class of a new request: borrowing if it would take its tenant over its
-    guarantee (Kueue's nominal quota). `used` leaves out the tenant's idle leases,
-    which yield to its own new work."""
-    return Band.BORROWER if used + blocks > guaranteed else Band.GUARANTEED
-
-
-def reclaimable_blocks(
-    band: Band,
-    priority: int,
-    holdings: Iterable[Holding],
-    *,
-    unclassified: int = 0,
-    own: Holding | None = None,
-) -> int:
-    """Blocks the victim order gives back before a new request of class (band, priority).
-
-    This is the admission rule that agrees with preemption: a request may count on the
-    free blocks above the watermark plus what this returns. A new request has computed
-    nothing, so within its own (band, tier) it outranks every running request, and only
-    these rank above it: unclassified traffic; the part of every other tenant's usage
-    whose (band, tier) ranks above it, where a tenant is a borrower only for its blocks
-    above its guarantee (once back within it, its band changes); the idle leases of
-    tenants whose leases rank above it (leases go before running work of the same
-    class); and, whatever the classes, the requester's own tenant's idle leases (`own`),
-    because a tenant's cache never stands in the way of its own new work.
-    """
-    request_key = (band, priority, 0)
-    total = unclassified
-    for holding in holdings:
-        total += _reclaimable_from(holding, request_key)
-    if own is not None:
-        total += own.idle_leased
-    return total
-
-
-def _reclaimable_from(holding: Holding, request_key: tuple[int, int, int]) -> int:
-    held = holding.held
-    if held <= 0:
-        return 0
-    prio = holding.priority
-    excess = min(held, max(0, holding.used - holding.guaranteed))
-    idle = min(holding.idle_leased, held)
-    # While borrowing: the excess goes, running work too if the tier ranks above,
-    # else only idle leases.
-    if (Band.BORROWER, prio, 0) > request_key:
-        taken = excess
-    elif (Band.BORROWER, prio, 1) > request_key:
-        taken = min(excess, idle)
-    else:
-        taken = 0
-    # Back within its guarantee: what is left, if its class still ranks above.
-    left = held - taken
-    if (Band.GUARANTEED, prio, 0) > request_key:
-        return taken + left
-    if (Band.GUARANTEED, prio, 1) > request_key:
-        return taken + min(left, max(0, idle - taken))
-    return taken
 
 
 class VictimRanker:

@@ -62,11 +62,12 @@ def wheel_requirements(wheel: Path) -> list[Requirement]:
     return [Requirement(r) for r in message.get_all("Requires-Dist") or ()]
 
 
-def runtime_closure(requirements: list[Requirement]) -> dict[str, metadata.Distribution]:
-    """Every distribution of this environment that installing these requirements (no
-    extras of kvquota) pulls in, by canonical name."""
+def runtime_closure(requirements: list[Requirement], extras: tuple[str, ...] = (),
+                    ) -> dict[str, metadata.Distribution]:
+    """Every distribution of this environment that installing these requirements (with
+    kvquota's `extras`, and no others) pulls in, by canonical name."""
     found: dict[str, metadata.Distribution] = {}
-    pending = [(r, "") for r in requirements]
+    pending = [(r, extra) for r in requirements for extra in ("", *extras)]
     while pending:
         requirement, extra = pending.pop()
         environment = {**default_environment(), "extra": extra}
@@ -94,9 +95,9 @@ def _top_level_entries(dist: metadata.Distribution) -> set[Path]:
     return entries
 
 
-def fresh_venv(workdir: Path, wheel: Path) -> Path:
+def fresh_venv(workdir: Path, wheel: Path, extras: tuple[str, ...] = ()) -> Path:
     """A new venv with the wheel installed (no dependency resolution, no index) and
-    its runtime dependencies visible; returns its `bin` directory."""
+    its runtime dependencies, with `extras`, visible; returns its `bin` directory."""
     venv = workdir / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     bin_dir = venv / "bin"
@@ -108,7 +109,7 @@ def fresh_venv(workdir: Path, wheel: Path) -> Path:
     )
     deps = workdir / "deps"
     deps.mkdir()
-    for dist in runtime_closure(wheel_requirements(wheel)).values():
+    for dist in runtime_closure(wheel_requirements(wheel), extras).values():
         for entry in _top_level_entries(dist):
             link = deps / entry.name
             if entry.exists() and not link.exists():
