@@ -8,9 +8,10 @@ from typing import Any
 
 from manifests.schemas import schema_errors
 
+from engine_sidecar.contract.names import PLUGIN_CLASS
 from kvquota.cli import build_parser
 from kvquota.inject.pod import SIDECAR
-from kvquota.inject.vllm_argv import PLUGIN_CLASS, VllmCommand
+from kvquota.inject.vllm_argv import VllmCommand
 
 # Each flag the plugin needs, once, with its value (parsed by vLLM's own parser).
 PLUGIN_FLAGS = ("--scheduler-cls", "--scheduling-policy", "--enable-prompt-tokens-details",

@@ -9,11 +9,11 @@ import pytest
 from operator_objects import pool
 from pydantic import ValidationError
 
+from engine_sidecar.contract.names import POLICY_FILE
 from engine_sidecar.contract.policy import EnginePolicy, ReservationMode, TenantPolicy, Tier
 from kvquota.api import InferencePoolSpec
 from kvquota.render import (
     HASH_ANNOTATION,
-    POLICY_KEY,
     build_configmap,
     configmap_name,
     render_policy,
@@ -62,9 +62,9 @@ def test_configmap_is_owned_by_the_pool_and_holds_a_loadable_policy() -> None:
     (owner,) = cm["metadata"]["ownerReferences"]
     assert owner == {"apiVersion": "kvquota.dev/v1alpha1", "kind": "InferencePool",
                      "name": "demo-pool", "uid": "uid-1", "controller": True}
-    loaded = EnginePolicy.from_json(cm["data"][POLICY_KEY])  # the engine's own check
+    loaded = EnginePolicy.from_json(cm["data"][POLICY_FILE])  # the engine's own check
     assert loaded.version == policy.version
-    assert json.loads(cm["data"][POLICY_KEY])["tenants"]["a"]["guaranteedBlocks"] == 10
+    assert json.loads(cm["data"][POLICY_FILE])["tenants"]["a"]["guaranteedBlocks"] == 10
 
 
 def test_long_pool_names_still_give_a_valid_unique_configmap_name() -> None:
