@@ -45,7 +45,7 @@ from engine_sidecar.gateway.admission import (
 )
 from engine_sidecar.gateway.admission_queue import AdmissionQueue, Ticket
 from engine_sidecar.gateway.affinity import affinity_headers, engine_namespace
-from engine_sidecar.gateway.engine_auth import EngineKey, use_engine_key
+from engine_sidecar.gateway.engine_auth import EngineKey
 from engine_sidecar.gateway.engine_monitor import EngineMonitor
 from engine_sidecar.gateway.engine_stats import EngineStatsReader
 from engine_sidecar.gateway.errors import ApiError
@@ -149,9 +149,8 @@ class Gateway:
         self.upstream = Upstream(
             config.upstream, request_timeout=config.request_timeout,
             connect_timeout=config.connect_timeout, on_error=self._upstream_failed,
-            data_plane=config.data_plane,
+            data_plane=config.data_plane, engine_key=config.engine_key,
         )
-        use_engine_key(self.upstream, config.engine_key)
         self.token_counter = token_counter
         self.prompts = PromptCounting()  # size floor, worker pool, token cache
         self.tokenizer_error: str | None = None

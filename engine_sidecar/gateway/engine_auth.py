@@ -28,7 +28,7 @@ from engine_sidecar.gateway.errors import ApiError
 from engine_sidecar.gateway.secret_bytes import secret_bytes
 
 if TYPE_CHECKING:
-    from engine_sidecar.gateway.forward import DataPlane, Upstream, UpstreamResponse
+    from engine_sidecar.gateway.forward import DataPlane, UpstreamResponse
 
 AUTHORIZATION = b"authorization"
 
@@ -71,8 +71,9 @@ def load_engine_key(key_file: Path | None, environ: dict[str, str] | None = None
         raise SystemExit(f"{where}: {exc}") from None
 
 
-class _KeyedPlane:
-    """A data plane that replaces the Authorization header with vLLM's key."""
+class KeyedPlane:
+    """A data plane that replaces the Authorization header with vLLM's key (none when
+    `key` is None) and turns the engine's 401 into `refused`."""
 
     def __init__(self, inner: DataPlane, key: EngineKey | None) -> None:
         self._inner = inner
@@ -102,11 +103,3 @@ def refused(configured: bool) -> ApiError:
         message = ("the inference engine requires an API key (HTTP 401): give the sidecar "
                    "vLLM's key with --engine-api-key-file or $VLLM_API_KEY")
     return ApiError(502, errors.UPSTREAM_ERROR, message)
-
-
-def use_engine_key(upstream: Upstream, key: EngineKey | None) -> None:
-    """Send `key` on all of `upstream`'s calls, and explain the engine's 401s."""
-    upstream.pool = _KeyedPlane(upstream.pool, key)
-    upstream.client.headers.pop("authorization", None)
-    if key is not None:
-        upstream.client.headers["authorization"] = key.header.decode("latin-1")

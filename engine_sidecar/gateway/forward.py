@@ -28,6 +28,7 @@ import httpx
 from starlette.types import Receive, Send
 
 from engine_sidecar.gateway import errors, upstream_http
+from engine_sidecar.gateway.engine_auth import EngineKey, KeyedPlane
 from engine_sidecar.gateway.errors import ApiError, sse_error_event
 from engine_sidecar.gateway.upstream_http import (
     UpstreamConnectError,
@@ -125,6 +126,10 @@ def upstream_error(exc: BaseException, timeout: float) -> tuple[ApiError, str]:
 
 
 class Upstream:
+    """The local engine: `pool` for the data plane, `client` for control calls. Both
+    send `engine_key` (vLLM's --api-key, `engine_auth`) and never a client's
+    credentials; an engine that answers 401 is explained (`engine_auth.refused`)."""
+
     def __init__(
         self,
         base_url: str,
@@ -133,33 +138,38 @@ class Upstream:
         connect_timeout: float = 5.0,
         on_error: Callable[[str], None] | None = None,
         data_plane: str = "auto",
+        engine_key: EngineKey | None = None,
     ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"--upstream must be an http:// URL of the local engine, "
                              f"got {base_url!r}")
         self.request_timeout = request_timeout
+        self.base_url = base_url.rstrip("/")
         no_cookies = http.cookiejar.CookieJar(
             policy=http.cookiejar.DefaultCookiePolicy(allowed_domains=[])
         )
         self.client = httpx.AsyncClient(
-            base_url=base_url.rstrip("/"),
+            base_url=self.base_url,
             timeout=httpx.Timeout(request_timeout, connect=connect_timeout),
             cookies=no_cookies,
             trust_env=False,  # never route engine traffic through an env proxy
             follow_redirects=False,
+            headers=None if engine_key is None else {
+                "authorization": engine_key.header.decode("latin-1")},
         )
-        self.pool: DataPlane
+        plane: DataPlane
         if data_plane == "httpx" or (data_plane == "auto" and not upstream_http.AVAILABLE):
             if data_plane == "auto":
                 logger.warning("httptools is not installed: streaming through httpx, which "
                                "costs several times more CPU per token chunk; install "
                                "uvicorn[standard]")
-            self.pool = HttpxPool(self.client)
+            plane = HttpxPool(self.client)
         else:
-            self.pool = UpstreamPool(parts.hostname, parts.port or 80,
-                                     connect_timeout=connect_timeout,
-                                     read_timeout=request_timeout)
+            plane = UpstreamPool(parts.hostname, parts.port or 80,
+                                 connect_timeout=connect_timeout,
+                                 read_timeout=request_timeout)
+        self.pool: DataPlane = KeyedPlane(plane, engine_key)
         self._on_error = on_error
 
     async def aclose(self) -> None:
