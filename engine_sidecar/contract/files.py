@@ -1,14 +1,18 @@
 """The files the engine pod's containers share: written whole, watched by signature.
 
 The sidecar writes the policy and the plugin its stats with `write_atomically`, so a
-reader sees the old or the new content, never a torn file. Readers poll
-`signature(path)` and read again only when it changed.
+reader sees the old or the new content, never a torn file. Readers poll with a
+`FileWatch` (or compare `signature(path)` themselves) and read again only when it
+changed: an atomic replace, an in-place rewrite and kubelet's symlink swap of a
+mounted ConfigMap or Secret all change it.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 Signature = tuple[int, int, int]  # (inode, size, mtime ns): an atomic replace changes it
@@ -37,3 +41,39 @@ def signature(path: str | Path) -> Signature | None:
     except FileNotFoundError:
         return None
     return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+class FileWatch:
+    """One file, polled: `look()` says whether it changed since the previous look.
+
+    `due()` throttles the looks to one per `interval` seconds of `clock`. `signature`
+    is the latest look's (None: the file was missing).
+    """
+
+    def __init__(self, path: str | Path, *, interval: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.path = Path(path)
+        self.interval = interval
+        self.clock = clock
+        self.signature: Signature | None = None
+        self._next = -float("inf")
+
+    def due(self) -> bool:
+        """True at most once per `interval`: time for a look."""
+        now = self.clock()
+        if now < self._next:
+            return False
+        self._next = now + self.interval
+        return True
+
+    def look(self) -> bool:
+        """Whether the file appeared, changed or disappeared since the previous look. An
+        error other than a missing file (permissions) raises `OSError` and counts as
+        missing for the next look."""
+        try:
+            current = signature(self.path)
+        except OSError:
+            self.signature = None
+            raise
+        changed, self.signature = current != self.signature, current
+        return changed

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from engine_sidecar.contract import files
+from engine_sidecar.contract import errors, files
 from engine_sidecar.contract.files import write_atomically
 from engine_sidecar.contract.policy import EnginePolicy, Isolation
 from engine_sidecar.gateway.auth import Authenticator, KeyFileError
@@ -211,11 +211,7 @@ class PolicyHolder:
 def _first_lines(exc: Exception, limit: int = 6) -> str:
     """`tenants.acme.maxBlocks: ...` per problem, without pydantic's URLs and inputs."""
     if isinstance(exc, ValidationError):
-        problems = [
-            f"{'.'.join(str(p) for p in e['loc']) or '(document)'}: {e['msg']}"
-            for e in exc.errors(include_url=False, include_input=False)
-        ]
-        text = "; ".join(problems[:limit])
+        text = "; ".join(errors.problems(exc)[:limit])
     else:
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return text[:1000]

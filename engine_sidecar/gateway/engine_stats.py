@@ -35,8 +35,7 @@ class EngineStatsReader:
         self.clock = clock
         self.error: str | None = None
         self._stats: EngineStats | None = None
-        self._signature: files.Signature | None = None
-        self._checked_at = float("-inf")
+        self._watch = files.FileWatch(path or "", interval=min_interval)
 
     def current(self) -> EngineStats | None:
         """The latest readable stats; None if the plugin has published none, or none
@@ -60,18 +59,16 @@ class EngineStatsReader:
         """The latest readable stats, however old."""
         if self.path is None:
             return None
-        now = time.monotonic()
-        if now - self._checked_at < self.min_interval:
+        if not self._watch.due():
             return self._stats
-        self._checked_at = now
         try:
-            signature = files.signature(self.path)
+            changed = self._watch.look()
         except OSError:
-            signature = None
-        if signature is None:
-            self._stats, self._signature = None, None
+            changed = True
+        if self._watch.signature is None:
+            self._stats = None
             return None
-        if signature == self._signature:
+        if not changed:
             return self._stats
         try:
             self._stats = EngineStats.model_validate_json(self.path.read_bytes())
@@ -79,5 +76,4 @@ class EngineStatsReader:
         except (OSError, ValidationError, ValueError) as exc:
             # Keep the previous stats: a transient read error must not flip admission.
             self.error = f"unreadable engine stats: {type(exc).__name__}"
-        self._signature = signature
         return self._stats

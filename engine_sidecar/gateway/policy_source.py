@@ -38,32 +38,29 @@ class FilePolicySource:
         self.path = path
         self.interval = interval
         self.description = f"file {path}"
+        self._watch = files.FileWatch(path)
 
-    def _signature(self) -> files.Signature | None:
+    def poll(self, holder: PolicyHolder) -> None:
+        """One check: offer the file to the holder if it changed."""
         try:
-            return files.signature(self.path)
+            changed = self._watch.look()
         except OSError:
-            return None
-
-    def poll(self, holder: PolicyHolder, last: object) -> object:
-        """One check; returns the signature to compare with next time."""
-        signature = self._signature()
-        if signature is None:
+            changed = True
+        if self._watch.signature is None:
             holder.report(f"policy file {self.path} not found")
-        elif signature != last:
+        elif changed:
             try:
                 raw = self.path.read_bytes()
             except OSError as exc:
+                self._watch.signature = None  # read it again next time
                 holder.report(f"cannot read policy file {self.path}: {exc.strerror}")
-                return None
+                return
             holder.offer(raw, f"file {self.path.name}")
         holder.refresh_secrets()
-        return signature
 
     async def run(self, holder: PolicyHolder) -> None:
-        last: object = None
         while True:
-            last = self.poll(holder, last)
+            self.poll(holder)
             await asyncio.sleep(self.interval)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from engine_sidecar.contract import files
+from engine_sidecar.contract import errors, files
 from engine_sidecar.contract.names import ENGINE_NAME_ENV
 from engine_sidecar.contract.policy import EnginePolicy
 
@@ -47,12 +47,9 @@ class PolicyWatcher:
         self.path = Path(path) if path else None
         self.engine = engine or os.environ.get(ENGINE_NAME_ENV) or None
         self.log = log
-        self.interval = interval
-        self.clock = clock
         self.policy: EnginePolicy | None = None
         self.error: str | None = None
-        self._signature: files.Signature | None = None
-        self._next_poll = -float("inf")
+        self._watch = files.FileWatch(self.path or "", interval=interval, clock=clock)
 
     @property
     def version(self) -> str | None:
@@ -64,24 +61,19 @@ class PolicyWatcher:
         """Reload if due and changed; True when a new policy was applied."""
         if self.path is None:
             return False
-        now = self.clock()
-        if not force and now < self._next_poll:
+        if not self._watch.due() and not force:
             return False
-        self._next_poll = now + self.interval
         try:
-            signature = files.signature(self.path)
+            changed = self._watch.look()
         except OSError as exc:
             self._fail(f"cannot stat policy file {self.path}: {exc.strerror or exc}")
             return False
-        if signature is None:
-            if self._signature is not None:
-                self._signature = None
-                if self.policy is not None:
-                    self._fail(f"policy file {self.path} is missing")
+        if not changed:
             return False
-        if signature == self._signature:
+        if self._watch.signature is None:
+            if self.policy is not None:
+                self._fail(f"policy file {self.path} is missing")
             return False
-        self._signature = signature
         return self._load()
 
     def _load(self) -> bool:
@@ -93,10 +85,7 @@ class PolicyWatcher:
             self._fail(f"cannot read policy file {self.path}: {exc.strerror or exc}")
             return False
         except ValidationError as exc:
-            errors = exc.errors()
-            where = ".".join(str(part) for part in errors[0]["loc"]) if errors else ""
-            msg = errors[0]["msg"] if errors else str(exc)
-            detail = f"{where}: {msg}" if where else msg
+            detail = (errors.problems(exc) or [str(exc)])[0]
             self._fail(f"invalid policy file {self.path} ({exc.error_count()} errors; {detail})")
             return False
         except ValueError as exc:

@@ -36,22 +36,22 @@ def test_file_source_validates_swaps_and_writes_for_the_plugin(
     source = FilePolicySource(source_file)
     first = make_policy(tenant("acme", max_tokens=16))
     write_policy(source_file, first)
-    signature = source.poll(holder, None)
+    source.poll(holder)
     assert holder.active is not None and holder.active.version == first.version
     assert EnginePolicy.from_json(plugin_file.read_text()) == first
 
     source_file.write_text("{not json")
-    signature = source.poll(holder, signature)
+    source.poll(holder)
     assert holder.active.version == first.version and "invalid EnginePolicy" in str(holder.error)
     assert EnginePolicy.from_json(plugin_file.read_text()) == first  # plugin keeps it too
 
     source_file.unlink()
-    signature = source.poll(holder, signature)
+    source.poll(holder)
     assert "not found" in str(holder.error) and holder.active.version == first.version
 
     second = make_policy(tenant("acme", max_tokens=32))
     write_policy(source_file, second)
-    source.poll(holder, signature)
+    source.poll(holder)
     assert holder.error is None and holder.active.version == second.version
     assert EnginePolicy.from_json(plugin_file.read_text()) == second
 

@@ -35,6 +35,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from engine_sidecar.contract import errors
 from engine_sidecar.contract.policy import TENANT_ID_PATTERN, EnginePolicy, Isolation, Tier
 from kvquota.api import (
     InferencePoolSpec,
@@ -502,12 +503,8 @@ def _merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _format_errors(source: str, exc: ValidationError) -> str:
-    lines = [f"invalid scenario {source}:"]
-    for err in exc.errors():
-        loc = ".".join(str(part) for part in err["loc"])
-        message = str(err["msg"]).removeprefix("Value error, ")
-        lines.append(f"  {loc or '(top level)'}: {message}")
-    return "\n".join(lines)
+    lines = errors.problems(exc, top="(top level)")
+    return "\n  ".join([f"invalid scenario {source}:", *lines])
 
 
 def parse_scenario(

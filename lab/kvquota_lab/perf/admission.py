@@ -101,7 +101,7 @@ async def _measure(args: argparse.Namespace, upstream: str, workdir: Path) -> No
     gateway = Gateway(GatewayConfig(upstream=upstream, secrets_dir=secrets_dir),
                       FilePolicySource(policy_file))
     assert gateway.policy_source is not None
-    gateway.policy_source.poll(gateway.holder, None)  # type: ignore[attr-defined]
+    gateway.policy_source.poll(gateway.holder)  # type: ignore[attr-defined]
     await gateway.monitor.probe(gateway.upstream.client)
     gateway.token_counter = counter = gateway.load_tokenizer(args.tokenizer)
     active = gateway._active()
