@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvquota_lab.percentile import percentile
+
 TARGET_RENDER_S = 1.0
 TARGET_BURST_S = 5.0
 TARGET_P99_S = 1.0
@@ -255,18 +257,13 @@ def report(line: str) -> None:
 def report_edits(tenants: int, samples: list[float]) -> None:
     if not samples:
         return
-    p50, p99 = _percentile(samples, 0.50), _percentile(samples, 0.99)
+    p50, p99 = percentile(samples, 50) or 0.0, percentile(samples, 99) or 0.0
     slowest = sorted(range(len(samples)), key=samples.__getitem__)[-3:]
     report("slowest edits (index: ms): "
            + ", ".join(f"{i}: {samples[i] * 1000:.0f}" for i in reversed(slowest)))
     report(f"change-to-ConfigMap over {len(samples)} edits at {tenants} tenants: "
            f"p50 {p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms, "
            f"max {max(samples) * 1000:.0f} ms (target p99 < {TARGET_P99_S * 1000:.0f} ms)")
-
-
-def _percentile(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
 
 
 def main(argv: list[str] | None = None) -> int:

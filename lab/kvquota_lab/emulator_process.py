@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -23,12 +22,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-
-def free_port() -> int:
-    """A port nobody listens on now (the child binds it a moment later)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from kvquota_lab.processes import free_port
 
 
 def write_kubeconfig(path: Path, server: str) -> Path:

@@ -23,6 +23,7 @@ from engine_sidecar.contract.names import PLUGIN_CLASS, POLICY_PATH_ENV, STATS_P
 
 
 def free_port() -> int:
+    """A port nobody listens on now (the child binds it a moment later)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass, field
 
 from kvquota_lab.loadgen import Result
+from kvquota_lab.percentile import percentile
 
 
 @dataclass
@@ -44,14 +44,6 @@ class TierSummary:
     def queued(self) -> int:
         """Admitted after waiting in the sidecar's queue (x-kvquota-queue-ms > 0)."""
         return sum(1 for ms in self.queue_ms if ms > 0)
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
 PREMIUM_FIRST, PREMIUM, FREE = "premium_first", "premium", "free"

@@ -26,7 +26,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvquota_lab.summary import FREE, PREMIUM, PREMIUM_FIRST, TierSummary, percentile
+from kvquota_lab.percentile import percentile
+from kvquota_lab.summary import FREE, PREMIUM, PREMIUM_FIRST, TierSummary
 
 POLICY_RUN, STOCK_RUN = "KVQuota (policy on)", "stock vLLM (FCFS)"
 

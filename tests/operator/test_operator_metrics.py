@@ -14,7 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvquota import metrics
 from kvquota.cli import main
-from kvquota_lab.emulator_process import OperatorProcess, free_port
+from kvquota_lab.emulator_process import OperatorProcess
+from kvquota_lab.processes import free_port
 
 Labels = frozenset[tuple[str, str]]
 

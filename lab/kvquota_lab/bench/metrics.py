@@ -8,13 +8,13 @@ client retried pays for the wait, as its user would.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from engine_sidecar.contract.policy import Tier
 from kvquota_lab.bench.occupancy import Occupancy
 from kvquota_lab.bench.scenario import TIER_ORDER, Scenario
+from kvquota_lab.percentile import percentile
 
 Status = Literal["ok", "rejected", "failed", "unfinished"]
 CDF_POINTS = 101
@@ -101,16 +101,6 @@ class RunResult:
     # Preemptions of requests that decoded past their reserved output estimate, per
     # tier, from the plugin's stats; None: not a KVQuota run.
     outgrown_by_tier: dict[str, int] | None = None
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear-interpolated percentile (numpy's default), None for no data."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100.0
-    low, high = math.floor(rank), math.ceil(rank)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def _r(value: float | None, digits: int = 4) -> float | None:

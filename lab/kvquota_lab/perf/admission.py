@@ -37,11 +37,11 @@ from pathlib import Path
 from typing import Any
 
 from engine_sidecar.gateway import server
+from kvquota_lab.percentile import percentile
 from kvquota_lab.perf.sidecar import (
     BENCH_TENANT,
     UNIQUE,
     Setup,
-    _pct,
     _start_stub,
     _write_policy,
     chat_body,
@@ -70,8 +70,9 @@ def add_parser(sub: Any) -> None:
 
 
 def _us(samples: list[float]) -> str:
-    return (f"p50 {_pct(samples, 50) * 1e6:7.0f}  mean "
-            f"{statistics.fmean(samples) * 1e6:7.0f}  p90 {_pct(samples, 90) * 1e6:7.0f}")
+    p50, p90 = percentile(samples, 50) or 0.0, percentile(samples, 90) or 0.0
+    return (f"p50 {p50 * 1e6:7.0f}  mean "
+            f"{statistics.fmean(samples) * 1e6:7.0f}  p90 {p90 * 1e6:7.0f}")
 
 
 async def _never() -> dict[str, Any]:

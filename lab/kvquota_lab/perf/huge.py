@@ -31,12 +31,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvquota_lab.percentile import percentile
 from kvquota_lab.perf.sidecar import (
     BENCH_TENANT,
     Connection,
     Sample,
     Setup,
-    _pct,
     _spawn,
     _start_sidecar,
     _start_stub,
@@ -145,7 +145,7 @@ async def _victim(url: str, token: str, rate: float, seconds: float) -> list[Sam
 
 def _summary(samples: list[Sample]) -> dict[str, float]:
     ttft = [s.ttft * 1000 for s in samples]
-    return {"n": len(ttft), "p50": statistics.median(ttft), "p99": _pct(ttft, 99),
+    return {"n": len(ttft), "p50": statistics.median(ttft), "p99": percentile(ttft, 99) or 0.0,
             "max": max(ttft)}
 
 

@@ -39,6 +39,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from kvquota_lab.percentile import percentile
+from kvquota_lab.processes import free_port
+
 CONCURRENCY = (1, 16, 64, 256)
 
 
@@ -335,12 +338,6 @@ class Proc:
                 self.popen.wait(5)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _spawn(name: str, argv: list[str], workdir: Path, env: dict[str, str] | None = None,
            cwd: Path | None = None) -> Proc:
     log = workdir / f"{name}.log"
@@ -415,12 +412,12 @@ def _start_sidecar(setup: Setup, upstream: str, model: str, tokenizer: str | Non
                    extra: list[str] | None = None) -> tuple[str, dict[str, str], Proc]:
     """A `kvquota sidecar` process; `code`: run the sidecar of another source tree
     (e.g. `git archive` of an older commit)."""
-    port = _free_port()
+    port = free_port()
     home = setup.workdir / f"sidecar-{port}"
     home.mkdir()
     policy_file, secrets_dir, tokens = _write_policy(home, model, tenants)
     argv = [*_pinned(cpu), sys.executable, "-m", "engine_sidecar.cli", "sidecar",
-            "--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{_free_port()}",
+            "--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{free_port()}",
             "--upstream", upstream,
             "--policy-file", str(policy_file), "--secrets-dir", str(secrets_dir),
             "--log-level", "warning"]
@@ -439,7 +436,7 @@ def _pinned(cpu: str | None) -> list[str]:
 
 
 def _start_stub(setup: Setup, args: argparse.Namespace) -> str:
-    port = _free_port()
+    port = free_port()
     argv = [*_pinned(getattr(args, "others_cpu", None)), sys.executable, "-m",
             "kvquota_lab.perf.sidecar", "serve-stub",
             "--port", str(port), "--ttft-ms", str(args.stub_ttft_ms),
@@ -456,7 +453,7 @@ def _start_stub(setup: Setup, args: argparse.Namespace) -> str:
 
 
 def _start_engine(setup: Setup, model: str) -> str:
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
             "--block-size", "32", "--disable-log-stats", "--enable-prefix-caching"]
@@ -469,12 +466,6 @@ def _start_engine(setup: Setup, model: str) -> str:
 
 
 # ---------------------------------------------------------------- measuring
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
-
 
 @dataclass
 class Row:
@@ -491,7 +482,7 @@ class Row:
             for metric in ("ttft", "total"):
                 values = [getattr(s, metric) * 1000 for s in samples]
                 out[f"{name}_{metric}_p50"] = statistics.median(values)
-                out[f"{name}_{metric}_p99"] = _pct(values, 99)
+                out[f"{name}_{metric}_p99"] = percentile(values, 99) or 0.0
         for metric in ("ttft", "total"):
             for q in ("p50", "p99"):
                 out[f"added_{metric}_{q}"] = (out[f"sidecar_{metric}_{q}"]
