@@ -32,9 +32,8 @@ from kvquota.capacity import (
 )
 from kvquota.conditions import Want
 from kvquota.demand_split import SplitInputs, Splits, engine_overrides
-from kvquota.policy_text import RenderedPolicy, RenderedTenant, render_tenant
 from kvquota.rebalance import TenantTotals
-from kvquota.render import compose_policy
+from kvquota.render import RenderedPolicy, RenderedTenant, compose_policy, render_tenant
 from kvquota.resolve import effective_settings, tenant_policy
 
 ObjKey = tuple[str, str]  # (namespace, name)

@@ -31,11 +31,11 @@ from engine_sidecar.contract.policy import EnginePolicy
 from kvquota import metrics
 from kvquota.api import InferencePoolSpec, LabelSelector
 from kvquota.conditions import Want
+from kvquota.configmap import HASH_ANNOTATION, build_configmap, configmap_name
 from kvquota.demand_split import PoolSplit, moved_tenants_split
 from kvquota.engines import gateway_selector
 from kvquota.plan import ObjKey, PlanMemo, PoolPlan, TenantPlan, plan_pool
-from kvquota.policy_text import RenderedPolicy
-from kvquota.render import HASH_ANNOTATION, build_configmap, configmap_name
+from kvquota.render import RenderedPolicy
 from kvquota.status import (
     POOL_FIELDS,
     TENANT_FIELDS,

@@ -1,22 +1,27 @@
-"""Build the per-pool EnginePolicy and the ConfigMap that carries it to the engines.
+"""A pool's EnginePolicy, assembled from its spec and per-tenant pieces serialised once.
 
-Pure builders: the operator writes what these return, local mode writes the JSON to
-a file, and tests assert on both without an API server.
+Pure: the operator puts what `compose_policy` returns in the pool's ConfigMap
+(`kvquota.configmap`), local mode writes its JSON to a file, and tests assert on both.
+
+Hashing and serialising a policy of 1,000 tenants whole costs tens of milliseconds,
+and an edit changes one tenant. Each tenant's entry is serialised once, when it
+changes (`render_tenant`), in the two forms a policy needs: the canonical JSON its
+version hashes (`EnginePolicy.content_hash`: sorted keys, no spaces) and the indented
+JSON the ConfigMap carries (`EnginePolicy.to_json`). `compose` then joins the pieces:
+the same version and the same text, character for character, as the whole policy
+would give (tests compare both), for the cost of a string join.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from engine_sidecar.contract.names import (
-    API_VERSION,
-    GROUP,
-    POLICY_CONFIGMAP_SUFFIX,
-    POLICY_FILE,
-    POOL_LABEL,
-)
+from pydantic import TypeAdapter
+
 from engine_sidecar.contract.policy import (
     AnonymousPolicy,
     AuthPolicy,
@@ -26,25 +31,82 @@ from engine_sidecar.contract.policy import (
     ReservationMode,
     TenantPolicy,
     Tier,
+    version_of,
 )
 from kvquota.api import AuthSpec, InferencePoolSpec
-from kvquota.policy_text import RenderedPolicy, RenderedTenant, compose, render_tenant
-from kvquota.policy_text import tenant_digest as tenant_digest  # re-exported
 
-HASH_ANNOTATION = f"{GROUP}/policy-hash"
-MANAGED_BY = {"app.kubernetes.io/managed-by": "kvquota", "app.kubernetes.io/component": "policy"}
-_MAX_NAME = 253
+_CANONICAL: dict[str, Any] = {"sort_keys": True, "separators": (",", ":")}
+_ENTRIES = TypeAdapter(dict[str, TenantPolicy])
+_EMPTY_TENANTS = '\n  "tenants": {}'  # how to_json writes the field of a policy without tenants
+_NEST = "  "  # to_json's indent: an entry of `tenants` sits one level below the top
 
 
-def configmap_name(pool_name: str) -> str:
-    """`<pool>-kvquota-policy`; a pool name near the 253-character limit is shortened
-    with a hash so two long names never collide."""
-    name = pool_name + POLICY_CONFIGMAP_SUFFIX
-    if len(name) <= _MAX_NAME:
-        return name
-    digest = hashlib.sha256(pool_name.encode()).hexdigest()[:8]
-    suffix = POLICY_CONFIGMAP_SUFFIX
-    return f"{pool_name[: _MAX_NAME - len(suffix) - 9]}-{digest}{suffix}"
+@dataclass(frozen=True)
+class RenderedTenant:
+    """One tenant's policy entry and its serialised forms."""
+
+    policy: TenantPolicy
+    canonical: str  # `"id":{...}` as in the policy's canonical JSON
+    indented: str  # `    "id": {...}` as in the policy's to_json(), without a separator
+    digest: str  # `tenant_digest` of the entry
+
+
+@dataclass(frozen=True)
+class RenderedPolicy:
+    policy: EnginePolicy  # versioned
+    text: str  # policy.to_json()
+
+
+def tenant_digest(tenant: TenantPolicy) -> str:
+    """Identifies one tenant's rendered settings across policy versions."""
+    raw = tenant.model_dump_json(by_alias=True).encode()
+    return hashlib.sha256(raw).hexdigest()[:16]
+
+
+def render_tenant(policy: TenantPolicy) -> RenderedTenant:
+    tenant_id = policy.tenant_id
+    canonical = json.dumps({tenant_id: policy.model_dump(mode="json", by_alias=True)},
+                           **_CANONICAL)[1:-1]
+    alone = _ENTRIES.dump_json({tenant_id: policy}, by_alias=True, indent=2).decode()
+    lines = alone.split("\n")[1:-1]  # the entry, without the braces around it
+    indented = "\n".join(_NEST + line for line in lines)
+    return RenderedTenant(policy, canonical, indented, tenant_digest(policy))
+
+
+def compose(
+    head: EnginePolicy, tenants: Iterable[RenderedTenant],
+    engines: Mapping[str, Mapping[str, EngineShare]] | None = None,
+) -> RenderedPolicy:
+    """`head` (a policy's settings; its tenants, engines and version are ignored) with
+    `tenants` sorted by tenant id (the last one of an id counts) and the per-engine
+    overrides `engines` (pod -> tenant id -> share; sorted, empty ones dropped: they
+    are few, so they are serialised whole), versioned."""
+    by_id = {t.policy.tenant_id: t for t in tenants}
+    entries = [by_id[tenant_id] for tenant_id in sorted(by_id)]
+    overrides = {pod: {tid: shares[tid] for tid in sorted(shares)}
+                 for pod, shares in sorted((engines or {}).items()) if shares}
+    unknown = sorted({tid for shares in overrides.values() for tid in shares} - set(by_id))
+    if unknown:
+        raise ValueError(f"per-engine overrides for tenants not in the policy: {unknown[:5]}")
+    head = head.model_copy(update={"engines": overrides})
+    body = head.model_dump(mode="json", by_alias=True, exclude={"version", "tenants"})
+    body["tenants"] = None  # a placeholder, for its place among the sorted keys
+    canonical_tenants = "{" + ",".join(t.canonical for t in entries) + "}"
+    canonical = "{" + ",".join(
+        json.dumps(key) + ":" + (canonical_tenants if key == "tenants"
+                                 else json.dumps(value, **_CANONICAL))
+        for key, value in sorted(body.items())) + "}"
+    policy = head.model_copy(update={
+        "tenants": {t.policy.tenant_id: t.policy for t in entries},
+        "version": version_of(canonical),
+    })
+    text = policy.model_copy(update={"tenants": {}}).to_json()
+    if entries:
+        if text.count(_EMPTY_TENANTS) != 1:
+            raise RuntimeError("EnginePolicy.to_json() no longer writes `tenants` as expected")
+        text = text.replace(_EMPTY_TENANTS, '\n  "tenants": {\n'
+                            + ",\n".join(t.indented for t in entries) + "\n  }")
+    return RenderedPolicy(policy, text)
 
 
 def render_auth(auth: AuthSpec) -> AuthPolicy:
@@ -111,35 +173,3 @@ def render_reservation(spec: InferencePoolSpec) -> dict[Tier, ReservationMode]:
     """The tiers whose reservation the pool sets; the others reserve the default."""
     modes = {tier: getattr(spec.tiers, tier.value).reservation for tier in Tier}
     return {tier: mode for tier, mode in modes.items() if mode is not None}
-
-
-def build_configmap(
-    namespace: str, name: str, uid: str | None, policy: EnginePolicy | RenderedPolicy
-) -> dict[str, Any]:
-    """The ConfigMap owned by the pool (deleted with it by the garbage collector).
-    A `RenderedPolicy` brings its JSON; an EnginePolicy is serialised here."""
-    text = policy.text if isinstance(policy, RenderedPolicy) else policy.to_json()
-    if isinstance(policy, RenderedPolicy):
-        policy = policy.policy
-    metadata: dict[str, Any] = {
-        "name": configmap_name(name),
-        "namespace": namespace,
-        "labels": {**MANAGED_BY, POOL_LABEL: name},
-        "annotations": {HASH_ANNOTATION: policy.version},
-    }
-    if uid:
-        metadata["ownerReferences"] = [
-            {
-                "apiVersion": API_VERSION,
-                "kind": "InferencePool",
-                "name": name,
-                "uid": uid,
-                "controller": True,
-            }
-        ]
-    return {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": metadata,
-        "data": {POLICY_FILE: text + "\n"},
-    }

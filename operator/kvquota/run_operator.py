@@ -1,10 +1,7 @@
 """`kvquota operator`: run the operator against a cluster, or in local mode on files.
 
-Cluster mode runs kopf with the handlers of `kvquota.handlers`. Settings are fixed
-on day one in `configure_settings` (called from the startup handler): progress and
-diff-base live in annotations under our own prefix, the finalizer is ours, watch and
-request timeouts are bounded, and CRD scanning is off (discovery happens once at
-startup, so RBAC needs no access to CustomResourceDefinitions).
+Cluster mode runs kopf with the handlers of `kvquota.handlers`, under the settings
+of `kvquota.settings` (fixed on day one; the startup handler applies them).
 
 High availability: run several replicas with kopf peering (peering name `kvquota`;
 cluster-wide, or per namespace with `--namespace`). The replica with the highest
@@ -34,44 +31,11 @@ import argparse
 import logging
 from typing import TYPE_CHECKING
 
-from engine_sidecar.contract.names import GROUP
+from kvquota.settings import PEERING_NAME
 
 if TYPE_CHECKING:
-    import kopf
-
     from kvquota.inject.webhook import WebhookConfig
     from kvquota.runtime import OperatorConfig
-
-PEERING_NAME = "kvquota"
-FINALIZER = f"{GROUP}/finalizer"
-
-
-def configure_settings(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
-    """kopf settings that must never change between releases (changing the storage
-    later would make kopf re-handle every object as new)."""
-    import kopf
-
-    settings.persistence.finalizer = FINALIZER
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=GROUP, key="last-handled-configuration"
-    )
-    settings.watching.server_timeout = 270
-    settings.watching.client_timeout = 300
-    settings.watching.connect_timeout = config.timeouts.connect
-    settings.networking.connect_timeout = config.timeouts.connect
-    settings.networking.request_timeout = config.timeouts.read
-    settings.scanning.disabled = True
-    # kopf posts its own log lines as Events too, at INFO two per handled change ("Handler
-    # 'pool_changed' succeeded", "Updating is processed"): API calls (thousands in a
-    # burst) that tell a user nothing. Warnings and errors are still posted; the
-    # operator's own Events (kopf.event) do not depend on this level.
-    settings.posting.level = logging.WARNING
-    settings.posting.reporting_component = "kvquota-operator"
-    settings.posting.event_name_prefix = "kvquota-"
-    settings.peering.name = PEERING_NAME
-    settings.peering.lifetime = config.peering_lifetime
-
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(

@@ -8,8 +8,8 @@ from typing import Any
 from operator_harness import Cluster
 from operator_objects import condition, pool, quota
 
-from kvquota.render import configmap_name
-from kvquota.run_operator import FINALIZER
+from kvquota.configmap import configmap_name
+from kvquota.settings import FINALIZER
 from kvquota_lab.emulator import OperatorRunner
 
 CM = configmap_name("demo-pool")

@@ -23,10 +23,10 @@ from operator_objects import pool, quota
 from test_operator_metrics import samples, value
 
 from engine_sidecar.contract.names import POLICY_FILE
-from kvquota.render import configmap_name
+from kvquota.configmap import configmap_name
 from kvquota_lab.emulator_process import OperatorProcess
 
-PEERING = "kvquota"  # kvquota.run_operator.PEERING_NAME
+PEERING = "kvquota"  # kvquota.settings.PEERING_NAME
 # A short lease so the test waits seconds, not a minute. kopf renews an entry every
 # max(1, lifetime - 5..10) s, i.e. every second here.
 LIFETIME = 4

@@ -12,9 +12,8 @@ from engine_sidecar.contract.policy import EnginePolicy, EngineShare, TenantPoli
 from engine_sidecar.contract.stats import SidecarStatus, TenantCounters, TenantStatus, TenantUsage
 from kvquota.api import InferencePoolSpec
 from kvquota.demand_split import PoolSplit, SplitInputs, engine_overrides
-from kvquota.policy_text import render_tenant
 from kvquota.rebalance import EngineSplit, TenantTotals
-from kvquota.render import compose_policy
+from kvquota.render import compose_policy, render_tenant
 
 SPEC = InferencePoolSpec.model_validate(pool()["spec"])
 

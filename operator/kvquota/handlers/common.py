@@ -1,4 +1,5 @@
-"""Helpers shared by the per-kind handler modules."""
+"""What the per-kind handler modules share: the process-wide `Runtime` (built once in
+the startup handler, kept in kopf's `memo`, closed at cleanup) and small helpers."""
 
 from __future__ import annotations
 
@@ -6,15 +7,26 @@ import asyncio
 import copy
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from engine_sidecar.contract.names import GROUP, VERSION
+from kvquota.quota_changes import QuotaChanges
+from kvquota.runtime import OperatorConfig
+
+if TYPE_CHECKING:
+    import httpx
+
+    from kvquota.kube import KubeApi
+    from kvquota.metrics import MetricsServer
+    from kvquota.reconciler import PoolReconciler
 
 BACKOFF = 5.0  # seconds before kopf retries a failed handler
 KEPT_METADATA = ("name", "namespace", "uid", "generation", "resourceVersion",
                  "creationTimestamp", "deletionTimestamp")
 
-__all__ = ["BACKOFF", "GROUP", "VERSION", "deleted", "retrying", "snapshot"]
+__all__ = ["BACKOFF", "GROUP", "VERSION", "Runtime", "build_runtime", "deleted", "retrying",
+           "runtime_of", "snapshot"]
 
 
 def deleted(type: str, **_: Any) -> bool:
@@ -50,3 +62,39 @@ async def retrying(
                 raise
             logger.warning("reconcile failed, retrying", exc_info=True)
             await asyncio.sleep(min(2**attempt, BACKOFF))
+
+
+@dataclass
+class Runtime:
+    config: OperatorConfig
+    kube: KubeApi
+    http: httpx.AsyncClient
+    reconciler: PoolReconciler
+    metrics: MetricsServer | None = None
+    quota_changes: QuotaChanges = field(default_factory=QuotaChanges)
+
+    async def aclose(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+        await self.http.aclose()
+
+
+def build_runtime(config: OperatorConfig) -> Runtime:
+    import httpx
+
+    from kvquota.engines import EnginePoller
+    from kvquota.kube import KubeApi, api_client
+    from kvquota.metrics import MetricsServer
+    from kvquota.reconciler import PoolReconciler
+
+    kube = KubeApi(api_client(config.api_server), config.timeouts)
+    # Pod IPs are cluster-internal: no proxies from the environment, no cookies.
+    http = httpx.AsyncClient(trust_env=False, follow_redirects=False)
+    poller = EnginePoller(kube, http, config.engine_timeout, config.clock)
+    served = MetricsServer(*config.metrics_address) if config.metrics_address else None
+    return Runtime(config, kube, http, PoolReconciler(kube, poller, config), served)
+
+
+def runtime_of(memo: Any) -> Runtime:
+    runtime: Runtime = memo.runtime
+    return runtime

@@ -9,7 +9,9 @@ from typing import Any
 
 import kopf
 
-from kvquota.runtime import OperatorConfig, Runtime, build_runtime, runtime_of
+from kvquota.handlers.common import Runtime, build_runtime, runtime_of
+from kvquota.runtime import OperatorConfig
+from kvquota.settings import configure_settings
 
 
 @kopf.on.startup()
@@ -21,8 +23,6 @@ async def start(
     logger: kopf.Logger,
     **_: Any,
 ) -> None:
-    from kvquota.run_operator import configure_settings
-
     config: OperatorConfig = memo.get("config") or OperatorConfig()
     configure_settings(settings, config)
     runtime = build_runtime(config)

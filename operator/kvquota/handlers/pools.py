@@ -16,10 +16,17 @@ from typing import Any
 
 import kopf
 
-from kvquota.handlers.common import BACKOFF, GROUP, VERSION, deleted, retrying, snapshot
+from kvquota.handlers.common import (
+    BACKOFF,
+    GROUP,
+    VERSION,
+    deleted,
+    retrying,
+    runtime_of,
+    snapshot,
+)
 from kvquota.metrics import timed_reconcile
 from kvquota.reconciler import POOLS, PoolKey
-from kvquota.runtime import runtime_of
 
 KIND = "InferencePool"
 TICK_SECONDS = 0.5  # timer resolution; the poll interval itself is OperatorConfig's

@@ -25,11 +25,10 @@ from typing import Any
 
 import kopf
 
-from kvquota.handlers.common import GROUP, VERSION, retrying, snapshot
+from kvquota.handlers.common import GROUP, VERSION, retrying, runtime_of, snapshot
 from kvquota.metrics import timed_reconcile
 from kvquota.quota_changes import QuotaChanges, pool_name
 from kvquota.reconciler import TENANTS, PoolKey
-from kvquota.runtime import runtime_of
 
 KIND = "TenantQuota"
 
