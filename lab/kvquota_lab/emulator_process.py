@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
-import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,7 +20,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from kvquota_lab.processes import free_port
+from kvquota_lab.processes import ManagedProcess, free_port
 
 
 def write_kubeconfig(path: Path, server: str) -> Path:
@@ -49,12 +47,13 @@ class OperatorProcess:
     args: Sequence[str] = ()
     liveness_port: int = field(default_factory=free_port)
     metrics_port: int = field(default_factory=free_port)
-    _proc: subprocess.Popen[bytes] | None = None
+    _process: ManagedProcess | None = None
 
     @property
     def pid(self) -> int:
-        assert self._proc is not None, "not started"
-        return self._proc.pid
+        pid = self._process.pid if self._process else None
+        assert pid is not None, "not running"
+        return pid
 
     @property
     def log_path(self) -> Path:
@@ -71,28 +70,18 @@ class OperatorProcess:
         """Start, and return once kopf's liveness endpoint answers (kopf serves it
         after its startup handlers, ours included, have run)."""
         kubeconfig = write_kubeconfig(self.workdir / "kubeconfig", self.api_url)
-        env = {**os.environ, "KUBECONFIG": str(kubeconfig), "POD_ID": self.identity}
-        with self.log_path.open("ab") as log:
-            self._proc = subprocess.Popen(self.command(), env=env, stdout=log,
-                                          stderr=subprocess.STDOUT)
-        deadline = asyncio.get_running_loop().time() + timeout
-        while asyncio.get_running_loop().time() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"the operator exited with {self._proc.returncode}:\n"
-                                   + self.log_tail())
-            try:
-                await self.liveness()
-                return
-            except aiohttp.ClientError:
-                await asyncio.sleep(0.1)
-        raise RuntimeError(f"the operator did not become live in {timeout}s:\n"
-                           + self.log_tail())
+        env = {"KUBECONFIG": str(kubeconfig), "POD_ID": self.identity}
+        # Appended to: a restarted operator (same identity) keeps its earlier log.
+        self._process = ManagedProcess(self.identity, self.command(), self.log_path, env,
+                                       append_log=True).start()
+        # In a thread: the emulator the operator talks to may serve from this loop.
+        await asyncio.to_thread(
+            self._process.wait_http, f"http://127.0.0.1:{self.liveness_port}/healthz",
+            timeout, interval=0.1, any_status=True)
 
     def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except FileNotFoundError:
-            return "(no log)"
+        tail = self._process.log_tail(lines) if self._process else ""
+        return tail or "(no log)"
 
     async def _get(self, port: int, path: str) -> tuple[int, str]:
         timeout = aiohttp.ClientTimeout(total=10)
@@ -126,18 +115,12 @@ class OperatorProcess:
 
     def kill(self) -> None:
         """SIGKILL, like a node failure: no clean exit, no goodbye to its peers."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGKILL)
-            self._proc.wait(timeout=30)
+        if self._process is not None:
+            self._process.kill()
 
     async def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM, like a deleted pod, then wait for the exit code."""
-        if self._proc is None:
+        """SIGTERM, like a deleted pod, then wait for the exit code (SIGKILL after
+        `timeout`)."""
+        if self._process is None:
             return None
-        if self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.to_thread(self._proc.wait, timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        return self._proc.returncode
+        return await asyncio.to_thread(self._process.stop, timeout)

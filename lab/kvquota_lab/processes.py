@@ -1,11 +1,14 @@
-"""Start, wait for and stop the local processes the demo and the tests run.
+"""Start, wait for and stop the local processes the demo, the benches, the perf
+harnesses and the tests run: `ManagedProcess` is the lab's one launcher.
 
 Each child gets its own process group so stopping it also stops what it spawned
-(vLLM's EngineCore is a child of the API server).
+(vLLM's EngineCore is a child of the API server), and writes stdout and stderr to a
+log file whose tail goes into every failure message.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -35,28 +38,40 @@ class ProcessFailed(RuntimeError):
 
 @dataclass
 class ManagedProcess:
+    """`argv` in a process group of its own, stdout and stderr to `log_path` (appended
+    to with `append_log`), `env` over this process's environment, run in `cwd`."""
+
     name: str
     argv: list[str]
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
+    cwd: Path | None = None
+    append_log: bool = False
+    returncode: int | None = None  # once stopped (or killed): its exit status
     _proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = self.log_path.open("wb")
-        self._proc = subprocess.Popen(
-            self.argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **self.env},
-            start_new_session=True,
-        )
-        log.close()
+        with self.log_path.open("ab" if self.append_log else "wb") as log:
+            self._proc = subprocess.Popen(
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **self.env},
+                cwd=self.cwd,
+                start_new_session=True,
+            )
+        self.returncode = None
         return self
 
     @property
     def pid(self) -> int | None:
+        """While started and not stopped (None before and after)."""
         return self._proc.pid if self._proc else None
+
+    def poll(self) -> int | None:
+        """The exit status if the process has exited (None: running or not started)."""
+        return self._proc.poll() if self._proc else self.returncode
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -67,9 +82,12 @@ class ManagedProcess:
     def wait_http(
         self, url: str, timeout: float, *,
         progress: Callable[[float], None] | None = None, every: float = 10.0,
+        interval: float = 0.25, any_status: bool = False,
     ) -> None:
-        """Poll `url` until it answers 200, the process dies, or `timeout` passes;
-        `progress(elapsed)` is called every `every` seconds meanwhile."""
+        """Poll `url` every `interval` seconds until it answers 200 (any HTTP answer
+        with `any_status`), the process dies, or `timeout` passes; `progress(elapsed)`
+        is called every `every` seconds meanwhile. From an event loop that serves what
+        the process needs, run it in a thread (`asyncio.to_thread`)."""
         start = time.monotonic()
         deadline, next_report = start + timeout, start + every
         while time.monotonic() < deadline:
@@ -77,29 +95,39 @@ class ManagedProcess:
                 progress(time.monotonic() - start)
                 next_report += every
             if self._proc is None or self._proc.poll() is not None:
-                raise ProcessFailed(f"{self.name} exited early:\n{self.log_tail()}")
+                code = self._proc.returncode if self._proc else None
+                raise ProcessFailed(f"{self.name} exited early (status {code}):\n"
+                                    f"{self.log_tail()}")
             try:
-                if httpx.get(url, timeout=2.0).status_code == 200:
+                if httpx.get(url, timeout=2.0).status_code == 200 or any_status:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.25)
+            time.sleep(interval)
         raise ProcessFailed(f"{self.name} not ready after {timeout:.0f}s:\n{self.log_tail()}")
 
-    def stop(self, grace: float = 10.0) -> None:
+    def stop(self, grace: float = 10.0) -> int | None:
+        """SIGTERM to the group, SIGKILL after `grace` seconds; returns the exit status
+        (None: never started, or did not exit even then)."""
+        return self._signal((signal.SIGTERM, grace), (signal.SIGKILL, 5.0))
+
+    def kill(self, wait: float = 30.0) -> int | None:
+        """SIGKILL to the group at once, like a node failure: no clean exit."""
+        return self._signal((signal.SIGKILL, wait))
+
+    def _signal(self, *steps: tuple[signal.Signals, float]) -> int | None:
         proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-            try:
+        if proc is None:
+            return self.returncode
+        for sig, wait in steps:
+            if proc.poll() is not None:
+                break
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(wait)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+        self.returncode = proc.poll()
+        return self.returncode
 
 
 @dataclass

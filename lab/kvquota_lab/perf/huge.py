@@ -37,7 +37,6 @@ from kvquota_lab.perf.sidecar import (
     Connection,
     Sample,
     Setup,
-    _spawn,
     _start_sidecar,
     _start_stub,
 )
@@ -174,19 +173,16 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(_victim(sidecar, tokens["victim"], args.rate, 2.0))  # warm up
         alone = asyncio.run(_victim(sidecar, tokens["victim"], args.rate, args.seconds))
         port = sidecar.rsplit(":", 1)[1]
-        attacker = _spawn("attacker", [
+        attacker = setup.start("attacker", [
             sys.executable, "-m", "kvquota_lab.perf.huge", "--host", "127.0.0.1",
             "--port", port, "--bytes", str(args.bytes),
-            "--connections", str(args.connections)], setup.workdir,
-            {TOKEN_ENV: tokens["attacker"]})
-        setup.procs.append(attacker)
-        while "started" not in attacker.log.read_text():
+            "--connections", str(args.connections)], {TOKEN_ENV: tokens["attacker"]})
+        while "started" not in attacker.log_path.read_text():
             time.sleep(0.1)
         attacked = asyncio.run(_victim(sidecar, tokens["victim"], args.rate, args.seconds))
-        attacker.popen.send_signal(signal.SIGTERM)
-        attacker.popen.wait(600)
-        report = json.loads(attacker.log.read_text().splitlines()[-1])
-        rss = _peak_rss_mb(proc.popen.pid)
+        attacker.stop(grace=600)  # SIGTERM: the attacker prints its report and exits
+        report = json.loads(attacker.log_path.read_text().splitlines()[-1])
+        rss = _peak_rss_mb(proc.pid or 0)
     finally:
         setup.close()
     base, hit = _summary(alone), _summary(attacked)

@@ -27,10 +27,8 @@ import os
 import random
 import re
 import secrets
-import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +38,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvquota_lab.percentile import percentile
-from kvquota_lab.processes import free_port
+from kvquota_lab.processes import ManagedProcess, ProcessFailed, free_port
+from kvquota_lab.stack import Processes
 
 CONCURRENCY = (1, 16, 64, 256)
 
@@ -322,55 +321,28 @@ async def run_load(targets: list[Target], body: bytes, concurrency: int, request
 # ---------------------------------------------------------------- processes
 
 @dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen[bytes]
-    log: Path
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.popen.pid, signal.SIGTERM)
-            try:
-                self.popen.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait(5)
-
-
-def _spawn(name: str, argv: list[str], workdir: Path, env: dict[str, str] | None = None,
-           cwd: Path | None = None) -> Proc:
-    log = workdir / f"{name}.log"
-    with log.open("wb") as out:
-        popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                 env={**os.environ, **(env or {})}, start_new_session=True,
-                                 cwd=cwd)
-    return Proc(name, popen, log)
-
-
-def _wait_ready(proc: Proc, url: str, timeout: float) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.popen.poll() is not None:
-            tail = proc.log.read_text(errors="replace")[-2000:]
-            raise SystemExit(f"{proc.name} exited early:\n{tail}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        time.sleep(0.25)
-    raise SystemExit(f"{proc.name} not ready at {url} after {timeout:.0f}s (log: {proc.log})")
-
-
-@dataclass
 class Setup:
+    """A run's working directory and the processes started in it (logs there too)."""
+
     workdir: Path
-    procs: list[Proc] = field(default_factory=list)
+    procs: Processes = field(default_factory=Processes)
+
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None,
+              cwd: Path | None = None, *, ready: str | None = None,
+              timeout: float = 60.0) -> ManagedProcess:
+        """Start `argv` (log: `name`.log); with `ready`, wait until that URL answers 200
+        (exits the harness with the log's tail if the process dies or stays unready)."""
+        proc = self.procs.start(ManagedProcess(name, argv, self.workdir / f"{name}.log",
+                                               env or {}, cwd=cwd))
+        if ready is not None:
+            try:
+                proc.wait_http(ready, timeout)
+            except ProcessFailed as exc:
+                raise SystemExit(str(exc)) from None
+        return proc
 
     def close(self) -> None:
-        for proc in reversed(self.procs):
-            proc.stop()
+        self.procs.stop_all()
 
 
 BENCH_TENANT: dict[str, Any] = {
@@ -409,7 +381,8 @@ def _write_policy(workdir: Path, model: str, tenants: dict[str, dict[str, Any]] 
 def _start_sidecar(setup: Setup, upstream: str, model: str, tokenizer: str | None,
                    tenants: dict[str, dict[str, Any]] | None = None,
                    code: Path | None = None, cpu: str | None = None,
-                   extra: list[str] | None = None) -> tuple[str, dict[str, str], Proc]:
+                   extra: list[str] | None = None
+                   ) -> tuple[str, dict[str, str], ManagedProcess]:
     """A `kvquota sidecar` process; `code`: run the sidecar of another source tree
     (e.g. `git archive` of an older commit)."""
     port = free_port()
@@ -425,9 +398,8 @@ def _start_sidecar(setup: Setup, upstream: str, model: str, tokenizer: str | Non
     argv += extra or []
     env = {"PYTHONPATH": os.pathsep.join([str(code), os.environ.get("PYTHONPATH", "")])
            } if code else None
-    proc = _spawn(f"sidecar-{port}", argv, setup.workdir, env, cwd=code)  # `-m`: cwd first
-    setup.procs.append(proc)
-    _wait_ready(proc, f"http://127.0.0.1:{port}/readyz", timeout=180)
+    proc = setup.start(f"sidecar-{port}", argv, env, cwd=code,  # `-m`: cwd first
+                       ready=f"http://127.0.0.1:{port}/readyz", timeout=180)
     return f"http://127.0.0.1:{port}", tokens, proc
 
 
@@ -446,9 +418,7 @@ def _start_stub(setup: Setup, args: argparse.Namespace) -> str:
         argv += ["--tokenizer", args.stub_tokenizer]
         if getattr(args, "stub_tokenize", "live") == "memo":
             argv.append("--memo")
-    proc = _spawn("stub", argv, setup.workdir)
-    setup.procs.append(proc)
-    _wait_ready(proc, f"http://127.0.0.1:{port}/health", timeout=60)
+    setup.start("stub", argv, ready=f"http://127.0.0.1:{port}/health", timeout=60)
     return f"http://127.0.0.1:{port}"
 
 
@@ -459,9 +429,7 @@ def _start_engine(setup: Setup, model: str) -> str:
             "--block-size", "32", "--disable-log-stats", "--enable-prefix-caching"]
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
            "TOKENIZERS_PARALLELISM": "false"}
-    proc = _spawn("vllm", argv, setup.workdir, env)
-    setup.procs.append(proc)
-    _wait_ready(proc, f"http://127.0.0.1:{port}/health", timeout=600)
+    setup.start("vllm", argv, env, ready=f"http://127.0.0.1:{port}/health", timeout=600)
     return f"http://127.0.0.1:{port}"
 
 
@@ -582,7 +550,7 @@ def _run(args: argparse.Namespace) -> int:
                    else f"prompt {args.prompt[:30]!r}")
                 + (f"; sidecar on CPU {args.sidecar_cpu}, the rest on {args.others_cpu}"
                    if args.pin else "") + (f"; sidecar code {args.code}" if args.code else ""),
-                stub, sidecar, body, token, args, proc.popen.pid, path)
+                stub, sidecar, body, token, args, proc.pid or 0, path)
             results["stub"] = [r.stats() for r in rows]
         engine = args.engine_url
         if engine is None and args.model:
