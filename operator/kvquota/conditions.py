@@ -13,20 +13,23 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+from kvquota.api import ConditionReason, ConditionType
+
 ConditionStatus = Literal["True", "False", "Unknown"]
 
 # Condition types per kind, in the order they are written.
-TENANT_CONDITIONS = ("Accepted", "Ready", "Degraded")
-POOL_CONDITIONS = ("Ready", "Synced", "Oversubscribed")
+TENANT_CONDITIONS = (ConditionType.ACCEPTED, ConditionType.READY, ConditionType.DEGRADED)
+POOL_CONDITIONS = (ConditionType.READY, ConditionType.SYNCED, ConditionType.OVERSUBSCRIBED)
 
 
 @dataclass(frozen=True)
 class Want:
     """A desired condition, before the bookkeeping fields are filled in."""
 
-    type: str
+    type: ConditionType
     status: ConditionStatus
-    reason: str
+    # A ConditionReason, or the reason of a condition kept as the status holds it.
+    reason: ConditionReason | str
     message: str = ""
 
 
@@ -52,14 +55,14 @@ def merge_conditions(
     for want in wanted:
         before = previous.get(want.type)
         flipped = before is None or before.get("status") != want.status
-        condition: dict[str, Any] = {
-            "type": want.type,
+        condition: dict[str, Any] = {  # plain strings, as the status holds them
+            "type": str(want.type),
             "status": want.status,
             "lastTransitionTime": (
                 timestamp(now) if flipped or before is None
                 else before.get("lastTransitionTime") or timestamp(now)
             ),
-            "reason": want.reason,
+            "reason": str(want.reason),
             "message": want.message,
         }
         if generation is not None:

@@ -20,6 +20,7 @@ from pydantic.json_schema import GenerateJsonSchema
 from engine_sidecar.contract.names import GROUP, VERSION
 from engine_sidecar.contract.policy import TENANT_ID_PATTERN
 from kvquota.api import (
+    ConditionType,
     InferencePoolSpec,
     InferencePoolStatus,
     TenantQuotaSpec,
@@ -44,7 +45,12 @@ def _column(name: str, path: str, type_: str = "string", priority: int = 0) -> d
     return col
 
 
-_READY = '.status.conditions[?(@.type=="Ready")].status'
+def _condition(type_: ConditionType, priority: int = 0) -> dict[str, Any]:
+    """A column showing the status of one condition."""
+    return _column(str(type_), f'.status.conditions[?(@.type=="{type_}")].status',
+                   priority=priority)
+
+
 _AGE = _column("Age", ".metadata.creationTimestamp", "date")
 
 KINDS: dict[str, dict[str, Any]] = {
@@ -59,9 +65,9 @@ KINDS: dict[str, dict[str, Any]] = {
             _column("Engines", ".status.engines.ready", "integer"),
             _column("Capacity", ".status.capacityBlocks", "integer"),
             _column("Used", ".status.usedBlocks", "integer"),
-            _column("Ready", _READY),
+            _condition(ConditionType.READY),
             _AGE,
-            _column("Synced", '.status.conditions[?(@.type=="Synced")].status', priority=1),
+            _condition(ConditionType.SYNCED, priority=1),
             _column("Leased", ".status.leasedBlocks", "integer", priority=1),
             _column("Tenants", ".status.tenants", "integer", priority=1),
         ],
@@ -86,9 +92,9 @@ KINDS: dict[str, dict[str, Any]] = {
             _column("Guaranteed", ".spec.kvCache.guaranteedBlocks", "integer"),
             _column("Max", ".spec.kvCache.maxBlocks", "integer"),
             _column("Used", ".status.usage.blocks", "integer"),
-            _column("Ready", _READY),
+            _condition(ConditionType.READY),
             _AGE,
-            _column("Accepted", '.status.conditions[?(@.type=="Accepted")].status', priority=1),
+            _condition(ConditionType.ACCEPTED, priority=1),
             _column("Leased", ".status.usage.leasedBlocks", "integer", priority=1),
             _column("Tenant", ".spec.tenantId", priority=1),
         ],

@@ -41,6 +41,7 @@ import yaml
 
 from engine_sidecar.contract.files import write_atomically
 from engine_sidecar.contract.names import API_VERSION
+from kvquota.api import ConditionType
 from kvquota.conditions import find
 from kvquota.paths import user_cache
 from kvquota.plan import PoolPlan, plan_pool
@@ -206,7 +207,8 @@ def _status_document(body: Mapping[str, Any], status: dict[str, Any]) -> str:
 
 
 def _summary(kind: str, key: tuple[str, str], status: Mapping[str, Any], extra: str) -> str:
-    types = ("Accepted", "Ready") if kind == "TenantQuota" else ("Ready", "Oversubscribed")
+    types = ((ConditionType.ACCEPTED, ConditionType.READY) if kind == "TenantQuota"
+             else (ConditionType.READY, ConditionType.OVERSUBSCRIBED))
     parts = []
     for type_ in types:
         c = find(status.get("conditions"), type_) or {}

@@ -44,6 +44,8 @@ from prometheus_client import (
     start_http_server,
 )
 
+from kvquota.api import ConditionReason
+
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
@@ -97,7 +99,8 @@ ENGINE_MAX = Gauge(
     ["namespace", "pool", "tenant_id", "engine"],
 )
 SPLIT_TENANT_LIMIT = 100  # tenants per pool with per-engine series (label cardinality)
-REFUSAL_REASONS = ("Oversubscribed", "InvalidSpec", "DuplicateTenant")
+REFUSAL_REASONS = (ConditionReason.OVERSUBSCRIBED, ConditionReason.INVALID_SPEC,
+                   ConditionReason.DUPLICATE_TENANT)
 _split_series: dict[tuple[str, str], set[tuple[str, str]]] = {}  # pool -> (tenant, engine)
 
 

@@ -18,6 +18,8 @@ from pydantic import ValidationError
 
 from engine_sidecar.contract.policy import EnginePolicy, TenantPolicy, Tier
 from kvquota.api import (
+    ConditionReason,
+    ConditionType,
     EffectiveSettings,
     InferencePoolSpec,
     ObjectMeta,
@@ -38,8 +40,6 @@ from kvquota.resolve import effective_settings, tenant_policy
 
 ObjKey = tuple[str, str]  # (namespace, name)
 _T = TypeVar("_T")
-# Accepted, but a user should look: posted as a Warning event, printed by local mode.
-MAX_BLOCKS_ABOVE_CAPACITY = "MaxBlocksAboveCapacity"
 
 
 def describe_errors(error: ValidationError, prefix: str = "spec") -> str:
@@ -121,7 +121,7 @@ class PoolPlan:
     def rejected(self) -> list[TenantPlan]:
         return [
             t for t in (self.tenants or {}).values()
-            if t.accepted.reason == "Oversubscribed"
+            if t.accepted.reason == ConditionReason.OVERSUBSCRIBED
         ]
 
 
@@ -261,8 +261,7 @@ def plan_missing_pool(
     plans = {}
     for body in tenants:
         key = _key(body)
-        want = Want(
-            "Accepted", "False", "PoolNotFound",
+        want = Want(ConditionType.ACCEPTED, "False", ConditionReason.POOL_NOT_FOUND,
             f"InferencePool {namespace}/{name} does not exist (spec.poolRef.name); "
             "the quota takes effect once it is created",
         )
@@ -281,14 +280,14 @@ def _parse_quotas(
         try:
             spec = memo.quota_spec(key, body.get("spec") or {})
         except ValidationError as error:
-            want = Want("Accepted", "False", "InvalidSpec", describe_errors(error))
+            want = Want(ConditionType.ACCEPTED, "False", ConditionReason.INVALID_SPEC,
+                        describe_errors(error))
             refused[key] = _not_in_pool(key, None, None, want)
             continue
         tenant_id = spec.tenant_id or key[1]
         owner = owners.get(tenant_id)
         if owner is not None:
-            want = Want(
-                "Accepted", "False", "DuplicateTenant",
+            want = Want(ConditionType.ACCEPTED, "False", ConditionReason.DUPLICATE_TENANT,
                 f"tenantId {tenant_id!r} is already used by the older TenantQuota "
                 f"{owner[0]}/{owner[1]} in pool {pool_ref}",
             )
@@ -305,8 +304,7 @@ def _admission_want(
 ) -> Want:
     blocks = quota.spec.kv_cache.guaranteed_blocks
     if budget is None:
-        return Want(
-            "Accepted", "Unknown", "CapacityUnknown",
+        return Want(ConditionType.ACCEPTED, "Unknown", ConditionReason.CAPACITY_UNKNOWN,
             f"pool {pool_ref} has no known KV capacity yet (set spec.kvCache.capacityBlocks "
             f"or wait for ready engines); guaranteedBlocks {blocks} applied provisionally",
         )
@@ -316,18 +314,17 @@ def _admission_want(
         ceiling = quota.spec.kv_cache.max_blocks
         if capacity is not None and ceiling > capacity:
             return Want(
-                "Accepted", "True", MAX_BLOCKS_ABOVE_CAPACITY,
+                ConditionType.ACCEPTED, "True", ConditionReason.MAX_BLOCKS_ABOVE_CAPACITY,
                 f"{text}; maxBlocks {ceiling} is above the pool's capacity of {capacity} "
                 "blocks, so the capacity, not maxBlocks, is the tenant's limit",
             )
-        return Want("Accepted", "True", "Accepted", text)
+        return Want(ConditionType.ACCEPTED, "True", ConditionReason.ACCEPTED, text)
     if waiting_behind is not None:
         detail = (f"it waits behind the older TenantQuota {waiting_behind[0]}/"
                   f"{waiting_behind[1]}, which does not fit either")
     else:
         detail = f"{granted_before} blocks are already guaranteed to older quotas"
-    return Want(
-        "Accepted", "False", "Oversubscribed",
+    return Want(ConditionType.ACCEPTED, "False", ConditionReason.OVERSUBSCRIBED,
         f"guaranteedBlocks {blocks} does not fit: pool {pool_ref} can guarantee {budget} "
         f"blocks ({capacity} x (1 - watermark {watermark:g})) and {detail}; running "
         "with guaranteedBlocks 0 (borrowing only) until capacity frees up",
@@ -418,7 +415,8 @@ def _tenant_plan(
     capacity: int | None, watermark: float,
 ) -> TenantPlan:
     if isinstance(derived, ValidationError):
-        want = Want("Accepted", "False", "InvalidSpec", describe_errors(derived, "tenant"))
+        want = Want(ConditionType.ACCEPTED, "False", ConditionReason.INVALID_SPEC,
+                    describe_errors(derived, "tenant"))
         return _not_in_pool(quota.key, quota.tenant_id, quota.spec.tier, want)
     want = _admission_want(
         quota, decision.accepted, budget, decision.granted_before,
@@ -447,8 +445,7 @@ def _derive(pool: InferencePoolSpec, quota: _Quota, replicas: int, granted: int)
 def _plan_invalid_pool(
     namespace: str, name: str, tenants: Sequence[Mapping[str, Any]], error: str
 ) -> PoolPlan:
-    want = Want(
-        "Accepted", "Unknown", "PoolInvalid",
+    want = Want(ConditionType.ACCEPTED, "Unknown", ConditionReason.POOL_INVALID,
         f"InferencePool {namespace}/{name} is invalid: {error}",
     )
     plans = {_key(b): _not_in_pool(_key(b), None, None, want) for b in tenants}

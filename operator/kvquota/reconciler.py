@@ -29,7 +29,7 @@ from pydantic import ValidationError
 from engine_sidecar.contract.names import POLICY_FILE
 from engine_sidecar.contract.policy import EnginePolicy
 from kvquota import metrics
-from kvquota.api import InferencePoolSpec, LabelSelector
+from kvquota.api import ConditionReason, ConditionType, InferencePoolSpec, LabelSelector
 from kvquota.conditions import Want
 from kvquota.configmap import HASH_ANNOTATION, build_configmap, configmap_name
 from kvquota.demand_split import PoolSplit, moved_tenants_split
@@ -239,18 +239,19 @@ class PoolReconciler:
         try:
             pool_spec = InferencePoolSpec.model_validate(spec)
         except ValidationError:
-            return Want("Ready", "False", "InvalidSpec", "the pool's spec is invalid")
+            return Want(ConditionType.READY, "False", ConditionReason.INVALID_SPEC,
+                        "the pool's spec is invalid")
         if pool_spec.selector is not None:
             return pool_spec.selector
         ref = pool_spec.gateway_pool_ref.name if pool_spec.gateway_pool_ref else ""
         gateway = await self._kube.get_gateway_pool(namespace, ref)
         if gateway is None:
-            return Want("Ready", "False", "GatewayPoolNotFound",
+            return Want(ConditionType.READY, "False", ConditionReason.GATEWAY_POOL_NOT_FOUND,
                         f"Gateway API InferencePool {namespace}/{ref} not found "
                         "(spec.gatewayPoolRef)")
         selector = gateway_selector(gateway)
         if selector is None:
-            return Want("Ready", "False", "GatewayPoolInvalid",
+            return Want(ConditionType.READY, "False", ConditionReason.GATEWAY_POOL_INVALID,
                         f"Gateway API InferencePool {namespace}/{ref} has no label selector")
         return selector
 

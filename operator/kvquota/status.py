@@ -15,24 +15,26 @@ from typing import Any
 
 from engine_sidecar.contract.policy import Tier
 from engine_sidecar.contract.stats import TenantStatus
-from kvquota.api import MAX_STATUS_ENGINES, Counters, Usage
+from kvquota.api import MAX_STATUS_ENGINES, ConditionReason, ConditionType, Counters, Usage
 from kvquota.conditions import Want, find, merge_conditions, timestamp
 from kvquota.demand_split import tenant_engine_split
-from kvquota.plan import MAX_BLOCKS_ABOVE_CAPACITY, PoolPlan, TenantPlan
+from kvquota.plan import PoolPlan, TenantPlan
 from kvquota.sync import PolicyHistory
 from kvquota.usage import Disruptions, PoolUsage
 
 # Condition flips worth a Kubernetes Event (others change with every rollout).
-EVENT_CONDITIONS = {"TenantQuota": ("Accepted", "Degraded"),
-                    "InferencePool": ("Ready", "Oversubscribed")}
+EVENT_CONDITIONS = {"TenantQuota": (ConditionType.ACCEPTED, ConditionType.DEGRADED),
+                    "InferencePool": (ConditionType.READY, ConditionType.OVERSUBSCRIBED)}
 # The declared status fields of usage and counters (the sidecar reports a few more).
 _USAGE_KEYS = tuple(Usage().model_dump(by_alias=True))
 _COUNTER_KEYS = tuple(Counters().model_dump(by_alias=True))
 _NOT_REPORTED = TenantStatus()
 # Condition states a user should look at: posted as Warning events.
-BAD_STATES = {("Accepted", "False"), ("Degraded", "True"), ("Ready", "False"),
-              ("Oversubscribed", "True"), ("Synced", "False")}
-WARNING_REASONS = {MAX_BLOCKS_ABOVE_CAPACITY}  # in a good state, but worth a Warning
+BAD_STATES = {(ConditionType.ACCEPTED, "False"), (ConditionType.DEGRADED, "True"),
+              (ConditionType.READY, "False"), (ConditionType.OVERSUBSCRIBED, "True"),
+              (ConditionType.SYNCED, "False")}
+# In a good state, but worth a Warning (local mode prints it too).
+WARNING_REASONS = {ConditionReason.MAX_BLOCKS_ABOVE_CAPACITY}
 
 
 @dataclass(frozen=True)
@@ -65,8 +67,8 @@ def _window(seconds: float) -> str:
     return f"{seconds / 60:g}m" if seconds >= 60 else f"{seconds:g}s"
 
 
-def _keep_or_unknown(old: Sequence[Mapping[str, Any]] | None, type_: str, reason: str,
-                     message: str) -> Want:
+def _keep_or_unknown(old: Sequence[Mapping[str, Any]] | None, type_: ConditionType,
+                     reason: ConditionReason, message: str) -> Want:
     before = find(old, type_)
     if before is None:
         return Want(type_, "Unknown", reason, message)
@@ -80,25 +82,27 @@ def _keep_or_unknown(old: Sequence[Mapping[str, Any]] | None, type_: str, reason
 def _tenant_ready(tenant: TenantPlan, plan: PoolPlan, engines: EngineView | None,
                   history: PolicyHistory | None) -> Want:
     if not plan.exists:
-        return Want("Ready", "False", "PoolNotFound", tenant.accepted.message)
+        return Want(ConditionType.READY, "False", ConditionReason.POOL_NOT_FOUND,
+                    tenant.accepted.message)
     if plan.error is not None:
-        return Want("Ready", "False", "PoolInvalid", tenant.accepted.message)
+        return Want(ConditionType.READY, "False", ConditionReason.POOL_INVALID,
+                    tenant.accepted.message)
     if tenant.policy is None or tenant.digest is None or tenant.tenant_id is None:
-        return Want("Ready", "False", tenant.accepted.reason,
+        return Want(ConditionType.READY, "False", tenant.accepted.reason,
                     "not part of the pool's policy: " + tenant.accepted.message)
     if engines is None:
-        return Want("Ready", "True", "PolicyRendered",
+        return Want(ConditionType.READY, "True", ConditionReason.POLICY_RENDERED,
                     "rendered into the pool's policy (engines are not observed in local mode)")
     if engines.ready == 0:
-        return Want("Ready", "False", "NoReadyEngines",
+        return Want(ConditionType.READY, "False", ConditionReason.NO_READY_ENGINES,
                     f"no ready engine pod matches pool {plan.ref}")
     applied = (history or PolicyHistory()).applied_on(
         engines.versions.values(), tenant.tenant_id, tenant.digest
     )
     if applied == engines.ready:
-        return Want("Ready", "True", "Applied",
+        return Want(ConditionType.READY, "True", ConditionReason.APPLIED,
                     f"settings applied on all {engines.ready} ready engines")
-    return Want("Ready", "False", "NotSynced",
+    return Want(ConditionType.READY, "False", ConditionReason.NOT_SYNCED,
                 f"settings applied on {applied} of {engines.ready} ready engines")
 
 
@@ -106,27 +110,31 @@ def _tenant_degraded(tenant: TenantPlan, plan: PoolPlan, engines: EngineView | N
                      disruptions: Disruptions | None,
                      old: Sequence[Mapping[str, Any]] | None) -> Want:
     if not plan.exists:
-        return Want("Degraded", "Unknown", "PoolNotFound", "the pool does not exist")
+        return Want(ConditionType.DEGRADED, "Unknown", ConditionReason.POOL_NOT_FOUND,
+                    "the pool does not exist")
     if engines is None:
-        return Want("Degraded", "Unknown", "NotObserved",
+        return Want(ConditionType.DEGRADED, "Unknown", ConditionReason.NOT_OBSERVED,
                     "engines are not observed in local mode")
     if disruptions is None:
-        return _keep_or_unknown(old, "Degraded", "NoData", "waiting for engine reports")
+        return _keep_or_unknown(old, ConditionType.DEGRADED, ConditionReason.NO_DATA,
+                                "waiting for engine reports")
     window = _window(engines.window_seconds)
-    found = []
+    found: list[tuple[ConditionReason, str]] = []
     if disruptions.lease_breaks:
-        found.append(("LeaseBreaks", f"{disruptions.lease_breaks} lease breaks"))
+        found.append((ConditionReason.LEASE_BREAKS, f"{disruptions.lease_breaks} lease breaks"))
     if disruptions.preemptions and tenant.tier == Tier.PREMIUM:
-        found.append(("PremiumPreemptions", f"{disruptions.preemptions} preemptions"))
+        found.append((ConditionReason.PREMIUM_PREEMPTIONS,
+                      f"{disruptions.preemptions} preemptions"))
     if disruptions.degraded_events:
-        found.append(("DegradedMode", f"{disruptions.degraded_events} degraded-mode releases"))
+        found.append((ConditionReason.DEGRADED_MODE,
+                      f"{disruptions.degraded_events} degraded-mode releases"))
     if found:
-        return Want("Degraded", "True", found[0][0],
+        return Want(ConditionType.DEGRADED, "True", found[0][0],
                     ", ".join(text for _, text in found) + f" in the last {window}")
     if not disruptions.complete:
-        return _keep_or_unknown(old, "Degraded", "NoData",
+        return _keep_or_unknown(old, ConditionType.DEGRADED, ConditionReason.NO_DATA,
                                 f"observing engines for the first {window}")
-    return Want("Degraded", "False", "NoDisruptions",
+    return Want(ConditionType.DEGRADED, "False", ConditionReason.NO_DISRUPTIONS,
                 f"no lease breaks or premium preemptions in the last {window}")
 
 
@@ -165,7 +173,7 @@ def tenant_status(
             {"pod": pod, "guaranteedBlocks": guaranteed, "maxBlocks": maximum}
             for pod, guaranteed, maximum in engine_split(tenant, plan, engines)
         ] or None
-    was_ready = (find(old_conditions, "Ready") or {}).get("status") == "True"
+    was_ready = (find(old_conditions, ConditionType.READY) or {}).get("status") == "True"
     if ready.status == "True" and not was_ready:
         status["lastSyncTime"] = timestamp(now)
     elif old.get("lastSyncTime"):
@@ -178,59 +186,64 @@ def tenant_status(
 
 def _pool_ready(plan: PoolPlan, engines: EngineView | None) -> Want:
     if plan.error is not None:
-        return Want("Ready", "False", "InvalidSpec", plan.error)
+        return Want(ConditionType.READY, "False", ConditionReason.INVALID_SPEC, plan.error)
     if engines is None:
-        return Want("Ready", "True", "PolicyRendered",
+        return Want(ConditionType.READY, "True", ConditionReason.POLICY_RENDERED,
                     "policy rendered (engines are not observed in local mode)")
     if engines.problem is not None:
         return engines.problem
     if engines.matched == 0:
-        return Want("Ready", "False", "NoEngines", "the pool's selector matches no engine pod")
+        return Want(ConditionType.READY, "False", ConditionReason.NO_ENGINES,
+                    "the pool's selector matches no engine pod")
     if engines.ready == 0:
-        return Want("Ready", "False", "EnginesNotReady",
+        return Want(ConditionType.READY, "False", ConditionReason.ENGINES_NOT_READY,
                     f"{engines.matched} engine pods, none ready")
-    return Want("Ready", "True", "EnginesReady",
+    return Want(ConditionType.READY, "True", ConditionReason.ENGINES_READY,
                 f"{engines.ready} of {engines.matched} engine pods ready")
 
 
 def _pool_synced(plan: PoolPlan, engines: EngineView | None) -> Want:
     version = plan.policy.version if plan.policy else None
     if engines is None:
-        return Want("Synced", "Unknown", "NotObserved", "engines are not observed in local mode")
+        return Want(ConditionType.SYNCED, "Unknown", ConditionReason.NOT_OBSERVED,
+                    "engines are not observed in local mode")
     if version is None:
-        return Want("Synced", "Unknown", "NoPolicy", "no policy could be rendered")
+        return Want(ConditionType.SYNCED, "Unknown", ConditionReason.NO_POLICY,
+                    "no policy could be rendered")
     if engines.ready == 0:
-        return Want("Synced", "Unknown", "NoReadyEngines", "no ready engines to sync")
+        return Want(ConditionType.SYNCED, "Unknown", ConditionReason.NO_READY_ENGINES,
+                    "no ready engines to sync")
     synced = engines.synced(version)
     if synced == engines.ready:
-        return Want("Synced", "True", "AllEnginesSynced",
+        return Want(ConditionType.SYNCED, "True", ConditionReason.ALL_ENGINES_SYNCED,
                     f"all {engines.ready} ready engines run policy {version}")
     lagging = []
     for pod, reported in sorted(engines.versions.items()):
         if reported != version:
             why = engines.errors.get(pod) or f"runs {reported or 'no policy'}"
             lagging.append(f"{pod}: {why}")
-    return Want("Synced", "False", "EnginesNotSynced",
+    return Want(ConditionType.SYNCED, "False", ConditionReason.ENGINES_NOT_SYNCED,
                 f"{synced} of {engines.ready} ready engines run policy {version}; "
                 + "; ".join(lagging[:5]))
 
 
 def _pool_oversubscribed(plan: PoolPlan) -> Want:
     if plan.error is not None:
-        return Want("Oversubscribed", "Unknown", "InvalidSpec", plan.error)
+        return Want(ConditionType.OVERSUBSCRIBED, "Unknown", ConditionReason.INVALID_SPEC,
+                    plan.error)
     if plan.budget is None:
-        return Want("Oversubscribed", "Unknown", "CapacityUnknown",
+        return Want(ConditionType.OVERSUBSCRIBED, "Unknown", ConditionReason.CAPACITY_UNKNOWN,
                     "KV capacity unknown: set spec.kvCache.capacityBlocks or wait for "
                     "ready engines to report it")
     if plan.oversubscribed:
         names = ", ".join(f"{t.key[0]}/{t.key[1]}" for t in plan.rejected[:10])
         return Want(
-            "Oversubscribed", "True", "GuaranteesExceedCapacity",
+            ConditionType.OVERSUBSCRIBED, "True", ConditionReason.GUARANTEES_EXCEED_CAPACITY,
             f"TenantQuotas ask {plan.requested_blocks} guaranteed blocks, the pool can "
             f"guarantee {plan.budget} ({plan.capacity_blocks} x (1 - watermark "
             f"{plan.watermark:g})); not accepted (newest first to wait): {names}",
         )
-    return Want("Oversubscribed", "False", "WithinCapacity",
+    return Want(ConditionType.OVERSUBSCRIBED, "False", ConditionReason.WITHIN_CAPACITY,
                 f"{plan.guaranteed_blocks} of {plan.budget} guaranteeable blocks guaranteed")
 
 

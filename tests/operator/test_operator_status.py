@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime, timedelta
 
+import yaml
 from operator_objects import condition, pool, quota
 
 from engine_sidecar.contract.stats import SidecarStatus, TenantCounters, TenantStatus, TenantUsage
+from kvquota.api import (
+    CONDITION_REASON_PATTERN,
+    CONDITION_TYPE_PATTERN,
+    ConditionReason,
+    ConditionType,
+)
 from kvquota.conditions import Want, merge_conditions
 from kvquota.plan import PoolPlan, plan_pool
 from kvquota.status import (
@@ -188,3 +196,15 @@ def test_tenant_status_shows_reserved_vs_held_the_estimate_and_outgrown_preempti
     assert (usage["chargedBlocks"], usage["pendingBlocks"]) == (65, 15)
     assert usage["outputEstimateTokens"] == 220  # per request: the largest engine's
     assert status["counters"]["outgrownPreemptions"] == 1
+
+
+def test_condition_names_are_valid_and_written_as_plain_strings() -> None:
+    assert all(re.fullmatch(CONDITION_TYPE_PATTERN, t) for t in ConditionType)
+    assert all(re.fullmatch(CONDITION_REASON_PATTERN, r) for r in ConditionReason)
+    plan = _plan(quota("a", guaranteed=10), capacity=5)
+    tenant = (plan.tenants or {})[("default", "a")]
+    status = tenant_status(tenant, plan, engines=EngineView(ready=0, versions={}),
+                           old=None, generation=1, now=T0)
+    assert {(type(c["type"]), type(c["reason"])) for c in status["conditions"]} == {(str, str)}
+    assert condition(status, "Accepted")["reason"] == ConditionReason.OVERSUBSCRIBED
+    assert "Oversubscribed" in yaml.safe_dump(status)  # as local mode writes it
