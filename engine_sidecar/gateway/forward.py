@@ -223,7 +223,8 @@ def server_timing(name: str, since: float) -> tuple[bytes, bytes]:
 @dataclass
 class ExchangeResult:
     outcome: str = "cancelled"  # completed | upstream_error | timeout | cancelled | error
-    status: int | None = None
+    status: int | None = None  # the engine's status, or the refusal's when it failed
+    sent_status: int | None = None  # the status the client got (None: no answer)
     started: bool = False  # the response start went out
     ttft: float | None = None  # seconds from forwarding to the first body byte
     duration: float = 0.0
@@ -258,7 +259,7 @@ class _Pump:
                 response = await opener()
             except ApiError as error:
                 self._done("timeout" if error.status == 504 else "upstream_error")
-                result.status = error.status
+                result.status = result.sent_status = error.status
                 result.started = True
                 await send_error(send, error)
                 return
@@ -269,8 +270,10 @@ class _Pump:
                 await response.aclose()
                 self._done("upstream_error")
                 result.started = True
+                result.sent_status = refusal.status
                 await send_error(send, refusal)
                 return
+            result.sent_status = response.status_code
             await send({
                 "type": "http.response.start", "status": response.status_code,
                 "headers": [*filter_headers(response.raw_headers, RESPONSE_DROP),
@@ -353,6 +356,7 @@ async def exchange(
             logger.error("proxy failure (%s)", type(exc).__name__, exc_info=exc)
         result.duration = time.perf_counter() - start
     if result.outcome == "error" and not result.started:
+        result.sent_status = 500
         with contextlib.suppress(Exception):
             await send_error(send, ApiError(500, errors.INTERNAL_ERROR,
                                             "the sidecar failed to proxy this request"))

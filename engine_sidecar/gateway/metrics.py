@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -238,8 +239,17 @@ class StateCollector(Collector):
         yield from (used, leased, sessions, swapped, breaks, degraded, outgrown, evictions)
 
 
+class TierSeries(NamedTuple):
+    """A tier's series on the request path (children looked up once per tier)."""
+
+    ttft: Any
+    duration: Any
+    reserved_blocks: Any
+
+
 class GatewayMetrics:
     def __init__(self, tenant_label_limit: int = 100) -> None:
+        self._tiers: dict[str, TierSeries] = {}
         self.registry = CollectorRegistry()
         self.labels = TenantLabels(tenant_label_limit)
         r = self.registry
@@ -272,6 +282,14 @@ class GatewayMetrics:
         self.policy_errors = Counter(
             "kvquota_policy_errors", "Policies refused (the last good one stays active).",
             registry=r)
+
+    def tier(self, tier: str) -> TierSeries:
+        series = self._tiers.get(tier)
+        if series is None:
+            series = self._tiers[tier] = TierSeries(
+                self.ttft.labels(tier), self.duration.labels(tier),
+                self.reserved_blocks.labels(tier))
+        return series
 
     def attach_state(self, sources: StateSources) -> None:
         self.registry.register(StateCollector(sources))

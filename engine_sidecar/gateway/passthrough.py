@@ -2,9 +2,9 @@
 
 The sidecar takes over the port clients, routers and scrapers already use, so every
 route vLLM serves there must keep working. Generation that holds KV blocks while it
-decodes (/v1/completions, /v1/chat/completions, /v1/responses) is admitted in `app.py`
-(/v1/responses counted as the chat prompt vLLM renders from it, `responses_request`).
-Here:
+decodes (/v1/completions, /v1/chat/completions, /v1/responses) is admitted by
+`admitter` (/v1/responses counted as the chat prompt vLLM renders from it,
+`responses_request`). Here, with tenants known through `intake`:
 
 - `/health`, `/ping`, `/version`: no credentials, not admitted. Probes and routers;
   no body, no engine work.
@@ -27,19 +27,17 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.types import Receive, Scope, Send
 
 from engine_sidecar.gateway import errors
 from engine_sidecar.gateway.body_checks import invalid
 from engine_sidecar.gateway.errors import ApiError
-from engine_sidecar.gateway.forward import exchange, request_headers, send_error
+from engine_sidecar.gateway.forward import Upstream, exchange, request_headers, send_error
+from engine_sidecar.gateway.intake import Intake
 from engine_sidecar.gateway.metrics_scrape import serve_metrics
-from engine_sidecar.gateway.request_body import body_limit, declared_length, read_body
-
-if TYPE_CHECKING:
-    from engine_sidecar.gateway.app import Gateway
+from engine_sidecar.gateway.request_body import unread
 
 # Fields only the sidecar sets (clients' values are dropped or overwritten).
 OWNED_FIELDS = ("priority", "cache_salt", "vllm_xargs", "request_id", "kv_transfer_params")
@@ -82,18 +80,20 @@ def supported_routes() -> str:
 
 
 class Passthrough:
-    """The routes above, for one gateway (its policy, credentials and upstream)."""
+    """The routes above: tenants through `intake` (policy, credentials, body cap), the
+    engine through `upstream`, the picker signals from `signals`."""
 
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
+    def __init__(self, intake: Intake, upstream: Upstream, signals: Callable[[], bytes]
+                 ) -> None:
+        self.intake = intake
+        self.upstream = upstream
+        self.signals = signals
 
     def route(self, path: str) -> Route | None:
         return ROUTES.get(path)
 
     async def handle(self, scope: Scope, receive: Receive, send: Send, route: Route) -> None:
-        from engine_sidecar.gateway.app import _unread
-
-        gateway = self.gateway
+        intake = self.intake
         body = b""
         body_read = False
         try:
@@ -101,31 +101,29 @@ class Passthrough:
                 raise ApiError(405, errors.METHOD_NOT_ALLOWED,
                                f"use {' or '.join(sorted(route.methods))} on this route")
             if route.credentials:
-                active = gateway._active()
-                tenant_id = gateway._authenticate(active, scope["headers"])
-                tenant = active.policy.tenants[tenant_id]
-                limit = body_limit(tenant, block_size=active.policy.block_size, chat=False,
-                                   cap=gateway.config.max_body_bytes,
-                                   bytes_per_token=gateway.config.body_bytes_per_token)
-                raw = await read_body(receive, limit, gateway.config.body_timeout,
-                                      declared_length(scope))
+                active = intake.active()
+                tenant_id = intake.authenticate(active, scope["headers"])
+                raw = await intake.read_body(
+                    scope, receive, intake.body_limit(active, tenant_id, chat=False))
                 if raw is None:
                     return
                 body_read = True
                 body = raw if route.tag is None else _tagged(
-                    raw, route, tenant, tenant_id, active.cache_salts.get(tenant_id))
+                    raw, route, active.policy.tenants[tenant_id], tenant_id,
+                    active.cache_salts.get(tenant_id))
         except ApiError as error:
-            await send_error(send, error if body_read else _unread(scope, error))
+            await send_error(send, error if body_read else unread(scope, error))
             return
+        upstream = self.upstream
         if route.signals:
-            await serve_metrics(scope, send, gateway.upstream, gateway.signals.exposition)
+            await serve_metrics(scope, send, upstream, self.signals)
             return
         method, path = scope["method"], scope["path"]
         query = scope.get("query_string") or b""
         target = path + ("?" + query.decode("latin-1") if query else "")
         headers = request_headers(scope["headers"])
-        await exchange(receive, send, gateway.upstream,
-                       lambda: gateway.upstream.open(method, target, headers, body))
+        await exchange(receive, send, upstream,
+                       lambda: upstream.open(method, target, headers, body))
 
 
 def _tagged(raw: bytes, route: Route, tenant: Any, tenant_id: str, salt: str | None) -> bytes:

@@ -11,13 +11,14 @@ most that long.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+import dataclasses
+from typing import TYPE_CHECKING, Any
 
 from engine_sidecar.gateway import errors
 from engine_sidecar.gateway.errors import ApiError
 
 if TYPE_CHECKING:
-    from starlette.types import Receive, Scope
+    from starlette.types import Receive, Scope, Send
 
     from engine_sidecar.contract.policy import TenantPolicy
 
@@ -88,3 +89,26 @@ async def read_body(
         raise ApiError(408, errors.REQUEST_TIMEOUT,
                        f"the request body did not arrive within {timeout:g}s",
                        headers=dict(CLOSE)) from None
+
+
+def unread(scope: Scope, error: ApiError) -> ApiError:
+    """`error` as the answer to a request whose body was not read: the connection
+    closes, so the client cannot keep it open by sending the rest slowly."""
+    if not declares_body(scope) or error.headers.get("connection") == "close":
+        return error
+    return dataclasses.replace(error, headers={**error.headers, **CLOSE})
+
+
+def closing(scope: Scope, send: Send) -> Send:
+    """`send` for routes that never read a body: one the client declared closes the
+    connection after the response."""
+    if scope["type"] != "http" or not declares_body(scope):
+        return send
+
+    async def send_closing(message: Any) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()),
+                                              (b"connection", b"close")]}
+        await send(message)
+
+    return send_closing

@@ -29,7 +29,7 @@ from the tokenizer's template): gpt-oss models (Harmony rendering) and Kimi K3's
 template arguments `tool_choice` and `response_format`.
 
 A local tokenizer that was asked for but cannot be loaded is an error, not a fall-back
-(`app.Gateway._load_tokenizer`).
+(`tokenizer_setup`).
 """
 
 from __future__ import annotations

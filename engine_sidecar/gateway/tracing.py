@@ -1,7 +1,7 @@
 """OpenTelemetry spans for the sidecar's request path, only when asked for.
 
 With `OTEL_EXPORTER_OTLP_ENDPOINT` (or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) set, the
-OpenTelemetry convention, `instrument_from_env` exports over OTLP/HTTP (the `tracing`
+OpenTelemetry convention, `observer_from_env` exports over OTLP/HTTP (the `tracing`
 extra) and each generation request gets:
 
 - `kvquota.request` (server): the whole request, child of the client's `traceparent`;
@@ -13,32 +13,33 @@ extra) and each generation request gets:
   context goes to vLLM as `traceparent`, so vLLM's own spans
   (`--otlp-traces-endpoint`) hang below it.
 
-Without the variable nothing here is installed: the gateway's methods are the plain
-ones and a request pays nothing. Instrumentation wraps the gateway's own steps on the
-instance (`instrument`), so the request path in app.py carries no tracing code.
+Without the variable the gateway gets `observer.NO_OBSERVER` and a request pays a few
+empty calls. With it, `SpanObserver` is the gateway's observer (`observer.RequestTrace`
+names the steps it hears about), passed in at construction: nothing is wrapped or
+replaced.
 """
 
 from __future__ import annotations
 
-import contextvars
-import functools
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
+
+from starlette.types import Scope
 
 from engine_sidecar.gateway import errors
 from engine_sidecar.gateway.admission import Decision
 from engine_sidecar.gateway.errors import ApiError
+from engine_sidecar.gateway.observer import NO_OBSERVER, Headers, Observer, RequestTrace
 
 if TYPE_CHECKING:
+    from opentelemetry.context import Context
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Span, Tracer
 
     from engine_sidecar.gateway.admission_queue import Ticket
-    from engine_sidecar.gateway.app import Gateway
 
 logger = logging.getLogger(__name__)
 
@@ -71,32 +72,18 @@ def provider_from_env() -> TracerProvider | None:
     return provider
 
 
-def instrument_from_env(gateway: Gateway) -> bool:
-    """Instrument `gateway` when an OTLP endpoint is configured; True if it was."""
+def observer_from_env() -> Observer:
+    """Spans exported over OTLP when an endpoint is configured, else no tracing."""
     if not enabled():
-        return False
+        return NO_OBSERVER
     provider = provider_from_env()
     if provider is None:
-        return False
-    instrument(gateway, provider)
+        return NO_OBSERVER
     logger.info("tracing: spans exported over OTLP")
-    return True
+    return SpanObserver(provider)
 
 
-@dataclass
-class _RequestTrace:
-    """What one request's spans share (held in a context variable: one task each)."""
-
-    ticket: Ticket | None = None
-    upstream: Span | None = None
-    status: int | None = None
-
-
-_CURRENT: contextvars.ContextVar[_RequestTrace | None] = contextvars.ContextVar(
-    "kvquota_request_trace", default=None)
-
-
-def _headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+def _headers(raw: Headers) -> dict[str, str]:
     return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in raw
             if k.lower() in TRACE_HEADERS}
 
@@ -109,92 +96,140 @@ def _refusal(span: Span, error: ApiError) -> None:
     span.set_status(Status(StatusCode.ERROR, error.code))
 
 
-def instrument(gateway: Gateway, provider: Any) -> None:
-    """Wrap the gateway's request steps in spans from `provider`'s tracer."""
-    tracer = provider.get_tracer(INSTRUMENTATION)
-    _wrap_generate(gateway, tracer)
-    _wrap_authenticate(gateway, tracer)
-    _wrap_admit(gateway, tracer)
-    _wrap_queue(gateway, tracer)
-    _wrap_upstream(gateway, tracer)
+class SpanObserver:
+    """The gateway's observer when tracing: each generation request's spans, from
+    `provider`'s tracer."""
+
+    def __init__(self, provider: Any) -> None:
+        self.tracer: Tracer = provider.get_tracer(INSTRUMENTATION)
+
+    def request(self, scope: Scope) -> RequestTrace:
+        return _SpanTrace(self.tracer, scope)
 
 
-def _wrap_generate(gateway: Gateway, tracer: Tracer) -> None:
-    from opentelemetry import context, propagate, trace
+class _SpanTrace(RequestTrace):
+    """One request's spans: the request's (current while the request runs), and one
+    per step, each a child of the request's but the queue wait (the admission's)."""
 
-    original = gateway._generate
+    __slots__ = (
+        "admission",
+        "auth",
+        "context",
+        "request",
+        "ticket",
+        "token",
+        "tracer",
+        "upstream",
+        "upstream_sent",
+        "wait",
+    )
 
-    @functools.wraps(original)
-    async def generate(scope: Any, receive: Any, send: Any, kind: Any) -> None:
+    def __init__(self, tracer: Tracer, scope: Scope) -> None:
+        from opentelemetry import context, propagate, trace
+
+        self.tracer = tracer
         parent = propagate.extract(_headers(scope["headers"]))
-        state = _RequestTrace()
-        span = tracer.start_span("kvquota.request", context=parent,
-                                 kind=trace.SpanKind.SERVER,
-                                 attributes={"http.request.method": scope["method"],
-                                             "url.path": scope["path"]})
-        token = context.attach(trace.set_span_in_context(span, parent))
-        reset = _CURRENT.set(state)
+        self.request = tracer.start_span(
+            "kvquota.request", context=parent, kind=trace.SpanKind.SERVER,
+            attributes={"http.request.method": scope["method"], "url.path": scope["path"]})
+        self.context: Context = trace.set_span_in_context(self.request, parent)
+        self.token = context.attach(self.context)
+        self.ticket: Ticket | None = None
+        self.auth: Span | None = None
+        self.admission: Span | None = None
+        self.wait: Span | None = None
+        self.upstream: Span | None = None
+        self.upstream_sent = 0.0
 
-        async def recording_send(message: Any) -> None:
-            if message["type"] == "http.response.start":
-                state.status = message["status"]
-            await send(message)
+    def _child(self, name: str, parent: Span | None = None, **kwargs: Any) -> Span:
+        from opentelemetry import trace
 
-        try:
-            await original(scope, receive, recording_send, kind)
-        finally:
-            if state.upstream is not None:
-                state.upstream.set_attribute("http.response.status_code", state.status or 0)
-                state.upstream.end()
-            if state.status is not None:
-                span.set_attribute("http.response.status_code", state.status)
-            span.end()
-            _CURRENT.reset(reset)
-            context.detach(token)
+        context = self.context if parent is None else trace.set_span_in_context(parent)
+        return self.tracer.start_span(name, context=context, **kwargs)
 
-    gateway._generate = generate  # type: ignore[method-assign]
+    def auth_started(self) -> None:
+        self.auth = self._child("kvquota.auth")
 
-
-def _wrap_authenticate(gateway: Gateway, tracer: Tracer) -> None:
-    original = gateway._authenticate
-
-    @functools.wraps(original)
-    def authenticate(active: Any, headers: Any) -> str:
-        with tracer.start_as_current_span("kvquota.auth", record_exception=False,
-                                          set_status_on_exception=False) as span:
-            try:
-                tenant_id = original(active, headers)
-            except ApiError as error:
-                _refusal(span, error)
-                raise
+    def auth_ended(self, tenant_id: str | None, error: ApiError | None) -> None:
+        span, self.auth = self.auth, None
+        assert span is not None
+        if error is not None:
+            _refusal(span, error)
+        elif tenant_id is not None:
             span.set_attribute("kvquota.tenant", tenant_id)
-            return tenant_id
+        span.end()
 
-    gateway._authenticate = authenticate  # type: ignore[method-assign]
+    def admission_started(self) -> None:
+        self.admission = self._child("kvquota.admission")
 
+    def queued(self, ticket: Ticket) -> None:
+        self.ticket = ticket
 
-def _wrap_admit(gateway: Gateway, tracer: Tracer) -> None:
-    original = gateway._admit
+    def queue_wait_started(self) -> None:
+        self.wait = self._child("kvquota.queue_wait", self.admission)
+        if self.ticket is not None:
+            self.wait.set_attribute("kvquota.tenant", self.ticket.tenant_id)
 
-    @functools.wraps(original)
-    async def admit(*args: Any) -> Any:
-        state = _CURRENT.get()
-        with tracer.start_as_current_span("kvquota.admission", record_exception=False,
-                                          set_status_on_exception=False) as span:
-            try:
-                admitted = await original(*args)
-            except ApiError as error:
-                _refusal(span, error)
-                if error.code == errors.PROMPT_TOO_LONG:  # refused by its size, untokenized
-                    span.set_attribute("kvquota.decision", str(Decision.REJECTED_PROMPT))
-                raise
-            finally:
-                _describe_decision(span, state.ticket if state else None)
-            if admitted is None:
-                span.set_attribute("kvquota.decision", "client_left")
-            return admitted
+    def queue_wait_ended(self, stayed: bool) -> None:
+        span, self.wait = self.wait, None
+        assert span is not None
+        span.set_attribute("kvquota.outcome", "settled" if stayed else "client_left")
+        if self.ticket is not None and self.ticket.waited_on is not None:
+            span.set_attribute("kvquota.waited_on", str(self.ticket.waited_on))
+        span.end()
 
-    gateway._admit = admit  # type: ignore[method-assign,assignment]
+    def admission_ended(self, error: ApiError | None, left: bool) -> None:
+        span, self.admission = self.admission, None
+        assert span is not None
+        if error is not None:
+            _refusal(span, error)
+            if error.code == errors.PROMPT_TOO_LONG:  # refused by its size, untokenized
+                span.set_attribute("kvquota.decision", str(Decision.REJECTED_PROMPT))
+        _describe_decision(span, self.ticket)
+        if left:
+            span.set_attribute("kvquota.decision", "client_left")
+        span.end()
+
+    def upstream_started(self, method: str, base_url: str, path: str,
+                         headers: Headers) -> Headers:
+        from opentelemetry import propagate, trace
+
+        span = self.upstream = self._child(
+            "kvquota.upstream", kind=trace.SpanKind.CLIENT,
+            attributes={"http.request.method": method, "url.full": f"{base_url}{path}"})
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier, context=trace.set_span_in_context(span))
+        sent = [(k, v) for k, v in headers if k.lower() not in TRACE_HEADERS]
+        sent += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in carrier.items()]
+        self.upstream_sent = time.monotonic()
+        return sent
+
+    def upstream_opened(self) -> None:
+        # The span ends with the request: the stream is part of the call.
+        if self.upstream is not None:
+            self.upstream.set_attribute(
+                "kvquota.upstream_headers_ms",
+                round((time.monotonic() - self.upstream_sent) * 1000, 3))
+
+    def upstream_failed(self, error: BaseException) -> None:
+        span, self.upstream = self.upstream, None
+        if span is not None:
+            span.record_exception(error)
+            span.end()
+
+    def ended(self, status: int | None) -> None:
+        from opentelemetry import context
+
+        for step in (self.auth, self.wait, self.admission):  # a step a bug cut short
+            if step is not None:
+                step.end()
+        if self.upstream is not None:
+            self.upstream.set_attribute("http.response.status_code", status or 0)
+            self.upstream.end()
+        if status is not None:
+            self.request.set_attribute("http.response.status_code", status)
+        self.request.end()
+        context.detach(self.token)
 
 
 def _describe_decision(span: Span, ticket: Ticket | None) -> None:
@@ -207,64 +242,3 @@ def _describe_decision(span: Span, ticket: Ticket | None) -> None:
     span.set_attribute("kvquota.queue_wait_ms", round(ticket.waited * 1000, 3))
     if ticket.waited_on is not None:
         span.set_attribute("kvquota.waited_on", str(ticket.waited_on))
-
-
-def _wrap_queue(gateway: Gateway, tracer: Tracer) -> None:
-    submit, wait = gateway.queue.submit, gateway._wait_in_queue
-
-    @functools.wraps(submit)
-    def submitting(tenant_id: str, shape: Any, payload: Any = None) -> Ticket:
-        ticket = submit(tenant_id, shape, payload)
-        state = _CURRENT.get()
-        if state is not None:
-            state.ticket = ticket
-        return ticket
-
-    @functools.wraps(wait)
-    async def waiting(ticket: Ticket, receive: Any) -> bool:
-        with tracer.start_as_current_span("kvquota.queue_wait") as span:
-            span.set_attribute("kvquota.tenant", ticket.tenant_id)
-            stayed = await wait(ticket, receive)
-            span.set_attribute("kvquota.outcome", "settled" if stayed else "client_left")
-            if ticket.waited_on is not None:
-                span.set_attribute("kvquota.waited_on", str(ticket.waited_on))
-            return stayed
-
-    gateway.queue.submit = submitting  # type: ignore[method-assign]
-    gateway._wait_in_queue = waiting  # type: ignore[method-assign]
-
-
-def _wrap_upstream(gateway: Gateway, tracer: Tracer) -> None:
-    from opentelemetry import propagate, trace
-
-    upstream = gateway.upstream
-    original: Callable[..., Any] = upstream.open
-
-    @functools.wraps(original)
-    async def open_(method: str, path: str, headers: list[tuple[bytes, bytes]],
-                    body: bytes) -> Any:
-        state = _CURRENT.get()
-        span = tracer.start_span("kvquota.upstream", kind=trace.SpanKind.CLIENT,
-                                 attributes={"http.request.method": method,
-                                             "url.full": f"{upstream.client.base_url}{path}"})
-        carrier: dict[str, str] = {}
-        propagate.inject(carrier, context=trace.set_span_in_context(span))
-        sent = [(k, v) for k, v in headers if k.lower() not in TRACE_HEADERS]
-        sent += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in carrier.items()]
-        started = time.monotonic()
-        try:
-            response = await original(method, path, sent, body)
-        except BaseException as error:
-            span.record_exception(error)
-            span.end()
-            raise
-        span.set_attribute("kvquota.upstream_headers_ms",
-                           round((time.monotonic() - started) * 1000, 3))
-        if state is not None and state.upstream is None:
-            state.upstream = span  # ends with the request: the stream is part of the call
-        else:
-            span.set_attribute("http.response.status_code", response.status_code)
-            span.end()
-        return response
-
-    upstream.open = open_  # type: ignore[method-assign]

@@ -15,6 +15,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from engine_sidecar.gateway import tracing
 from engine_sidecar.gateway.app import Gateway, GatewayConfig
+from engine_sidecar.gateway.observer import NO_OBSERVER, NO_TRACE
 
 from .conftest import Harness, StubFactory
 from .helpers import WAIT, Keys, http_post, make_policy, tenant, wait_for
@@ -35,10 +36,9 @@ def exporter() -> Iterator[InMemorySpanExporter]:
 
 def _traced(stub_sidecar: StubFactory, exporter: InMemorySpanExporter,
             stub: StubEngine | None = None, **limits: object) -> tuple[Harness, StubEngine]:
-    harness, stub = stub_sidecar(stub)
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tracing.instrument(harness.gateway, provider)
+    harness, stub = stub_sidecar(stub, observer=tracing.SpanObserver(provider))
     harness.apply(make_policy(tenant("acme", **limits)))
     return harness, stub
 
@@ -150,18 +150,26 @@ def test_queue_wait_is_a_span_of_its_own(
     assert queued.start_time <= wait.start_time and wait.end_time <= queued.end_time
 
 
+def _patched(gateway: Gateway) -> list[str]:
+    """Methods replaced on an instance of the gateway or of one of its parts."""
+    parts = (gateway, gateway.intake, gateway.admitter, gateway.relay, gateway.upstream,
+             gateway.queue, gateway.passthrough)
+    return [f"{type(part).__name__}.{name}" for part in parts for name in vars(part)
+            if callable(getattr(type(part), name, None))]
+
+
 def test_without_an_endpoint_nothing_is_instrumented(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in tracing.ENDPOINT_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     gateway = Gateway(GatewayConfig(), None)
-    # The request path runs the class's own methods: no wrapper, no per-request cost.
-    for name in ("_generate", "_authenticate", "_admit", "_wait_in_queue"):
-        assert getattr(gateway, name).__func__ is getattr(Gateway, name)
-    assert "open" not in vars(gateway.upstream) and "submit" not in vars(gateway.queue)
+    # Every request gets the empty trace: no spans, nothing wrapped, no per-chunk cost.
+    assert gateway.observer is NO_OBSERVER
+    assert gateway.observer.request({"headers": []}) is NO_TRACE
+    assert _patched(gateway) == []
 
 
 def test_an_endpoint_turns_tracing_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
     gateway = Gateway(GatewayConfig(), None)
-    assert getattr(gateway._generate, "__wrapped__", None) is not None
-    assert "open" in vars(gateway.upstream)
+    assert isinstance(gateway.observer, tracing.SpanObserver)
+    assert _patched(gateway) == []  # spans come from the observer, not from wrappers

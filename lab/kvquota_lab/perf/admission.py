@@ -105,7 +105,7 @@ async def _measure(args: argparse.Namespace, upstream: str, workdir: Path) -> No
     gateway.policy_source.poll(gateway.holder)  # type: ignore[attr-defined]
     await gateway.monitor.probe(gateway.upstream.client)
     gateway.token_counter = counter = gateway.load_tokenizer(args.tokenizer)
-    active = gateway._active()
+    active = gateway.intake.active()
     headers = [(b"authorization", f"Bearer {tokens['bench']}".encode()),
                (b"content-type", b"application/json")]
     template = json.dumps(chat_body(args.tokenizer, args.chat_tokens)).encode()
@@ -117,13 +117,13 @@ async def _measure(args: argparse.Namespace, upstream: str, workdir: Path) -> No
     released: list[float] = []
 
     async def decision(i: int) -> None:
-        active = gateway._active()
-        tenant_id = gateway._authenticate(active, headers)
-        admitted = await gateway._admit(Kind.CHAT, bodies[offset + i], headers, _never,
-                                        active, tenant_id)
+        active = gateway.intake.active()
+        tenant_id = gateway.intake.authenticate(active, headers)
+        admitted = await gateway.admitter.admit(Kind.CHAT, bodies[offset + i], headers,
+                                                _never, active, tenant_id)
         assert admitted is not None
         start = time.thread_time()
-        admitted[0].release("completed")  # when the engine is done: not the decision
+        admitted.reservation.release("completed")  # when the engine is done: not the decision
         released.append(time.thread_time() - start)
 
     offset = 0
@@ -145,7 +145,7 @@ async def _measure(args: argparse.Namespace, upstream: str, workdir: Path) -> No
     parsed = [parse(Kind.CHAT, body) for body in bodies[warm:]]
 
     async def auth(_i: int) -> None:
-        gateway._authenticate(active, headers)
+        gateway.intake.authenticate(active, headers)
 
     async def parse_step(i: int) -> None:
         parse(Kind.CHAT, bodies[warm + i])

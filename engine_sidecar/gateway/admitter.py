@@ -1,0 +1,227 @@
+"""Admission of an authenticated generation request: count, queue, decide, rewrite.
+
+The request's prompt tokens are counted (cheap checks first, then the cache, then the
+tokenizer, `prompt_count`), its shape goes to its tenant's queue (`admission_queue`),
+and it waits there until the queue admits it (a reservation in the ledger) or refuses
+it, or the client leaves. An admitted body is rewritten for the engine with what the
+decision granted. `pump` re-runs the queue as capacity frees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from starlette.types import Receive
+
+from engine_sidecar.contract.stats import EngineStats
+from engine_sidecar.gateway import errors
+from engine_sidecar.gateway.active_policy import ActivePolicy, PolicyHolder
+from engine_sidecar.gateway.admission import Decision, PoolView, RequestShape, sequence_blocks
+from engine_sidecar.gateway.admission_queue import AdmissionQueue, Ticket
+from engine_sidecar.gateway.engine_monitor import EngineMonitor
+from engine_sidecar.gateway.errors import ApiError
+from engine_sidecar.gateway.forward import wait_for_disconnect
+from engine_sidecar.gateway.intake import Intake
+from engine_sidecar.gateway.ledger import Ledger, Reservation
+from engine_sidecar.gateway.metrics import GatewayMetrics
+from engine_sidecar.gateway.model_names import engine_name
+from engine_sidecar.gateway.observer import NO_TRACE, RequestTrace
+from engine_sidecar.gateway.openai_request import Kind, rewrite, session_id
+from engine_sidecar.gateway.output_estimate import OutputEstimates
+from engine_sidecar.gateway.prefix import prompt_fingerprints
+from engine_sidecar.gateway.prompt_bounds import PromptLimit
+from engine_sidecar.gateway.prompt_count import PromptCounting
+from engine_sidecar.gateway.responses_request import rewrite_responses
+from engine_sidecar.gateway.status import DecisionCounters
+from engine_sidecar.gateway.tokenizer_setup import TokenizerSetup
+
+PUMP_INTERVAL_S = 0.05  # while requests queue: re-check capacity (new stats) and deadlines
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """An admitted request: its reservation and the body to send the engine."""
+
+    reservation: Reservation
+    body: bytes
+    tier: str
+    waited: float  # seconds in the queue
+    # Sequences the response's output tokens are spread over (a batch of prompts, n
+    # choices each): the output estimate is per sequence.
+    sequences: int
+
+
+class Admitter:
+    def __init__(
+        self, *, intake: Intake, holder: PolicyHolder, metrics: GatewayMetrics,
+        ledger: Ledger, stats: Callable[[], EngineStats | None], monitor: EngineMonitor,
+        estimates: OutputEstimates, tokenizers: TokenizerSetup, retry_after: int,
+    ) -> None:
+        self.intake = intake
+        self.holder = holder
+        self.metrics = metrics
+        self.monitor = monitor
+        self.tokenizers = tokenizers
+        self.retry_after = retry_after
+        self.counters = DecisionCounters()
+        self.prompts = PromptCounting()  # size floor, worker pool, token cache
+        self.queue = AdmissionQueue(
+            ledger, clock=time.monotonic, stats=stats,
+            max_model_len=lambda: monitor.max_model_len, estimates=estimates,
+        )
+        self._changed = asyncio.Event()
+
+    def wake(self) -> None:
+        """Capacity may have freed (a reservation was released): re-run the queue."""
+        self._changed.set()
+
+    async def admit(
+        self, kind: Kind, raw: bytes, raw_headers: list[tuple[bytes, bytes]],
+        receive: Receive, active: ActivePolicy, tenant_id: str,
+        trace: RequestTrace = NO_TRACE,
+    ) -> Admitted | None:
+        """Count an authenticated request, then wait in the tenant's queue until admitted
+        (or refused: raises the refusal); None if the client went away meanwhile."""
+        trace.admission_started()
+        try:
+            admitted = await self._admit(kind, raw, raw_headers, receive, active, tenant_id,
+                                         trace)
+        except ApiError as error:
+            trace.admission_ended(error, left=False)
+            raise
+        trace.admission_ended(None, left=admitted is None)
+        return admitted
+
+    async def _admit(
+        self, kind: Kind, raw: bytes, raw_headers: list[tuple[bytes, bytes]],
+        receive: Receive, active: ActivePolicy, tenant_id: str, trace: RequestTrace,
+    ) -> Admitted | None:
+        reject = self.intake.reject
+        counter = self.tokenizers.counter
+        if counter is None:
+            raise reject(ApiError(
+                503, errors.SIDECAR_NOT_READY, "the sidecar is still loading the tokenizer",
+                retry_after=self.retry_after), "not_ready")
+        tenant = active.policy.tenants[tenant_id]
+        try:  # cheap checks first, then the cache, then tokenizing (`prompt_count`)
+            request = await self.prompts.parse(kind, raw, counter, PromptLimit(
+                tenant_id, tenant.max_prompt_tokens, self.monitor.max_model_len))
+            if "model" in request.body:  # the public name /v1/models shows -> the engine's
+                request.body["model"] = engine_name(request.body["model"], self.monitor.model,
+                                                    active.policy.model)
+            prompts = await self.prompts.count(counter, request, self.monitor.model)
+        except ApiError as error:
+            if error.code == errors.PROMPT_TOO_LONG:
+                self.count_decision(tenant_id, tenant.tier.value, Decision.REJECTED_PROMPT)
+            raise reject(error, "tokenizer_busy" if error.code == errors.TOKENIZER_BUSY
+                         else "invalid_request") from None
+        active = self.holder.active or active  # a policy swap during counting wins
+        if tenant_id not in active.policy.tenants:
+            raise reject(ApiError(
+                403, errors.UNKNOWN_TENANT,
+                f"tenant {tenant_id!r} is no longer in the pool's policy"), "unknown_tenant")
+        self.sync_policy(active)
+        session = session_id(dict(raw_headers), request.body)
+        shape = RequestShape(
+            tuple(len(p) for p in prompts), request.requested_max_tokens, request.n,
+            request.prompt_param, request.max_tokens_param, session,
+            prompt_fingerprints(prompts, active.policy.block_size), kind.value,
+        )
+        ticket = self.queue.submit(tenant_id, shape)
+        trace.queued(ticket)
+        if not ticket.settled and not await self._wait_in_queue(ticket, receive, trace):
+            return None
+        tenant = active.policy.tenants[tenant_id]
+        tier = tenant.tier.value
+        verdict = ticket.verdict
+        assert verdict is not None
+        decision = Decision.ADMITTED if ticket.admitted else verdict.decision
+        self.count_decision(tenant_id, tier, decision)
+        self.metrics.queue_wait.labels(tier, "admitted" if ticket.admitted else "refused"
+                                       ).observe(ticket.waited)
+        if ticket.error is not None:
+            raise reject(ticket.error, decision.removeprefix("rejected_"))
+        reservation = ticket.reservation
+        assert reservation is not None
+        try:
+            body = (rewrite_responses if kind is Kind.RESPONSES else rewrite)(
+                request, max_tokens=verdict.max_tokens, priority=tenant.priority,
+                tenant_id=tenant_id, session=session,
+                cache_salt=active.cache_salts.get(tenant_id),
+                reserved_blocks=sequence_blocks(shape, verdict.output_tokens,
+                                                active.policy.block_size),
+            )
+        except BaseException:
+            reservation.release("error")
+            raise
+        self.metrics.tier(tier).reserved_blocks.inc(verdict.blocks)
+        return Admitted(reservation, body, tier, ticket.waited,
+                        request.n * max(1, len(prompts)))
+
+    def count_decision(self, tenant_id: str, tier: str, decision: Decision) -> None:
+        self.metrics.admissions.labels(self.tenant_label(tenant_id), tier, decision).inc()
+        self.counters.count(tenant_id, decision)
+
+    def tenant_label(self, tenant_id: str) -> str:
+        active = self.holder.active
+        return self.metrics.labels(tenant_id, active.policy.tenants if active else {})
+
+    async def _wait_in_queue(self, ticket: Ticket, receive: Receive,
+                             trace: RequestTrace) -> bool:
+        """Wait until the queue settles the ticket; False if the client left first (the
+        ticket leaves the queue, or gives back what it was just granted)."""
+        settled: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def wake(_ticket: Ticket) -> None:
+            if not settled.done():
+                settled.set_result(None)
+
+        trace.queue_wait_started()
+        ticket.on_settled = wake
+        self._changed.set()  # the pump loop now polls while requests wait
+        gone = asyncio.ensure_future(wait_for_disconnect(receive))
+        left = True
+        try:
+            await asyncio.wait((settled, gone), return_when=asyncio.FIRST_COMPLETED)
+            left = gone.done()
+        finally:  # also when this handler is cancelled (server shutdown)
+            gone.cancel()
+            ticket.on_settled = None
+            if left:
+                if ticket.reservation is not None:
+                    ticket.reservation.release("cancelled")
+                else:
+                    self.queue.cancel(ticket)
+        trace.queue_wait_ended(not left)
+        return not left
+
+    def capacity(self) -> PoolView | None:
+        """The pool as admission sees it (None before a policy is loaded)."""
+        active = self.holder.active
+        if active is None:
+            return None
+        self.sync_policy(active)
+        return self.queue.view()
+
+    def sync_policy(self, active: ActivePolicy) -> None:
+        if self.queue.policy is not active.policy:
+            self.queue.set_policy(active.policy)
+
+    async def pump(self) -> None:
+        """Admit queued requests as capacity frees: at once on every release, and every
+        PUMP_INTERVAL_S while any wait (the plugin's stats move, deadlines pass)."""
+        while True:
+            if self.queue.waiting():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), PUMP_INTERVAL_S)
+            else:
+                await self._changed.wait()
+            self._changed.clear()
+            active = self.holder.active
+            if active is not None:
+                self.sync_policy(active)
+                self.queue.pump()
