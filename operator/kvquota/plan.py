@@ -172,7 +172,9 @@ class PlanMemo:
     _entries: dict[ObjKey, tuple[tuple[Any, ...], _Entry]] = field(default_factory=dict)
     _plans: dict[ObjKey, tuple[tuple[Any, ...], TenantPlan]] = field(default_factory=dict)
 
-    def pool_spec(self, raw: Any) -> InferencePoolSpec:
+    def parse_pool(self, pool: Mapping[str, Any]) -> InferencePoolSpec | ValidationError:
+        """The pool's spec, or why it is invalid (parsed again only when it changed)."""
+        raw = pool.get("spec") or {}
         if self._pool is None or self._pool[0] != raw:
             try:
                 parsed: InferencePoolSpec | ValidationError = (
@@ -180,8 +182,6 @@ class PlanMemo:
             except ValidationError as error:
                 parsed = error
             self._pool = (raw, parsed)
-        if isinstance(self._pool[1], ValidationError):
-            raise self._pool[1]
         return self._pool[1]
 
     def quota_spec(self, key: ObjKey, raw: Any) -> TenantQuotaSpec:
@@ -340,11 +340,14 @@ def plan_pool(
     ready_replicas: int,
     reported_capacities: Sequence[int] = (),
     memo: PlanMemo | None = None,
+    pool_spec: InferencePoolSpec | ValidationError | None = None,
     engine_splits: Splits | None = None,
 ) -> PoolPlan:
     """Decide every quota of one pool. `tenants` come in tie-break order (file order in
     local mode, name order in the cluster); creationTimestamp sorts first. A `memo`
     kept between calls for the same pool makes re-planning cost what changed.
+    `pool_spec`: the pool's spec as the caller parsed it (`PlanMemo.parse_pool`), so
+    one reconcile parses it once; parsed from `pool` when absent.
     `engine_splits` (the demand-driven split, `demand_split.PoolSplit.splits`) become
     the policy's per-engine overrides where they still fit the quotas."""
     memo = memo if memo is not None else PlanMemo()
@@ -355,10 +358,9 @@ def plan_pool(
     if pool is None:
         return plan_missing_pool(namespace, name, bodies)
     pool_ref = f"{namespace}/{name}"
-    try:
-        spec = memo.pool_spec(pool.get("spec") or {})
-    except ValidationError as error:
-        return _plan_invalid_pool(namespace, name, bodies, describe_errors(error))
+    spec = pool_spec if pool_spec is not None else memo.parse_pool(pool)
+    if isinstance(spec, ValidationError):
+        return _plan_invalid_pool(namespace, name, bodies, describe_errors(spec))
 
     replicas = max(ready_replicas, 1)
     per_engine = engine_capacity(spec.kv_cache.capacity_blocks, reported_capacities)

@@ -20,7 +20,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, cast
 
@@ -62,7 +62,8 @@ POOLS, TENANTS = "inferencepools", "tenantquotas"
 
 class Coalescer:
     """Runs `fn(key)` at most once at a time per key. A caller returns after a run that
-    started after its request; requests that arrive during a run share the next one."""
+    started after its request; requests that arrive during a run share the next one.
+    A key nobody waits for keeps no slot."""
 
     @dataclass
     class _Slot:
@@ -78,12 +79,17 @@ class Coalescer:
         slot = self._slots.setdefault(key, Coalescer._Slot(asyncio.Lock()))
         slot.requested += 1
         ticket = slot.requested
-        async with slot.lock:
-            if slot.done >= ticket:
-                return
-            target = slot.requested
-            await self._fn(key)
-            slot.done = target
+        try:
+            async with slot.lock:
+                if slot.done >= ticket:
+                    return
+                target = slot.requested
+                await self._fn(key)
+                slot.done = target
+        finally:
+            # Every request served: a waiter still holding the slot only returns.
+            if slot.done >= slot.requested and self._slots.get(key) is slot:
+                del self._slots[key]
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,25 @@ class _Planned:
     engines: EngineView | None  # None: the pool does not exist
     pool_generation: Any
     generations: Mapping[ObjKey, Any]  # tenant -> the generation the plan saw
+
+
+@dataclass
+class _PoolState:
+    """What the reconciler keeps about one pool between reconciles, in one place so a
+    deleted pool is forgotten in one step."""
+
+    memo: PlanMemo = field(default_factory=PlanMemo)
+    planned: _Planned | None = None  # the latest plan, for the status stage
+    observation: EngineObservation | None = None  # the engines' latest poll
+    problem: Want | None = None  # why the engines could not be found at that poll
+    polled_at: float = -1e9  # time.monotonic() of that poll
+    window: DisruptionWindow | None = None  # disruptions of recent polls
+    history: PolicyHistory = field(default_factory=PolicyHistory)  # of the policies rendered
+    split: PoolSplit | None = None  # the demand-driven split (spec.quotaSplit: Demand)
+    # Policy hash the pool's ConfigMap holds, as far as we know; checked against the
+    # API after every engine poll (`verify`: someone may edit or delete the ConfigMap).
+    configmap: str | None = None
+    verify: bool = False
 
 
 @dataclass(frozen=True)
@@ -154,20 +179,9 @@ class PoolReconciler:
         self._config = config
         self._policy_runs = Coalescer(self._plan_and_publish)
         self._status_runs = Coalescer(self._publish_status)
-        self._memos: dict[PoolKey, PlanMemo] = {}
-        self._planned: dict[PoolKey, _Planned] = {}
         self._pools: Mapping[PoolKey, Iterable[Mapping[str, Any]]] = {}
         self._tenants: Mapping[PoolKey, Iterable[Mapping[str, Any]]] = {}
-        self._observations: dict[PoolKey, EngineObservation] = {}
-        self._problems: dict[PoolKey, Want | None] = {}
-        self._polled_at: dict[PoolKey, float] = {}
-        self._histories: dict[PoolKey, PolicyHistory] = {}
-        self._windows: dict[PoolKey, DisruptionWindow] = {}
-        self._splits: dict[PoolKey, PoolSplit] = {}  # the demand-driven split per pool
-        # Policy hash the pool's ConfigMap holds, as far as we know; checked against the
-        # API on every engine poll (someone may edit or delete the ConfigMap).
-        self._configmaps: dict[PoolKey, str] = {}
-        self._verify: set[PoolKey] = set()
+        self._states: dict[PoolKey, _PoolState] = {}
         # What we last wrote per object, until the watch shows it (keyed by resourceVersion).
         self._written: dict[tuple[str, str, str], tuple[str | None, dict[str, Any]]] = {}
         # Per status: the inputs and old status it was last built from. The same again
@@ -195,7 +209,9 @@ class PoolReconciler:
 
     def poll_due(self, key: PoolKey) -> bool:
         """Timer tick: whether the poll interval has passed since the last poll."""
-        return time.monotonic() - self._polled_at.get(key, -1e9) >= self._config.poll_interval
+        state = self._states.get(key)
+        polled_at = state.polled_at if state is not None else -1e9
+        return time.monotonic() - polled_at >= self._config.poll_interval
 
     async def poll(self, key: PoolKey, since: float | None = None) -> None:
         """Poll the pool's engines, then reconcile with what they said and check the
@@ -204,41 +220,40 @@ class PoolReconciler:
         pool = self._pool(key)
         if pool is None:
             return
-        self._polled_at[key] = time.monotonic()
-        observation = await self._observe(key, pool)
-        planned = self._planned.get(key)
+        state = self._state(key)
+        state.polled_at = time.monotonic()
+        observation = await self._observe(key, state, state.memo.parse_pool(pool))
+        planned = state.planned
         if planned is not None and planned.plan.demand_split:  # one round per poll
-            self._splits.setdefault(key, PoolSplit()).poll_round(
-                planned.plan.split_inputs, observation.ready, observation.reports)
+            state.split = state.split or PoolSplit()
+            state.split.poll_round(planned.plan.split_inputs, observation.ready,
+                                   observation.reports)
         else:  # spec.quotaSplit: Even (the default), or back to it
-            self._splits.pop(key, None)
-        self._verify.add(key)
+            state.split = None
+        state.verify = True
         await self.reconcile(key, since)
 
     def forget(self, plural: str, namespace: str, name: str) -> None:
         self._written.pop((plural, namespace, name), None)
         self._built.pop((plural, namespace, name), None)
         if plural == POOLS:
-            key = (namespace, name)
-            self._observations.pop(key, None)
-            self._problems.pop(key, None)
-            self._polled_at.pop(key, None)
-            self._histories.pop(key, None)
-            self._windows.pop(key, None)
-            self._splits.pop(key, None)
-            self._configmaps.pop(key, None)
-            self._memos.pop(key, None)
+            self._states.pop((namespace, name), None)
             metrics.forget_pool(namespace, name)
+
+    def _state(self, key: PoolKey) -> _PoolState:
+        state = self._states.get(key)
+        if state is None:
+            state = self._states[key] = _PoolState()
+        return state
 
     # ------------------------------------------------------------ engines
 
     def _pool(self, key: PoolKey) -> Mapping[str, Any] | None:
         return next(iter(self._pools.get(key, ())), None)
 
-    async def _selector(self, namespace: str, spec: Mapping[str, Any]) -> LabelSelector | Want:
-        try:
-            pool_spec = InferencePoolSpec.model_validate(spec)
-        except ValidationError:
+    async def _selector(self, namespace: str, pool_spec: InferencePoolSpec | ValidationError,
+                        ) -> LabelSelector | Want:
+        if isinstance(pool_spec, ValidationError):
             return Want(ConditionType.READY, "False", ConditionReason.INVALID_SPEC,
                         "the pool's spec is invalid")
         if pool_spec.selector is not None:
@@ -255,15 +270,17 @@ class PoolReconciler:
                         f"Gateway API InferencePool {namespace}/{ref} has no label selector")
         return selector
 
-    async def _observe(self, key: PoolKey, pool: Mapping[str, Any]) -> EngineObservation:
-        selector = await self._selector(key[0], pool.get("spec") or {})
+    async def _observe(self, key: PoolKey, state: _PoolState,
+                       pool_spec: InferencePoolSpec | ValidationError) -> EngineObservation:
+        selector = await self._selector(key[0], pool_spec)
         if isinstance(selector, Want):
             observation, problem = EngineObservation(observed_at=self._config.clock()), selector
         else:
             observation, problem = await self._poller.observe(key[0], selector), None
-        window = self._windows.setdefault(key, DisruptionWindow(self._config.degraded_window))
-        window.observe(observation.observed_at, observation.reports)
-        self._observations[key], self._problems[key] = observation, problem
+        if state.window is None:
+            state.window = DisruptionWindow(self._config.degraded_window)
+        state.window.observe(observation.observed_at, observation.reports)
+        state.observation, state.problem = observation, problem
         return observation
 
     # ------------------------------------------------------------ the reconcile
@@ -275,34 +292,36 @@ class PoolReconciler:
         pool = self._pool(key)
         tenants = sorted(self._tenants.get(key, ()), key=lambda b: str(_meta(b).get("name")))
         generations = {_key(b): _meta(b).get("generation") for b in tenants}
-        memo = self._memos.setdefault(key, PlanMemo())
+        if pool is None and not tenants:  # deleted, and no quota names it: keep nothing
+            self._states.pop(key, None)
+            return
+        state = self._state(key)
         if pool is None:
             plan = plan_pool(None, tenants, namespace=namespace, name=name, ready_replicas=0,
-                             memo=memo)
-            self._planned[key] = _Planned(plan, None, None, generations)
+                             memo=state.memo)
+            state.planned = _Planned(plan, None, None, generations)
             return
-        observation = self._observations.get(key)
+        pool_spec = state.memo.parse_pool(pool)  # once per reconcile (and per change)
+        observation = state.observation
         if observation is None:  # first sight since start: know the replicas before rendering
-            observation = await self._observe(key, pool)
-        split = self._splits.get(key)
+            observation = await self._observe(key, state, pool_spec)
         plan = plan_pool(
             pool, tenants, namespace=namespace, name=name,
             ready_replicas=observation.replicas,
             reported_capacities=observation.reported_capacities(),
-            memo=memo, engine_splits=split.splits if split is not None else None,
+            memo=state.memo, pool_spec=pool_spec,
+            engine_splits=state.split.splits if state.split is not None else None,
         )
         metrics.set_refused(namespace, name, Counter(
             t.accepted.reason for t in (plan.tenants or {}).values()
             if t.accepted.status == "False"))
         if plan.rendered is not None:
-            history = self._histories.setdefault(key, PolicyHistory())
-            history.record(plan.rendered.policy, plan.digests)
-            verify = key in self._verify
-            self._verify.discard(key)
+            state.history.record(plan.rendered.policy, plan.digests)
+            verify, state.verify = state.verify, False
             try:
-                await self._write_configmap(pool, plan.rendered, history, verify=verify)
+                await self._write_configmap(pool, plan.rendered, state, verify=verify)
             except BaseException:
-                self._configmaps.pop(key, None)  # unsure what was written: verify next time
+                state.configmap = None  # unsure what was written: verify next time
                 raise
         reports = observation.reports
         engines = EngineView(
@@ -310,7 +329,7 @@ class PoolReconciler:
             matched=observation.matched,
             versions={pod: (reports[pod].policy_version if pod in reports else None)
                       for pod in observation.ready},
-            problem=self._problems.get(key),
+            problem=state.problem,
             errors=observation.errors,
             usage=aggregate(reports.values()),
             window_seconds=self._config.degraded_window,
@@ -320,20 +339,21 @@ class PoolReconciler:
                             stale=engines.ready - engines.synced(version))
         metrics.set_engine_split(namespace, name, moved_tenants_split(
             plan.policy, observation.ready) if plan.policy is not None else {})
-        self._planned[key] = _Planned(plan, engines, _meta(pool).get("generation"), generations)
+        state.planned = _Planned(plan, engines, _meta(pool).get("generation"), generations)
 
     async def _publish_status(self, key: PoolKey) -> None:
         """Stage two: the statuses of the pool and its quotas, from the latest plan.
         Bodies come from the index now (their latest status and resourceVersion);
         observedGeneration is what the plan saw, so a quota edited since is not
         claimed as observed until the next plan covers it."""
-        planned = self._planned.get(key)
-        if planned is None:
+        state = self._states.get(key)
+        planned = state.planned if state is not None else None
+        if state is None or planned is None:
             return
         plan, engines = planned.plan, planned.engines
         tenants = [b for b in self._tenants.get(key, ()) if _key(b) in planned.generations]
         if engines is None:
-            await self._write_tenants(tenants, planned, key)
+            await self._write_tenants(tenants, planned, state)
             return
         pool = self._pool(key)
         if pool is not None:
@@ -343,10 +363,10 @@ class PoolReconciler:
                 functools.partial(pool_status, plan, engines=engines,
                                   generation=planned.pool_generation, now=now),
             )
-        await self._write_tenants(tenants, planned, key)
+        await self._write_tenants(tenants, planned, state)
 
     async def _write_configmap(
-        self, pool: Mapping[str, Any], rendered: RenderedPolicy, history: PolicyHistory,
+        self, pool: Mapping[str, Any], rendered: RenderedPolicy, state: _PoolState,
         *, verify: bool,
     ) -> None:
         """Write the policy when its hash differs from what the ConfigMap holds. The hot
@@ -354,9 +374,9 @@ class PoolReconciler:
         `verify` (engine polls) and the first sight of a pool read the ConfigMap."""
         meta = _meta(pool)
         namespace, name = str(meta.get("namespace")), str(meta.get("name"))
-        key, cm_name = (namespace, name), configmap_name(name)
+        cm_name = configmap_name(name)
         policy = rendered.policy
-        known = self._configmaps.get(key)
+        known = state.configmap
         if known == policy.version and not verify:
             return
         desired = build_configmap(namespace, name, meta.get("uid"), rendered)
@@ -371,14 +391,14 @@ class PoolReconciler:
             if current is None:
                 await self._kube.create_configmap(desired)
             else:
-                self._remember_running(history, current)
+                self._remember_running(state.history, current)
                 if self._holds(current, desired):
-                    self._configmaps[key] = policy.version
+                    state.configmap = policy.version
                     return
                 await self._kube.patch_configmap(namespace, cm_name, patch)
         elif not await self._kube.patch_configmap(namespace, cm_name, patch):
             await self._kube.create_configmap(desired)  # deleted since we last wrote it
-        self._configmaps[key] = policy.version
+        state.configmap = policy.version
         metrics.POLICY_WRITES.inc()
         logger.info("pool %s/%s: policy %s written to ConfigMap %s (%d tenants)",
                     namespace, name, policy.version, cm_name, len(policy.tenants))
@@ -410,11 +430,10 @@ class PoolReconciler:
             logger.warning("ConfigMap of pool %s holds an unreadable policy", version)
 
     async def _write_tenants(
-        self, tenants: list[Mapping[str, Any]], planned: _Planned, key: PoolKey,
+        self, tenants: list[Mapping[str, Any]], planned: _Planned, state: _PoolState,
     ) -> None:
         plan, engines = planned.plan, planned.engines
-        history = self._histories.get(key)
-        window = self._windows.get(key)
+        history, window = state.history, state.window
         now, clock = datetime.now(UTC), self._config.clock()
         pending: list[_Pending] = []
         for body in tenants:
