@@ -25,11 +25,11 @@ from kvquota_lab.loadgen import (
     RETRYABLE,
     NoisyNeighbour,
     Result,
-    Target,
     complete,
     retry_delay,
     tokens,
 )
+from kvquota_lab.stream_client import Target
 
 STOP_SECONDS = 10.0
 READY_SECONDS = 60.0

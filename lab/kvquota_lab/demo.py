@@ -35,7 +35,7 @@ from engine_sidecar.gateway.frozen_heap import freeze_startup_objects
 from kvquota.extras import require
 from kvquota.paths import copy_samples, user_cache
 from kvquota_lab.engine_state import QuotaGauge, StockGauge
-from kvquota_lab.loadgen import NoisyNeighbour, Result, Target
+from kvquota_lab.loadgen import NoisyNeighbour, Result
 from kvquota_lab.processes import ManagedProcess, free_port
 from kvquota_lab.stack import (
     Processes,
@@ -45,6 +45,7 @@ from kvquota_lab.stack import (
     tiny_model,
     wait_for_file,
 )
+from kvquota_lab.stream_client import Target
 from kvquota_lab.summary import FREE, PREMIUM, PREMIUM_FIRST, TierSummary, summarise
 from kvquota_lab.verdict import POLICY_RUN, STOCK_RUN, Verdict, judge
 from kvquota_lab.workload import run_noisy_neighbour

@@ -7,27 +7,24 @@ cores every request would wait for, and a follow-up's prefix is exactly what the
 cached (re-tokenized text need not match the generated ids). Each request streams, so
 time-to-first-token is measured where the user feels it: at the first chunk carrying a
 token, even one that decodes to no text (a random-weight model often emits such
-tokens). The prefix-cache hit of a turn comes from vLLM's
-`usage.prompt_tokens_details` (`--enable-prompt-tokens-details`).
+tokens; `kvquota_lab.stream_client` reads the stream). The prefix-cache hit of a turn
+comes from vLLM's `usage.prompt_tokens_details` (`--enable-prompt-tokens-details`).
 """
 
 from __future__ import annotations
 
-import json
 import random
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
 
+from kvquota_lab.stream_client import Target, completion_body, stream_completion
 from kvquota_lab.tinymodel import SPECIAL_TOKENS, VOCAB_SIZE
 
 FIRST_ID = len(SPECIAL_TOKENS)  # prompt ids: the tiny model's vocabulary after its specials
-QUEUE_HEADER = "x-kvquota-queue-ms"  # admitted after waiting this long in the sidecar's queue
 RETRYABLE = frozenset({429, 503})
 MAX_BACKOFF = 2.0  # seconds, before jitter
-
 
 
 @dataclass(frozen=True)
@@ -53,20 +50,6 @@ class Result:
     # premium follow-ups: how late, at worst, the measuring client's own event loop woke
     # up while the round's turns were in flight (what the machine added to any timing)
     client_lag: float | None = None
-
-
-def no_headers(_tenant: str) -> dict[str, str]:
-    return {}
-
-
-@dataclass(frozen=True)
-class Target:
-    """Where to send requests and how a tenant authenticates there (picklable when
-    `headers` is: a client process of its own may get it)."""
-
-    url: str
-    model: str
-    headers: Callable[[str], dict[str, str]] = no_headers
 
 
 @dataclass(frozen=True)
@@ -106,13 +89,6 @@ def tokens(rng: random.Random, count: int) -> list[int]:
     return [rng.randrange(FIRST_ID, VOCAB_SIZE) for _ in range(count)]
 
 
-def _seconds(value: str | None) -> float | None:
-    try:
-        return float(value) if value is not None else None
-    except ValueError:
-        return None
-
-
 async def complete(
     client: httpx.AsyncClient, target: Target, tier: str, tenant: str, prompt: list[int],
     max_tokens: int, *, turn: int = 0, round_no: int = 0, session: str | None = None,
@@ -122,62 +98,22 @@ async def complete(
     """One streamed completion; returns its measurements and the generated token ids.
     `on_answer` runs when the response's status arrives, `on_first_token` with the
     first token."""
-    headers = dict(target.headers(tenant))
-    if session:
-        headers["X-Session-Id"] = session
-    body = {
-        "model": target.model, "prompt": prompt, "max_tokens": max_tokens,
-        "stream": True, "stream_options": {"include_usage": True}, "temperature": 0.0,
-        "ignore_eos": True, "return_token_ids": True,
-    }
-    start = time.perf_counter()
-    sent_at = start - clock_start
-    ttft: float | None = None
-    output: list[int] = []
-    usage: dict[str, object] = {}
-    try:
-        async with client.stream(
-            "POST", f"{target.url}/v1/completions", json=body, headers=headers
-        ) as resp:
-            if on_answer:
-                on_answer()
-            if resp.status_code != 200:
-                raw = await resp.aread()
-                try:
-                    code = json.loads(raw)["error"].get("code")
-                except (ValueError, KeyError, TypeError, AttributeError):
-                    code = None
-                return Result(
-                    tier, tenant, turn, round_no, resp.status_code, code and str(code), None,
-                    time.perf_counter() - start, sent_at,
-                    retry_after=_seconds(resp.headers.get("retry-after")),
-                ), []
-            queue_ms = _seconds(resp.headers.get(QUEUE_HEADER))
-            headers_after = time.perf_counter() - start
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                for choice in chunk.get("choices", []):
-                    if ttft is None:
-                        ttft = time.perf_counter() - start
-                        if on_first_token:
-                            on_first_token()
-                    output.extend(choice.get("token_ids") or [])
-    except httpx.HTTPError as exc:
-        return Result(tier, tenant, turn, round_no, 0, type(exc).__name__, None,
-                      time.perf_counter() - start, sent_at), []
-    details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    prompt_tokens = usage.get("prompt_tokens")
+    reply = await stream_completion(
+        client, target.url, completion_body(target.model, prompt, max_tokens),
+        target.request_headers(tenant, session), on_answer=on_answer,
+        on_first_token=on_first_token)
+    total = (reply.finish or reply.sent) - reply.sent
+    sent_at = reply.sent - clock_start
+    if reply.status != 200:
+        return Result(tier, tenant, turn, round_no, reply.status, reply.code, None, total,
+                      sent_at, retry_after=reply.retry_after), []
+    ttft = None if reply.first_token is None else reply.first_token - reply.sent
+    headers_after = None if reply.head is None else reply.head - reply.sent
     return Result(
-        tier, tenant, turn, round_no, 200, None, ttft, time.perf_counter() - start, sent_at,
-        prompt_tokens=prompt_tokens if isinstance(prompt_tokens, int) else 0,
-        cached_tokens=cached if isinstance(cached, int) else 0, queue_ms=queue_ms,
-        headers_after=headers_after,
-    ), output
+        tier, tenant, turn, round_no, 200, None, ttft, total, sent_at,
+        prompt_tokens=reply.prompt_tokens or 0, cached_tokens=reply.cached_tokens or 0,
+        queue_ms=reply.queue_ms, headers_after=headers_after,
+    ), reply.token_ids
 
 
 def retry_delay(retry_after: float | None, refusals: int, rng: random.Random) -> float:

@@ -32,7 +32,8 @@ import httpx
 
 from kvquota_lab.burst import BurstClient, BurstSpec, Wave
 from kvquota_lab.engine_state import BurstGauge, Hold
-from kvquota_lab.loadgen import NoisyNeighbour, Result, Target, complete, tokens
+from kvquota_lab.loadgen import NoisyNeighbour, Result, complete, tokens
+from kvquota_lab.stream_client import Target
 
 HOLD_POLL_SECONDS = 0.1
 LAG_TICK_SECONDS = 0.01

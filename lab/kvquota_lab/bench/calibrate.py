@@ -48,26 +48,13 @@ def _prompt(seed: int, length: int) -> list[int]:
 async def _stream(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
                   max_tokens: int) -> tuple[float, float, float, int]:
     """(start, first token, last token) wall times and the number of tokens streamed."""
-    import json
+    from kvquota_lab.stream_client import completion_body, stream_completion
 
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-            "ignore_eos": True, "temperature": 0.0, "return_token_ids": True}
-    start = time.perf_counter()
-    first = last = 0.0
-    count = 0
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            # Token ids, not text: a byte-level token can decode to no text on its own.
-            tokens = sum(len(c.get("token_ids") or []) for c in chunk.get("choices", []))
-            if tokens:
-                last = time.perf_counter()
-                first = first or last
-                count += tokens
-    return start, first, last, count
+    reply = await stream_completion(client, url, completion_body(model, prompt, max_tokens))
+    if reply.status != 200:
+        raise RuntimeError(f"the engine answered {reply.status} ({reply.code}); see its log")
+    return (reply.sent, reply.first_token or 0.0, reply.last_token or 0.0,
+            len(reply.token_ids))
 
 
 async def _measure(url: str, model: str) -> tuple[list[tuple[int, int, float]],

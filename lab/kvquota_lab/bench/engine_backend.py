@@ -36,7 +36,8 @@ import re
 import secrets
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,7 +50,7 @@ from kvquota_lab.bench.occupancy import Occupancy
 from kvquota_lab.bench.plugin_counts import outgrown_by_tier
 from kvquota_lab.bench.scenario import TIER_ORDER, Scenario, Session, generate_sessions
 from kvquota_lab.bench.twin import BASELINE, POLICIES, PolicySpec, Progress
-from kvquota_lab.loadgen import QUEUE_HEADER, Target
+from kvquota_lab.stream_client import Streamed, Target, completion_body, stream_completion
 
 if TYPE_CHECKING:
     import httpx
@@ -68,21 +69,6 @@ def kv_bytes_per_token() -> int:
 
     return int(2 * MODEL_CONFIG["num_hidden_layers"] * MODEL_CONFIG["num_key_value_heads"]
                * MODEL_CONFIG["head_dim"] * 2)
-
-
-@dataclass
-class _Reply:
-    status: int
-    code: str | None = None
-    retry_after: float | None = None
-    sent: float = 0.0
-    headers: float = 0.0
-    first_token: float | None = None
-    finish: float | None = None
-    output_ids: list[int] = field(default_factory=list)
-    cached_tokens: int | None = None  # None: the engine did not report it
-    queued_seconds: float = 0.0  # the sidecar's x-kvquota-queue-ms (0 from stock vLLM)
-    server_timing: dict[str, float] = field(default_factory=dict)
 
 
 def parse_server_timing(values: list[str]) -> dict[str, float]:
@@ -120,60 +106,19 @@ def answer_fields(answer_tokens: int) -> dict[str, Any]:
 
 async def complete(
     client: httpx.AsyncClient, target: Target, tenant: str, prompt: list[int],
-    max_tokens: int | None, *, session: str | None, priority: int | None, clock: Any,
-    answer_tokens: int | None = None,
-) -> _Reply:
+    max_tokens: int | None, *, session: str | None, priority: int | None,
+    clock: Callable[[], float], answer_tokens: int | None = None,
+) -> Streamed:
     """One streamed completion of token ids; times come from `clock()`. The answer
     ends at the max_tokens in force, or after `answer_tokens` when that is fewer
     (`max_tokens` None: not sent)."""
-    headers = dict(target.headers(tenant))
-    if session:
-        headers["X-Session-Id"] = session
-    body: dict[str, Any] = {
-        "model": target.model, "prompt": prompt, "stream": True,
-        "stream_options": {"include_usage": True}, "temperature": 0.0, "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    if max_tokens is not None:
-        body["max_tokens"] = max_tokens
+    body = completion_body(target.model, prompt, max_tokens)
     if answer_tokens is not None and (max_tokens is None or answer_tokens < max_tokens):
         body.update(answer_fields(answer_tokens))
     if priority is not None:
         body["priority"] = priority
-    reply = _Reply(200, sent=clock())
-    async with client.stream(
-        "POST", f"{target.url}/v1/completions", json=body, headers=headers
-    ) as resp:
-        reply.headers = clock()
-        if resp.status_code != 200:
-            raw = await resp.aread()
-            reply.status = resp.status_code
-            try:
-                reply.code = str(json.loads(raw)["error"].get("code"))
-            except (ValueError, KeyError, TypeError, AttributeError):
-                reply.code = None
-            retry_after = resp.headers.get("retry-after")
-            reply.retry_after = float(retry_after) if retry_after else None
-            return reply
-        reply.queued_seconds = float(resp.headers.get(QUEUE_HEADER) or 0) / 1000
-        reply.server_timing = parse_server_timing(resp.headers.get_list("server-timing"))
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            usage = chunk.get("usage")
-            details = usage.get("prompt_tokens_details") if usage else None
-            if details:
-                reply.cached_tokens = int(details.get("cached_tokens") or 0)
-            for choice in chunk.get("choices", []):
-                ids = choice.get("token_ids") or []
-                if ids or choice.get("text"):
-                    now = clock()
-                    if reply.first_token is None:
-                        reply.first_token = now
-                    reply.output_ids.extend(ids)
-    reply.finish = clock()
-    return reply
+    return await stream_completion(client, target.url, body,
+                                   target.request_headers(tenant, session), clock=clock)
 
 
 class _Driver:
@@ -285,7 +230,9 @@ class _Driver:
                         else None,
                         clock=self.clock, answer_tokens=answer,
                     )
-                except Exception:  # transport error: counted, the session ends
+                except Exception:  # a malformed stream
+                    reply = None
+                if reply is None or reply.status == 0:  # or no answer: the session ends
                     outcome.status = "failed"
                     break
                 if reply.status in (429, 503):
@@ -303,15 +250,16 @@ class _Driver:
             outcome.status = "ok"
             outcome.first_token = reply.first_token
             outcome.finish = reply.finish
-            outcome.sent, outcome.headers = reply.sent, reply.headers
-            outcome.server_timing = reply.server_timing
-            outcome.output_tokens = len(reply.output_ids)
-            outcome.queued_seconds = reply.queued_seconds
+            outcome.sent, outcome.headers = reply.sent, reply.head
+            outcome.server_timing = parse_server_timing(reply.server_timing)
+            outcome.output_tokens = len(reply.token_ids)
+            # the sidecar's x-kvquota-queue-ms (none from stock vLLM)
+            outcome.queued_seconds = (reply.queue_ms or 0.0) / 1000
             if reply.cached_tokens is None:
                 self.cached_unknown = True
             else:
                 outcome.cached_tokens = reply.cached_tokens
-            context = prompt + reply.output_ids
+            context = prompt + reply.token_ids
 
     def settle(self) -> None:
         self.settled += 1
