@@ -11,7 +11,6 @@ without their metrics or kopf state mixing.
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from kvquota_lab.processes import ManagedProcess, free_port
+from kvquota_lab.processes import ManagedProcess, cpu_seconds, free_port, memory_kb
 
 
 def write_kubeconfig(path: Path, server: str) -> Path:
@@ -103,15 +102,14 @@ class OperatorProcess:
 
     def rss_bytes(self) -> int:
         """Resident memory of the process now (Linux /proc)."""
-        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        raise RuntimeError("no VmRSS in /proc status")
+        resident = memory_kb([self.pid])
+        if not resident:
+            raise RuntimeError("no VmRSS in /proc status")
+        return resident * 1024
 
     def cpu_seconds(self) -> float:
         """CPU time (user + system) the process has used so far (Linux /proc)."""
-        fields = Path(f"/proc/{self.pid}/stat").read_text().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return cpu_seconds([self.pid])
 
     def kill(self) -> None:
         """SIGKILL, like a node failure: no clean exit, no goodbye to its peers."""

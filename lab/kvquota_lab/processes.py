@@ -32,6 +32,38 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def with_children(pid: int) -> list[int]:
+    """`pid` and its direct children (e.g. the sidecar's tokenizer workers), from /proc."""
+    pids = [pid]
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            pids += [int(c) for c in (task / "children").read_text().split()]
+    return pids
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU the processes have used so far (the kernel's count in /proc);
+    a process that is gone counts 0."""
+    ticks = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def memory_kb(pids: list[int], field_name: str = "VmRSS") -> int:
+    """A /proc status memory figure summed over the processes, in kB: `VmRSS` resident
+    now, `VmHWM` its peak; a process that is gone counts 0."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith(f"{field_name}:"):
+                    total += int(line.split()[1])
+    return total
+
+
 class ProcessFailed(RuntimeError):
     """A managed process exited or never became ready; the message has its log tail."""
 

@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from kvquota_lab.processes import ManagedProcess, ProcessFailed, free_port
+from kvquota_lab.processes import (
+    ManagedProcess,
+    ProcessFailed,
+    cpu_seconds,
+    free_port,
+    memory_kb,
+    with_children,
+)
 
 # Starts a grandchild in the same group, writes its pid, then serves HTTP on argv[1].
 SERVER = """
@@ -67,3 +74,20 @@ def test_append_log_keeps_the_earlier_run_and_kill_is_sigkill(tmp_path: Path) ->
         time.sleep(0.05)
     assert proc.log_tail().splitlines() == ["earlier run", "again"]
     assert proc.kill() == -signal.SIGKILL
+
+
+def test_cpu_and_memory_of_a_process_and_its_children(tmp_path: Path) -> None:
+    port = free_port()
+    proc = ManagedProcess("server", [sys.executable, "-c", SERVER, str(port)],
+                          tmp_path / "server.log").start()
+    try:
+        proc.wait_http(f"http://127.0.0.1:{port}/", 30, interval=0.05)
+        assert proc.pid is not None
+        child = int(proc.log_tail().split()[1])
+        assert with_children(proc.pid) == [proc.pid, child]
+        assert memory_kb([proc.pid, child]) > memory_kb([proc.pid]) > 0
+        assert memory_kb([proc.pid], "VmHWM") >= memory_kb([proc.pid])
+        assert cpu_seconds([proc.pid]) > 0  # the interpreter's start-up at least
+    finally:
+        proc.stop()
+    assert memory_kb([-1]) == 0 and cpu_seconds([-1]) == 0.0  # no such process: 0

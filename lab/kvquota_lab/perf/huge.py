@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import random
@@ -40,6 +39,7 @@ from kvquota_lab.perf.sidecar import (
     _start_sidecar,
     _start_stub,
 )
+from kvquota_lab.processes import memory_kb, with_children
 
 VICTIM_BODY = {"model": "stub", "prompt": "tenant quota cache block lease premium standard",
                "max_tokens": 16, "stream": True}
@@ -148,21 +148,6 @@ def _summary(samples: list[Sample]) -> dict[str, float]:
             "max": max(ttft)}
 
 
-def _peak_rss_mb(pid: int) -> float:
-    """Peak resident memory of a process and its children (the tokenizer workers)."""
-    total = 0
-    pids = [pid]
-    with contextlib.suppress(OSError):
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            pids += [int(c) for c in (task / "children").read_text().split()]
-    for one in pids:
-        with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{one}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    total += int(line.split()[1])
-    return total / 1024
-
-
 def run(args: argparse.Namespace) -> int:
     setup = Setup(Path(tempfile.mkdtemp(prefix="kvquota-bench-huge-")))
     try:
@@ -182,7 +167,8 @@ def run(args: argparse.Namespace) -> int:
         attacked = asyncio.run(_victim(sidecar, tokens["victim"], args.rate, args.seconds))
         attacker.stop(grace=600)  # SIGTERM: the attacker prints its report and exits
         report = json.loads(attacker.log_path.read_text().splitlines()[-1])
-        rss = _peak_rss_mb(proc.pid or 0)
+        # peak resident memory of the sidecar and its tokenizer workers
+        rss = memory_kb(with_children(proc.pid or 0), "VmHWM") / 1024
     finally:
         setup.close()
     base, hit = _summary(alone), _summary(attacked)

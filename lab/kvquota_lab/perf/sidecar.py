@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import itertools
 import json
 import os
@@ -38,7 +37,13 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvquota_lab.percentile import percentile
-from kvquota_lab.processes import ManagedProcess, ProcessFailed, free_port
+from kvquota_lab.processes import (
+    ManagedProcess,
+    ProcessFailed,
+    cpu_seconds,
+    free_port,
+    with_children,
+)
 from kvquota_lab.stack import Processes
 
 CONCURRENCY = (1, 16, 64, 256)
@@ -458,33 +463,18 @@ class Row:
         return out
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process and its children (the tokenizer workers), from
-    /proc (the kernel's rusage of each)."""
-    pids = [pid]
-    with contextlib.suppress(OSError):
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            pids += [int(c) for c in (task / "children").read_text().split()]
-    ticks = 0
-    for one in pids:
-        with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{one}/stat").read_text().rsplit(")", 1)[1].split()
-            ticks += int(fields[11]) + int(fields[12])  # utime, stime
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
 async def _measure(direct_url: str, sidecar_url: str, body: bytes, token: str,
                    concurrency: int, requests: int, think_ms: float,
                    sidecar_pid: int | None = None, path: str = "/v1/completions") -> Row:
     targets = [Target(direct_url, {}), Target(sidecar_url, {"Authorization": f"Bearer {token}"})]
     await run_load(targets, body, concurrency, max(concurrency, 8), think_ms, path)  # warm up
-    before = cpu_seconds(sidecar_pid) if sidecar_pid else 0.0
+    before = cpu_seconds(with_children(sidecar_pid)) if sidecar_pid else 0.0
     started = time.perf_counter()
     direct, proxied = await run_load(targets, body, concurrency, requests, think_ms, path)
     wall = time.perf_counter() - started
     if not sidecar_pid:
         return Row(concurrency, direct, proxied)
-    used = cpu_seconds(sidecar_pid) - before
+    used = cpu_seconds(with_children(sidecar_pid)) - before
     return Row(concurrency, direct, proxied, used / len(proxied) * 1e6, used / wall)
 
 
