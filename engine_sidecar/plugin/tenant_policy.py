@@ -564,8 +564,9 @@ class VictimRanker:
 
 
 @dataclass
-class TenantCounters:
-    """Monotonic per-tenant counters the stats file exposes."""
+class CounterTally:
+    """One tenant's monotonic counters in the plugin's memory, as the stats file
+    publishes them (`contract.stats.TenantEngineStats`)."""
 
     preemptions: Counter[str] = field(default_factory=Counter)
     outgrown_preemptions: int = 0  # running victims that held more than they reserved
@@ -581,12 +582,12 @@ class CounterBook:
     """Counters by tenant; tenants the policy does not know share UNCLASSIFIED."""
 
     def __init__(self) -> None:
-        self.tenants: dict[str, TenantCounters] = {}
+        self.tenants: dict[str, CounterTally] = {}
 
-    def __getitem__(self, tenant: str) -> TenantCounters:
+    def __getitem__(self, tenant: str) -> CounterTally:
         counters = self.tenants.get(tenant)
         if counters is None:
-            counters = self.tenants[tenant] = TenantCounters()
+            counters = self.tenants[tenant] = CounterTally()
         return counters
 
 

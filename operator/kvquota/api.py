@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Annotated, Any, Literal, NamedTuple
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple, Self
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 from pydantic.alias_generators import to_camel
@@ -24,6 +24,7 @@ from engine_sidecar.contract.policy import (
     Tier,
     default_algorithms,
 )
+from engine_sidecar.contract.stats import TenantCounters, TenantUsage
 
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 Name = Annotated[str, Field(min_length=1, max_length=253, pattern=NAME_PATTERN)]
@@ -713,9 +714,34 @@ class EffectiveSettings(_Model):
     )
 
 
-class Usage(_Model):
+class _WireView(_Model):
+    """A status field that shows (part of) a model the sidecars report (`WIRE`, from
+    `engine_sidecar.contract.stats`): each field is the wire field of the same name and
+    type, documented for the CRD. `of` builds the view from a wire object."""
+
+    WIRE: ClassVar[type[BaseModel]]
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        wire = cls.WIRE.model_fields
+        wrong = [name for name, field in cls.model_fields.items()
+                 if name not in wire or wire[name].annotation != field.annotation]
+        if wrong:
+            raise TypeError(f"{cls.__name__} fields not in {cls.WIRE.__name__} as such: {wrong}")
+
+    @classmethod
+    def of(cls, wire: BaseModel) -> Self:
+        if not isinstance(wire, cls.WIRE):
+            raise TypeError(f"{cls.__name__} shows a {cls.WIRE.__name__}, not {wire!r}")
+        return cls.model_validate(wire, from_attributes=True)
+
+
+class Usage(_WireView):
     """What the engines reported at the operator's last poll, summed over the engines
     that answered."""
+
+    WIRE = TenantUsage
 
     blocks: int = Field(
         0, description="KV blocks the tenant holds: its running requests' and its idle "
@@ -753,9 +779,11 @@ class Usage(_Model):
     )
 
 
-class Counters(_Model):
+class Counters(_WireView):
     """Cumulative counts per engine, summed over the engines that answered the operator's
     last poll; an engine that restarts counts from 0 again."""
+
+    WIRE = TenantCounters
 
     admitted: int = Field(0, description="Requests the sidecars admitted.")
     rejected_quota: int = Field(

@@ -25,9 +25,6 @@ from kvquota.usage import Disruptions, PoolUsage
 # Condition flips worth a Kubernetes Event (others change with every rollout).
 EVENT_CONDITIONS = {"TenantQuota": (ConditionType.ACCEPTED, ConditionType.DEGRADED),
                     "InferencePool": (ConditionType.READY, ConditionType.OVERSUBSCRIBED)}
-# The declared status fields of usage and counters (the sidecar reports a few more).
-_USAGE_KEYS = tuple(Usage().model_dump(by_alias=True))
-_COUNTER_KEYS = tuple(Counters().model_dump(by_alias=True))
 _NOT_REPORTED = TenantStatus()
 # Condition states a user should look at: posted as Warning events.
 BAD_STATES = {(ConditionType.ACCEPTED, "False"), (ConditionType.DEGRADED, "True"),
@@ -165,10 +162,8 @@ def tenant_status(
         )
     if engines is not None and tenant.tenant_id is not None and plan.exists:
         seen = engines.usage.tenants.get(tenant.tenant_id) or _NOT_REPORTED
-        usage = seen.usage.model_dump(by_alias=True)
-        counters = seen.counters.model_dump(by_alias=True)
-        status["usage"] = {k: usage[k] for k in _USAGE_KEYS}
-        status["counters"] = {k: counters[k] for k in _COUNTER_KEYS}
+        status["usage"] = Usage.of(seen.usage).model_dump(by_alias=True)
+        status["counters"] = Counters.of(seen.counters).model_dump(by_alias=True)
         status["engines"] = [
             {"pod": pod, "guaranteedBlocks": guaranteed, "maxBlocks": maximum}
             for pod, guaranteed, maximum in engine_split(tenant, plan, engines)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from datetime import UTC, datetime, timedelta
 
+import pytest
 import yaml
 from operator_objects import condition, pool, quota
 
@@ -14,6 +15,8 @@ from kvquota.api import (
     CONDITION_TYPE_PATTERN,
     ConditionReason,
     ConditionType,
+    Counters,
+    Usage,
 )
 from kvquota.conditions import Want, merge_conditions
 from kvquota.plan import PoolPlan, plan_pool
@@ -208,3 +211,18 @@ def test_condition_names_are_valid_and_written_as_plain_strings() -> None:
     assert {(type(c["type"]), type(c["reason"])) for c in status["conditions"]} == {(str, str)}
     assert condition(status, "Accepted")["reason"] == ConditionReason.OVERSUBSCRIBED
     assert "Oversubscribed" in yaml.safe_dump(status)  # as local mode writes it
+
+
+def test_usage_and_counters_are_views_of_the_wire_models() -> None:
+    """The status shows the sidecars' figures by name, without a list of keys to keep."""
+    assert set(Usage.model_fields) == set(TenantUsage.model_fields)
+    assert set(Counters.model_fields) == set(TenantCounters.model_fields) - {"degraded_events"}
+    shown = Counters.of(TenantCounters(admitted=3, lease_breaks=1, degraded_events=2))
+    assert shown.model_dump(by_alias=True) == {
+        "admitted": 3, "rejectedQuota": 0, "rejectedWatermark": 0, "preemptions": 0,
+        "outgrownPreemptions": 0, "leaseBreaks": 1}
+    with pytest.raises(TypeError):
+        Counters.of(TenantUsage())
+    with pytest.raises(TypeError, match="unreported"):
+        class _Wrong(Counters):  # a status field the sidecars do not report
+            unreported: int = 0
