@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -14,8 +15,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from engine_sidecar.gateway import tracing
+from engine_sidecar.gateway.admission_queue import Ticket
 from engine_sidecar.gateway.app import Gateway, GatewayConfig
-from engine_sidecar.gateway.observer import NO_OBSERVER, NO_TRACE
+from engine_sidecar.gateway.errors import ApiError
+from engine_sidecar.gateway.observer import NO_OBSERVER, NO_TRACE, RequestTrace
 
 from .conftest import Harness, StubFactory
 from .helpers import WAIT, Keys, http_post, make_policy, tenant, wait_for
@@ -173,3 +176,77 @@ def test_an_endpoint_turns_tracing_on(monkeypatch: pytest.MonkeyPatch) -> None:
     gateway = Gateway(GatewayConfig(), None)
     assert isinstance(gateway.observer, tracing.SpanObserver)
     assert _patched(gateway) == []  # spans come from the observer, not from wrappers
+
+
+class _Recording(RequestTrace):
+    """A trace that writes down the hooks the gateway calls, in order."""
+
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def auth_started(self) -> None:
+        self.calls.append("auth")
+
+    def auth_ended(self, tenant_id: str | None, error: ApiError | None) -> None:
+        self.calls.append(f"auth_ended:{tenant_id or (error and error.status)}")
+
+    def admission_started(self) -> None:
+        self.calls.append("admission")
+
+    def queued(self, ticket: Ticket) -> None:
+        self.calls.append(f"queued:{ticket.tenant_id}")
+
+    def admission_ended(self, error: ApiError | None, left: bool) -> None:
+        self.calls.append(f"admission_ended:{error.status if error else 'left' if left else 'ok'}")
+
+    def upstream_started(self, method: str, base_url: str, path: str,
+                         headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        self.calls.append(f"upstream:{method} {path}")
+        return [*headers, (b"x-observed", b"1")]
+
+    def upstream_opened(self) -> None:
+        self.calls.append("upstream_opened")
+
+    def ended(self, status: int | None) -> None:
+        self.calls.append(f"ended:{status}")
+
+
+def test_the_observer_hears_each_step_of_a_generation_request_and_nothing_else(
+    stub_sidecar: StubFactory, keys: Keys
+) -> None:
+    calls: list[str] = []
+
+    class Observer:
+        def request(self, scope: Any) -> RequestTrace:
+            calls.append(f"request:{scope['path']}")
+            return _Recording(calls)
+
+    def heard() -> list[str]:
+        """The calls, once the request ended (after the client has its last byte)."""
+        wait_for(lambda: calls and calls[-1].startswith("ended:"), WAIT, f"{calls}")
+        return calls
+
+    harness, stub = stub_sidecar(observer=Observer())
+    harness.apply(make_policy(tenant("acme", max_prompt_tokens=3)))
+    auth = {"Authorization": f"Bearer {keys.hs('acme')}"}
+    assert http_post(harness.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                     headers=auth).status_code == 200
+    assert heard() == ["request:/v1/completions", "auth", "auth_ended:acme", "admission",
+                       "queued:acme", "admission_ended:ok", "upstream:POST /v1/completions",
+                       "upstream_opened", "ended:200"]
+    # The engine got the headers the trace returned.
+    assert stub.received_headers[0]["x-observed"] == "1"
+    calls.clear()
+    assert http_post(harness.url + "/v1/completions",
+                     json={"prompt": "far too many words here", "max_tokens": 2},
+                     headers=auth).status_code == 400
+    assert heard() == ["request:/v1/completions", "auth", "auth_ended:acme", "admission",
+                       "queued:acme", "admission_ended:400", "ended:400"]  # the queue refused
+    calls.clear()
+    assert http_post(harness.url + "/v1/completions", json={"prompt": "x"},
+                     headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert heard() == ["request:/v1/completions", "auth", "auth_ended:401", "ended:401"]
+    calls.clear()
+    assert http_post(harness.url + "/tokenize", json={"prompt": "x"},
+                     headers=auth).status_code == 200
+    assert calls == []  # not a generation request
