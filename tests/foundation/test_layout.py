@@ -6,6 +6,7 @@ import ast
 import hashlib
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -98,18 +99,30 @@ LAYERS = {
 ROOTS = {"engine_sidecar": REPO / "engine_sidecar", "kvquota": REPO / "operator" / "kvquota"}
 
 
+def _runtime_imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import a module can run, inside functions too; not `if TYPE_CHECKING:`."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING"):
+            for child in node.orelse:
+                yield from _runtime_imports(ast.Module(body=[child], type_ignores=[]))
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
+        else:
+            yield from _runtime_imports(node)
+
+
 def _product_imports() -> dict[str, set[str]]:
-    """Each product module -> the product modules (and packages) it imports."""
+    """Each product module -> the product modules (and packages) it imports at run time."""
     found: dict[str, set[str]] = {}
     for package, root in ROOTS.items():
         for path in root.rglob("*.py"):
             parts = [package, *path.relative_to(root).with_suffix("").parts]
             module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
             imports = found.setdefault(module, set())
-            for node in ast.walk(ast.parse(path.read_text())):
+            for node in _runtime_imports(ast.parse(path.read_text())):
                 if isinstance(node, ast.Import):
                     imports |= {a.name for a in node.names}
-                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                elif node.level == 0 and node.module:
                     imports |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
     return {m: {i for i in imports if i.split(".")[0] in ROOTS | {"kvquota_lab": 0}}
             for m, imports in found.items()}
@@ -131,3 +144,22 @@ def test_product_imports_go_one_way() -> None:
             if name.startswith("kvquota_lab") or (target and target not in LAYERS[part or ""]):
                 wrong.append(f"{module} imports {name}")
     assert wrong == []
+
+
+def test_no_import_cycle_in_product_code() -> None:
+    """Following run-time imports (inside functions too) from any product module never
+    leads back to it."""
+    graph = _product_imports()
+    edges = {m: {i for i in imports if i in graph and i != m} for m, imports in graph.items()}
+    cycles = []
+    for start in sorted(edges):
+        seen, todo = set(), [(start, (start,))]
+        while todo:
+            module, path = todo.pop()
+            for target in sorted(edges[module]):
+                if target == start:
+                    cycles.append(" -> ".join((*path, start)))
+                elif target not in seen:
+                    seen.add(target)
+                    todo.append((target, (*path, target)))
+    assert cycles == []
