@@ -35,21 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine_sidecar.gateway import body_checks as bc
 from engine_sidecar.gateway import chat_messages
-from engine_sidecar.gateway.body_checks import (
-    Check,
-    anything,
-    boolean,
-    integer,
-    invalid,
-    json_object,
-    list_of,
-    mapping_of,
-    object_with,
-    one_of,
-    shown,
-    string,
-)
 from engine_sidecar.gateway.openai_request import (
     MAX_LOGPROBS,
     MAX_TOKEN_ID,
@@ -63,35 +50,36 @@ from engine_sidecar.gateway.openai_request import (
 )
 from engine_sidecar.gateway.responses_input import input_messages
 
-_text = string(chat_messages.MAX_TEXT_CHARS)
-_name = string(chat_messages.MAX_NAME_CHARS)
+_text = bc.string(chat_messages.MAX_TEXT_CHARS)
+_name = bc.string(chat_messages.MAX_NAME_CHARS)
 INCLUDABLE = frozenset({"message.output_text.logprobs", "reasoning.encrypted_content"})
 
 
 def _function_tool(param: str, value: Any) -> None:
     if not isinstance(value, dict) or value.get("type") != "function":
         kind = value.get("type") if isinstance(value, dict) else value
-        raise invalid(f"{param}.type {shown(kind)} is not supported through the KVQuota "
-                      "sidecar: only function tools are (built-in and MCP tools run more "
-                      "engine turns than the request it admitted)", f"{param}.type")
-    object_with({"type": anything, "name": _name, "description": _text,
-                 "parameters": json_object, "strict": boolean}, required=["name"]
-                )(param, value)
+        raise bc.invalid(f"{param}.type {bc.shown(kind)} is not supported through the "
+                         "KVQuota sidecar: only function tools are (built-in and MCP tools "
+                         "run more engine turns than the request it admitted)",
+                         f"{param}.type")
+    bc.object_with({"type": bc.anything, "name": _name, "description": _text,
+                    "parameters": bc.json_object, "strict": bc.boolean}, required=["name"]
+                   )(param, value)
 
 
 def _tool_choice(param: str, value: Any) -> None:
     if isinstance(value, str):
-        one_of({"none", "auto", "required"})(param, value)
+        bc.one_of({"none", "auto", "required"})(param, value)
     else:
-        object_with({"type": one_of({"function"}), "name": _name},
-                    required=["type", "name"])(param, value)
+        bc.object_with({"type": bc.one_of({"function"}), "name": _name},
+                       required=["type", "name"])(param, value)
 
 
 def _truncation(param: str, value: Any) -> None:
     if value != "disabled":
-        raise invalid(f"{param} {shown(value)} is not accepted through the KVQuota sidecar: "
-                      "the engine would process fewer tokens than the sidecar counted; "
-                      "shorten the input instead", param)
+        raise bc.invalid(f"{param} {bc.shown(value)} is not accepted through the KVQuota "
+                         "sidecar: the engine would process fewer tokens than the sidecar "
+                         "counted; shorten the input instead", param)
 
 
 # Sampling and output options as on the chat route (`openai_request.SHARED_FIELDS`).
@@ -100,30 +88,32 @@ SHARED = ("model", "user", "stream", "temperature", "top_p", "top_k", "min_p",
           "stop_token_ids", "logit_bias", "ignore_eos", "skip_special_tokens",
           "include_stop_str_in_output", "watermarking", "structured_outputs",
           "priority", "vllm_xargs", "cache_salt")  # the last three are overwritten
-FIELDS: dict[str, Check] = {
+FIELDS: dict[str, bc.Check] = {
     **{name: SHARED_FIELDS[name] for name in SHARED},
-    "input": anything,  # parse() converts it
+    "input": bc.anything,  # parse() converts it
     "instructions": _text,
-    "max_output_tokens": anything,  # parse() reads and bounds it; rewrite() clamps it
-    "store": boolean,  # vLLM ignores it unless VLLM_ENABLE_RESPONSES_API_STORE is set
-    "metadata": mapping_of(string(512), 16),
-    "include": list_of(one_of(INCLUDABLE), len(INCLUDABLE)),
-    "include_reasoning": boolean,
-    "reasoning": object_with({"effort": one_of({"none", "minimal", "low", "medium", "high",
-                                                "xhigh", "max"}),
-                              "summary": one_of({"auto", "concise", "detailed"}),
-                              "generate_summary": one_of({"auto", "concise", "detailed"})}),
-    "tools": list_of(_function_tool, chat_messages.MAX_TOOLS),
+    "max_output_tokens": bc.anything,  # parse() reads and bounds it; rewrite() clamps it
+    "store": bc.boolean,  # vLLM ignores it unless VLLM_ENABLE_RESPONSES_API_STORE is set
+    "metadata": bc.mapping_of(bc.string(512), 16),
+    "include": bc.list_of(bc.one_of(INCLUDABLE), len(INCLUDABLE)),
+    "include_reasoning": bc.boolean,
+    "reasoning": bc.object_with({
+        "effort": bc.one_of({"none", "minimal", "low", "medium", "high", "xhigh", "max"}),
+        "summary": bc.one_of({"auto", "concise", "detailed"}),
+        "generate_summary": bc.one_of({"auto", "concise", "detailed"}),
+    }),
+    "tools": bc.list_of(_function_tool, chat_messages.MAX_TOOLS),
     "tool_choice": _tool_choice,
-    "parallel_tool_calls": boolean,
-    "max_tool_calls": integer(1, MAX_TOKEN_ID),
-    "text": object_with({"format": json_object, "verbosity": one_of({"low", "medium", "high"})}),
+    "parallel_tool_calls": bc.boolean,
+    "max_tool_calls": bc.integer(1, MAX_TOKEN_ID),
+    "text": bc.object_with({"format": bc.json_object,
+                            "verbosity": bc.one_of({"low", "medium", "high"})}),
     "truncation": _truncation,
-    "service_tier": one_of({"auto", "default", "flex", "scale", "priority"}),
-    "prompt_cache_key": string(1024),  # vLLM ignores it
-    "enable_response_messages": boolean,
+    "service_tier": bc.one_of({"auto", "default", "flex", "scale", "priority"}),
+    "prompt_cache_key": bc.string(1024),  # vLLM ignores it
+    "enable_response_messages": bc.boolean,
     "chat_template_kwargs": chat_messages.check_chat_template_kwargs,
-    "top_logprobs": integer(0, MAX_LOGPROBS),
+    "top_logprobs": bc.integer(0, MAX_LOGPROBS),
 }
 REFUSED_HERE: dict[str, str] = {
     **{name: REFUSED[name] for name in ("kv_transfer_params", "ec_transfer_params",
@@ -156,7 +146,7 @@ def parse_responses(raw: bytes) -> ResponsesRequest:
     body, strict = load_body(raw)
     vet_body(body, FIELDS, REFUSED_HERE, HARMLESS, "responses")
     if "input" not in body:
-        raise invalid("input is required", param="input")
+        raise bc.invalid("input is required", param="input")
     messages, continued = input_messages(body.get("instructions"), body["input"])
     chat: dict[str, Any] = {
         "messages": messages,
@@ -177,8 +167,8 @@ def parse_responses(raw: bytes) -> ResponsesRequest:
     max_tokens = body.get("max_output_tokens")
     if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(
             max_tokens, bool) or max_tokens < 1):
-        raise invalid("max_output_tokens must be a positive integer",
-                      param="max_output_tokens")
+        raise bc.invalid("max_output_tokens must be a positive integer",
+                         param="max_output_tokens")
     return ResponsesRequest(Kind.CHAT, chat, [], max_tokens, "max_output_tokens", 1, strict,
                             forward=body)
 

@@ -53,6 +53,21 @@ def _condition(type_: ConditionType, priority: int = 0) -> dict[str, Any]:
 
 _AGE = _column("Age", ".metadata.creationTimestamp", "date")
 
+
+def _columns(
+    own: list[dict[str, Any]], *, beside_ready: ConditionType, leased: str,
+    wide: list[dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """Both kinds' `kubectl get` columns: their own figures, Ready and Age; with `-o
+    wide` also the condition that must be True beside Ready, the leased blocks, and
+    `wide`."""
+    return [
+        *own, _condition(ConditionType.READY), _AGE,
+        _condition(beside_ready, priority=1),
+        _column("Leased", leased, "integer", priority=1),
+        *wide,
+    ]
+
 KINDS: dict[str, dict[str, Any]] = {
     "InferencePool": {
         "plural": "inferencepools",
@@ -60,17 +75,17 @@ KINDS: dict[str, dict[str, Any]] = {
         "short": ["kvpool"],
         "spec": InferencePoolSpec,
         "status": InferencePoolStatus,
-        "columns": [
-            _column("Model", ".spec.model"),
-            _column("Engines", ".status.engines.ready", "integer"),
-            _column("Capacity", ".status.capacityBlocks", "integer"),
-            _column("Used", ".status.usedBlocks", "integer"),
-            _condition(ConditionType.READY),
-            _AGE,
-            _condition(ConditionType.SYNCED, priority=1),
-            _column("Leased", ".status.leasedBlocks", "integer", priority=1),
-            _column("Tenants", ".status.tenants", "integer", priority=1),
-        ],
+        "columns": _columns(
+            [
+                _column("Model", ".spec.model"),
+                _column("Engines", ".status.engines.ready", "integer"),
+                _column("Capacity", ".status.capacityBlocks", "integer"),
+                _column("Used", ".status.usedBlocks", "integer"),
+            ],
+            beside_ready=ConditionType.SYNCED,
+            leased=".status.leasedBlocks",
+            wide=[_column("Tenants", ".status.tenants", "integer", priority=1)],
+        ),
     },
     "TenantQuota": {
         "plural": "tenantquotas",
@@ -86,18 +101,18 @@ KINDS: dict[str, dict[str, Any]] = {
                 "when spec.tenantId is not set",
             }
         ],
-        "columns": [
-            _column("Pool", ".spec.poolRef.name"),
-            _column("Tier", ".spec.tier"),
-            _column("Guaranteed", ".spec.kvCache.guaranteedBlocks", "integer"),
-            _column("Max", ".spec.kvCache.maxBlocks", "integer"),
-            _column("Used", ".status.usage.blocks", "integer"),
-            _condition(ConditionType.READY),
-            _AGE,
-            _condition(ConditionType.ACCEPTED, priority=1),
-            _column("Leased", ".status.usage.leasedBlocks", "integer", priority=1),
-            _column("Tenant", ".spec.tenantId", priority=1),
-        ],
+        "columns": _columns(
+            [
+                _column("Pool", ".spec.poolRef.name"),
+                _column("Tier", ".spec.tier"),
+                _column("Guaranteed", ".spec.kvCache.guaranteedBlocks", "integer"),
+                _column("Max", ".spec.kvCache.maxBlocks", "integer"),
+                _column("Used", ".status.usage.blocks", "integer"),
+            ],
+            beside_ready=ConditionType.ACCEPTED,
+            leased=".status.usage.leasedBlocks",
+            wide=[_column("Tenant", ".spec.tenantId", priority=1)],
+        ),
     },
 }
 

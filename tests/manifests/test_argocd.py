@@ -25,9 +25,9 @@ KEY = "resource.customizations.health.kvquota.dev_{kind}"
 
 def health(kind: str, obj: dict[str, Any]) -> dict[str, str]:
     """Run the check as Argo CD does: the object as the global table `obj`."""
-    script = (HEALTH / f"{kind.lower()}.lua").read_text()
+    script = (HEALTH / "kvquota.lua").read_text()
     lua = lua51.LuaRuntime()
-    lua.globals().obj = lua.table_from(obj, recursive=True)
+    lua.globals().obj = lua.table_from({**obj, "kind": kind}, recursive=True)
     result = dict(lua.execute(script))
     assert result["status"] in {"Healthy", "Progressing", "Degraded"}
     assert result["message"], "Argo CD shows the message next to the status"
@@ -240,8 +240,8 @@ def test_argocd_cm_embeds_the_health_scripts_unchanged() -> None:
     cm = one(build("manifests/argocd"), "ConfigMap", "argocd-cm")
     assert cm["metadata"]["namespace"] == "argocd"
     assert cm["data"] == {
-        KEY.format(kind="InferencePool"): (HEALTH / "inferencepool.lua").read_text(),
-        KEY.format(kind="TenantQuota"): (HEALTH / "tenantquota.lua").read_text(),
+        KEY.format(kind="InferencePool"): (HEALTH / "kvquota.lua").read_text(),
+        KEY.format(kind="TenantQuota"): (HEALTH / "kvquota.lua").read_text(),
     }
 
 

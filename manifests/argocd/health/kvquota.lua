@@ -1,20 +1,34 @@
--- Argo CD health of an InferencePool (inferencepools.kvquota.dev), from status.conditions.
+-- Argo CD health of KVQuota's kinds (kvquota.dev), from status.conditions. argocd-cm
+-- names this one script for both kinds; each key runs it alone, with `obj` set.
+--
+-- InferencePool:
 --   Healthy      Ready=True and Synced=True
 --   Degraded     Oversubscribed=True (the accepted guarantees do not fit the capacity),
 --                or Ready=False with a reason that needs a person (a bad spec, a missing
 --                Gateway API pool, ...)
---   Progressing  anything else: no status yet, status older than the spec
---                (observedGeneration < metadata.generation), Unknown conditions, Synced
---                not yet True, and Ready=False for a reason in TRANSIENT below.
---
+--   Progressing  Synced not yet True, and Ready=False for a reason in TRANSIENT below.
 -- The operator (kvquota/status.py) reports Ready=False with reason NoEngines while the
 -- selector matches no pod and EnginesNotReady while none of them is ready: engines take
 -- minutes to be scheduled, pull an image and load a model, and the pool is not broken
 -- meanwhile. Every other Ready=False reason (InvalidSpec, GatewayPoolNotFound,
 -- GatewayPoolInvalid, and any added later) needs a person: Degraded.
+--
+-- TenantQuota:
+--   Healthy      Ready=True and Accepted=True
+--   Degraded     Accepted=False (does not fit the pool, invalid), Degraded=True (lease
+--                breaks, premium preemptions or degraded-mode releases in the last
+--                window), or Ready=False because of its pool: PoolNotFound (spec.poolRef
+--                names no InferencePool) or PoolInvalid (the pool's spec is invalid)
+--
+-- Both: Progressing for anything else: no status yet, status older than the spec
+-- (observedGeneration < metadata.generation), Unknown conditions.
 local TRANSIENT = {
   NoEngines = true,
   EnginesNotReady = true,
+}
+local POOL_BROKEN = {
+  PoolNotFound = true,
+  PoolInvalid = true,
 }
 
 local function find(conditions, type)
@@ -56,6 +70,19 @@ local function stale(generation, status, conditions)
   return false
 end
 
+-- Not Degraded: Healthy once Ready and `also` are True, else Progressing with the
+-- condition that holds it back.
+local function settle(hs, ready, also)
+  if is(ready, "True") and is(also, "True") then
+    hs.status = "Healthy"
+    hs.message = describe(ready)
+  elseif ready ~= nil and ready.status ~= "True" then
+    hs.message = describe(ready)
+  elseif also ~= nil then
+    hs.message = describe(also)
+  end
+end
+
 local hs = { status = "Progressing", message = "Waiting for the KVQuota operator" }
 if obj.status == nil or obj.status.conditions == nil then
   return hs
@@ -67,6 +94,24 @@ if stale(obj.metadata.generation, obj.status, conditions) then
 end
 
 local ready = find(conditions, "Ready")
+if obj.kind == "TenantQuota" then
+  local accepted = find(conditions, "Accepted")
+  local degraded = find(conditions, "Degraded")
+  if is(accepted, "False") then
+    hs.status = "Degraded"
+    hs.message = describe(accepted)
+  elseif is(degraded, "True") then
+    hs.status = "Degraded"
+    hs.message = describe(degraded)
+  elseif is(ready, "False") and POOL_BROKEN[ready.reason or ""] then
+    hs.status = "Degraded"
+    hs.message = describe(ready)
+  else
+    settle(hs, ready, accepted)
+  end
+  return hs
+end
+
 local synced = find(conditions, "Synced")
 local oversubscribed = find(conditions, "Oversubscribed")
 if is(oversubscribed, "True") then
@@ -75,12 +120,7 @@ if is(oversubscribed, "True") then
 elseif is(ready, "False") and not TRANSIENT[ready.reason or ""] then
   hs.status = "Degraded"
   hs.message = describe(ready)
-elseif is(ready, "True") and is(synced, "True") then
-  hs.status = "Healthy"
-  hs.message = describe(ready)
-elseif ready ~= nil and ready.status ~= "True" then
-  hs.message = describe(ready)
-elseif synced ~= nil then
-  hs.message = describe(synced)
+else
+  settle(hs, ready, synced)
 end
 return hs
