@@ -16,6 +16,7 @@ from typing import Any, TypeVar, cast
 
 from pydantic import ValidationError
 
+from engine_sidecar.contract.errors import problems
 from engine_sidecar.contract.policy import EnginePolicy, TenantPolicy, Tier
 from kvquota.api import (
     ConditionReason,
@@ -43,12 +44,9 @@ _T = TypeVar("_T")
 
 
 def describe_errors(error: ValidationError, prefix: str = "spec") -> str:
-    """A compact, kubectl-like rendering of pydantic errors (no input values echoed)."""
-    parts = []
-    for item in error.errors():
-        path = ".".join([prefix, *(str(p) for p in item["loc"])]) if item["loc"] else prefix
-        parts.append(f"{path}: {item['msg']}")
-    return "; ".join(parts)
+    """One line for a condition's message: every problem, `path: message`, in the shared
+    wording (no input values echoed)."""
+    return "; ".join(problems(error, prefix=prefix, top=prefix))
 
 
 @dataclass(frozen=True)
