@@ -16,10 +16,22 @@ blocks from lower tiers first):
 - `kvquota:num_requests_waiting{tier=T}`: requests of tier T and of every tier ahead
   of it (lower or equal priority) waiting in the engine (the plugin's stats) plus those
   queued in the sidecar.
-- `kvquota:kv_cache_usage_perc{tier=T}`: the KV blocks those tiers' tenants hold
-  (running and leased) plus what they reserved and the engine has not allocated yet,
-  over the engine's capacity (0..1). Blocks of lower tiers and of unclassified traffic
-  are left out: the victim order gives them back before a request of tier T.
+- `kvquota:kv_cache_usage_perc{tier=T}`: how close a request of tier T is to not
+  fitting on this engine (0..1), the larger of two fractions, one per limit admission
+  applies to it:
+  - capacity: the KV blocks the tenants of the tiers ahead of T hold (running and
+    leased) plus what they reserved and the engine has not allocated yet, and what T's
+    own tenants are charged (below), over the engine's capacity. Blocks of lower tiers,
+    of unclassified traffic and T's idle leases are left out: the victim order gives
+    them back before a request of tier T (an idle lease to its own tenant's new work);
+  - quota: what T's tenants are charged here (what admission counts against maxBlocks:
+    held by running requests, or reserved where more; idle leases yield to their own
+    tenant's new work and are not charged) over the sum of their maxBlocks on this
+    engine (the per-engine ceiling the operator's split renders). A tier's binding
+    limit on an engine is usually its own ceiling, not the cache: an engine where
+    premium is at its ceiling reads full to premium's picker however much of the cache
+    is free, and one where premium has room reads low even if its own cached prefixes
+    (leases) are there.
 - `tier="all"`: every request and every block, whichever tier (and unclassified
   traffic): what a single picker for all tiers should read.
 
@@ -28,14 +40,14 @@ Four label values at most (the three tiers and "all"): never a tenant or a reque
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine_sidecar.contract.policy import EnginePolicy, Tier
+from engine_sidecar.contract.policy import EnginePolicy, TenantPolicy, Tier
 from engine_sidecar.contract.stats import EngineStats
 from engine_sidecar.gateway.active_policy import ActivePolicy
 from engine_sidecar.gateway.admission import PoolView
@@ -55,11 +67,12 @@ WAITING_HELP = (
     "what a request of tier T waits behind; tier=all counts every request."
 )
 KV_USAGE_HELP = (
-    "KV cache in use from the viewpoint of a new request, 0..1: blocks held (running "
-    "and leased) plus blocks reserved at admission and not allocated yet, over the "
-    "engine's capacity. tier=T counts the tenants of tier T and of every tier served "
-    "before it (the blocks a request of tier T cannot take back); tier=all counts "
-    "every block. Absent while the capacity is unknown."
+    "KV cache in use from the viewpoint of a new request, 0..1. tier=T: the larger of "
+    "(blocks held, running and leased, plus reserved and not allocated yet, by the "
+    "tenants of tier T and of every tier served before it, over the engine's capacity) "
+    "and (the blocks tier T's tenants are charged against their maxBlocks on this "
+    "engine, over the sum of those maxBlocks): how close a request of tier T is to not "
+    "fitting. tier=all: every block over capacity. Absent while the capacity is unknown."
 )
 
 
@@ -90,15 +103,14 @@ def tier_signals(
     tenants = policy.tenants if policy else {}
     engine_waiting = {t: s.waiting for t, s in stats.tenants.items()} if stats else {}
     total = view.total_blocks if view is not None and view.known else None
-    held_by = ({t: view.holding(t).used for t in (view.tenants or {})}
-               if view is not None and total else {})
     signals = []
     for tier, priority in tier_priorities(policy).items():
         ahead = [t for t, tenant in tenants.items() if tenant.priority <= priority]
         waiting = sum(engine_waiting.get(t, 0) + queue.depth(t) for t in ahead)
         usage = None
-        if total:
-            usage = _fraction(sum(held_by.get(t, 0) for t in ahead), total)
+        if view is not None and total:
+            usage = max(_capacity_fraction(view, tenants, priority, total),
+                        _quota_fraction(view, tier))
         signals.append(TierSignal(tier.value, waiting, usage))
     waiting_all = sum(engine_waiting.values()) + queue.waiting()
     usage_all = None
@@ -106,6 +118,33 @@ def tier_signals(
         usage_all = _fraction(total - view.free_blocks, total)
     signals.append(TierSignal(ALL_TIERS, waiting_all, usage_all))
     return signals
+
+
+def _capacity_fraction(view: PoolView, tenants: Mapping[str, TenantPolicy], priority: int,
+                       total: int) -> float:
+    """Blocks a request of `priority` cannot take back, over capacity: the tiers ahead
+    of it hold and will allocate, its own tier is charged (`_TenantView.charged`)."""
+    blocks = 0
+    for tenant_id in view.tenants or {}:
+        tenant = tenants.get(tenant_id)
+        if tenant is None or tenant.priority > priority:
+            continue
+        if tenant.priority < priority:
+            blocks += view.holding(tenant_id).used
+        else:
+            blocks += view.tenant(tenant_id).charged
+    return _fraction(blocks, total)
+
+
+def _quota_fraction(view: PoolView, tier: Tier) -> float:
+    """What `tier`'s tenants are charged on this engine over their maxBlocks here (the
+    engine's own policy: its split), 0 for a tier with no tenant."""
+    ceilings = [t for t in (view.policy.tenants.values() if view.policy else ())
+                if t.tier is tier]
+    room = sum(t.max_blocks for t in ceilings)
+    if not room:
+        return 0.0
+    return _fraction(sum(view.tenant(t.tenant_id).charged for t in ceilings), room)
 
 
 def _fraction(blocks: int, total: int) -> float:

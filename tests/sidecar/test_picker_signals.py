@@ -15,6 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine_sidecar.contract.names import UNCLASSIFIED
 from engine_sidecar.contract.policy import Tier
 from engine_sidecar.contract.stats import EngineStats, TenantEngineStats
+from engine_sidecar.gateway.admission_queue import AdmissionQueue
+from engine_sidecar.gateway.ledger import Ledger
+from engine_sidecar.gateway.picker_signals import tier_signals
 
 from .conftest import Harness, StubFactory
 from .helpers import WAIT, Keys, http_get, http_post, make_policy, tenant, wait_for
@@ -27,6 +30,7 @@ QUEUED = {"acme": 1, "globex": 2, "initech": 3}  # held in the sidecar's queue
 ENGINE_WAITING = {"acme": 1, "globex": 0, "initech": 4, UNCLASSIFIED: 2}
 RUNNING_BLOCKS = {"initech": 50, UNCLASSIFIED: 10}  # in the engine (plugin stats)
 TOTAL_BLOCKS = 1000
+MAX_BLOCKS = 10_000  # every tenant's (`helpers.tenant`): the capacity binds first
 
 
 def _scrape(text: str) -> dict[tuple[str, str], float]:
@@ -110,9 +114,14 @@ def test_the_pods_scrape_counts_the_admission_queue_per_tier_as_status_does(
         # Waiting: what the tier waits behind, in the sidecar's queue and the engine's.
         assert series[(WAITING, tier.value)] == sum(
             usage[t]["queued"] + ENGINE_WAITING[t] for t in ahead)
-        # KV: what those tenants hold, or reserved where that is more, over capacity.
-        held = sum(max(usage[t]["blocks"], usage[t]["reservedBlocks"]) for t in ahead)
-        assert series[(KV_USAGE, tier.value)] == round(held / total, 6)
+        # KV: what the tiers ahead hold (or reserved, where more) and the tier itself is
+        # charged, over capacity; or the tier's charge over its maxBlocks, if more.
+        before = sum(max(usage[t]["blocks"], usage[t]["reservedBlocks"])
+                     for t, (_, p) in TENANTS.items() if p < priority)
+        own = [t for t, (name, _) in TENANTS.items() if name == tier.value]
+        charged = sum(usage[t]["chargedBlocks"] for t in own)
+        assert series[(KV_USAGE, tier.value)] == max(
+            round((before + charged) / total, 6), round(charged / (MAX_BLOCKS * len(own)), 6))
     assert series[(WAITING, "all")] == sum(u["queued"] for u in usage.values()) + sum(
         ENGINE_WAITING.values())
     assert series[(KV_USAGE, "all")] == round(1 - status["freeBlocks"] / total, 6)
@@ -156,3 +165,51 @@ def test_without_known_capacity_only_the_waiting_series_is_served(
     series = _scrape(http_get(harness.url + "/metrics", timeout=30).text)
     assert series[(WAITING, "premium")] == series[(WAITING, "all")] == 0
     assert not any(name == KV_USAGE for name, _ in series)
+
+
+# -- the KV series' two limits, on the sidecar's own admission state (pure) ------------
+
+CAPACITY = 1000
+PREMIUM_MAX = 450  # premium's per-engine ceiling: 45% of the engine
+
+
+def _signals(stats: EngineStats, reserved: dict[str, int]) -> dict[str, float | None]:
+    """Each tier's KV series on an engine whose plugin reports `stats` and whose
+    sidecar's ledger holds `reserved` blocks per tenant (requests in flight)."""
+    ledger = Ledger()
+    for tenant_id, blocks in reserved.items():
+        ledger.reserve(tenant_id, blocks)
+    queue = AdmissionQueue(ledger, clock=lambda: 0.0, stats=lambda: stats)
+    policy = make_policy(
+        tenant("acme", tier="premium", priority=0, guaranteed_blocks=400,
+               max_blocks=PREMIUM_MAX),
+        tenant("initech", tier="free", priority=2, guaranteed_blocks=50, max_blocks=400))
+    queue.set_policy(policy)
+    return {s.tier: s.kv_usage for s in tier_signals(policy, stats, queue, queue.view())}
+
+
+def _engine(**tenants: TenantEngineStats) -> EngineStats:
+    used = sum(t.running_blocks + t.leased_blocks for t in tenants.values())
+    return EngineStats(timestamp=0, total_blocks=CAPACITY, free_blocks=CAPACITY - used,
+                       tenants=tenants)
+
+
+def test_an_engine_at_premiums_ceiling_reads_full_to_premium_with_most_of_the_cache_free(
+) -> None:
+    """Premium's request would queue on its own per-engine maxBlocks here, whatever the
+    cache has free: its picker must see that, not 44% of the cache."""
+    signals = _signals(_engine(acme=TenantEngineStats(running_blocks=400)), {"acme": 440})
+    assert signals["all"] == 0.44
+    assert signals["premium"] == round(440 / PREMIUM_MAX, 6) > 0.97
+
+
+def test_free_work_and_premiums_own_idle_leases_leave_premium_reading_low() -> None:
+    """An engine full of free work, and where premium's sessions cache their prefixes
+    (idle leases its own next turns reuse), has room for premium: it reads low to
+    premium's picker and full to free's."""
+    stats = _engine(initech=TenantEngineStats(running_blocks=380),
+                    acme=TenantEngineStats(leased_blocks=300, pinned_blocks=300))
+    signals = _signals(stats, {"initech": 380})
+    assert signals["all"] == 0.68
+    assert signals["premium"] == 0.0
+    assert signals["free"] == 0.95  # 380 of its 400 here, and premium's leases ahead

@@ -27,10 +27,12 @@ chosen by the pool's `signals` (`SIGNALS`, `kvquota bench --picker-signals`):
   in neither: an engine whose sidecar queues looks idle.
 - `kvquota`: KVQuota's per-tier series for the request's tier,
   `kvquota:num_requests_waiting{tier}` and `kvquota:kv_cache_usage_perc{tier}` (engine
-  waiting plus sidecar queued, blocks held plus reserved; tier T counts T and the tiers
-  served before it), computed by the sidecar's own `picker_signals.tier_signals`. A
-  real pool gets this with one picker (InferencePool) per tier, each configured to
-  read its tier's series (manifests/examples/picker).
+  waiting plus sidecar queued, for T and the tiers served before it; how close a
+  request of T is to not fitting: the cache the tiers ahead and T's own charge take,
+  or T's charge against its per-engine maxBlocks, whichever is nearer), computed by
+  the sidecar's own `picker_signals.tier_signals`. A real pool gets this with one
+  picker (InferencePool) per tier, each configured to read its tier's series
+  (manifests/examples/picker).
 
 Ties go to the lowest engine index, so a run is deterministic.
 """
