@@ -84,7 +84,18 @@ def engine_overrides(
 ) -> dict[str, dict[str, EngineShare]]:
     """The policy's `engines` map: for each tenant whose split is one of its current
     totals over `replicas` engines (the even entry in `tenants` times `replicas`, the
-    same headroom everywhere), the engines where it differs from the even entry."""
+    same headroom everywhere), the engines where it differs from the even entry.
+
+    An engine's ceiling is its split's (guarantee plus the even headroom) where the
+    split raised it, and never below the even entry's. The split is read from the last
+    poll: a ceiling lowered on it refuses a session that comes back to its engine with
+    a context grown since then, while the tenant is within its pool-wide guarantee
+    (the engines it left hold little). Below the even ceiling and above a lowered
+    guarantee the tenant borrows, as under the even split above the even guarantee:
+    admitted only into free blocks above the watermark and the first taken back. The
+    guarantees still add up to the pool-wide one; the pool-wide ceiling holds to within
+    the guarantee the split moved, which a tenant can pass only by filling every
+    engine to its ceiling."""
     out: dict[str, dict[str, EngineShare]] = {}
     for tenant_id, even in tenants.items():
         split = splits.get(tenant_id)
@@ -95,9 +106,10 @@ def engine_overrides(
                 or any(s.maximum - s.guaranteed != headroom for s in split.values())):
             continue  # computed for other totals: even until the next round
         for pod, share in split.items():
-            if (share.guaranteed, share.maximum) != (even.guaranteed_blocks, even.max_blocks):
+            maximum = max(share.maximum, even.max_blocks)
+            if (share.guaranteed, maximum) != (even.guaranteed_blocks, even.max_blocks):
                 out.setdefault(pod, {})[tenant_id] = EngineShare(
-                    guaranteed_blocks=share.guaranteed, max_blocks=share.maximum)
+                    guaranteed_blocks=share.guaranteed, max_blocks=maximum)
     return out
 
 

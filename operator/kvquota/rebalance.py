@@ -12,7 +12,8 @@ refusals counted since the previous round). The rules:
 - **Totals are invariant.** The per-engine guarantees add up to what the even split
   gives (`replicas x guaranteed // replicas`), and each engine's maximum is its
   guarantee plus the even split's headroom (`max - guaranteed` per engine), so the
-  maxima add up to the even split's too.
+  maxima add up to the even split's too. (The policy renders no engine's ceiling
+  below the even one: `demand_split.engine_overrides`.)
 - **Moves only for a shortage (hysteresis).** An engine is short when what the
   tenant's work there wants (below) exceeds its guarantee by more than `deadband`: it
   borrows, queues or is refused. Only then does guarantee move: each short engine gains

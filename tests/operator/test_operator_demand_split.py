@@ -63,7 +63,8 @@ async def test_split_follows_demand_over_poll_rounds_and_keeps_the_totals(
             return None
         (g_a, m_a), (g_b, m_b) = _on(policy, "engine-a"), _on(policy, "engine-b")
         assert g_a + g_b == 400, "the pool-wide guarantee is invariant"
-        assert m_a - g_a == m_b - g_b == 100, "each engine keeps the even headroom"
+        assert m_a - g_a == 100, "an engine gaining guarantee gains its ceiling too"
+        assert m_b == max(300, g_b + 100), "one giving it keeps the even ceiling"
         assert policy.tenants["acme"].guaranteed_blocks == 200, "the fallback stays even"
         if not seen or seen[-1] != g_a:
             seen.append(g_a)
@@ -72,7 +73,7 @@ async def test_split_follows_demand_over_poll_rounds_and_keeps_the_totals(
 
     policy = await cluster.wait_for(moved_all_the_way, "acme's guarantee moved to engine-a")
     assert seen == sorted(seen) and seen[0] == 200, f"moved one way, from even: {seen}"
-    assert _on(policy, "engine-b") == (10, 110)
+    assert _on(policy, "engine-b") == (10, 300)
     assert set(policy.engines) == {"engine-a", "engine-b"}  # only acme, where it moved
 
     acme = await cluster.wait_status(
@@ -81,10 +82,10 @@ async def test_split_follows_demand_over_poll_rounds_and_keeps_the_totals(
         "the per-engine split in status")
     assert acme["status"]["engines"] == [
         {"pod": "engine-a", "guaranteedBlocks": 390, "maxBlocks": 490},
-        {"pod": "engine-b", "guaranteedBlocks": 10, "maxBlocks": 110},
+        {"pod": "engine-b", "guaranteedBlocks": 10, "maxBlocks": 300},
     ]
     assert acme["status"]["effective"]["guaranteedBlocksPerEngine"] == 200
     assert REGISTRY.get_sample_value("kvquota_operator_engine_guaranteed_blocks",
                                      {**SPLIT, "engine": "engine-a"}) == 390
     assert REGISTRY.get_sample_value("kvquota_operator_engine_max_blocks",
-                                     {**SPLIT, "engine": "engine-b"}) == 110
+                                     {**SPLIT, "engine": "engine-b"}) == 300

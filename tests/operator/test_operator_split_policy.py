@@ -66,8 +66,9 @@ def test_only_tenants_moved_off_the_even_split_get_entries() -> None:
         # Computed before the quota changed (it no longer adds up): even until next round.
         "stale": {"a": EngineSplit(180, 230), "b": EngineSplit(80, 130)},
     }
+    # b's guarantee moved to a; its ceiling stays the even one (150), not 100.
     assert engine_overrides(tenants, splits, replicas=2) == {
-        "a": {"acme": _share(150, 200)}, "b": {"acme": _share(50, 100)}}
+        "a": {"acme": _share(150, 200)}, "b": {"acme": _share(50, 150)}}
     assert engine_overrides(tenants, splits, replicas=3) == {}  # another engine count
 
 
