@@ -164,6 +164,17 @@ class _Engine(TwinRun):
 
     # -- what the router and the operator see ---------------------------------------
 
+    def charged(self, tenant: str) -> int:
+        """What this engine's admission charges `tenant` (`_TenantView.charged`): its
+        reservations, or the blocks its running requests hold where more (an Estimated
+        reservation can be outgrown), from the plugin's stats as the sidecar last read
+        them (not refreshed: measuring must not move what the sidecar sees)."""
+        if self.gateway is None:
+            return 0
+        reserved = self.gateway.ledger.reserved_blocks(tenant)
+        seen = self._stats.tenants.get(tenant) if self._stats is not None else None
+        return max(reserved, seen.running_blocks if seen is not None else 0)
+
     def load(self, tier: Tier, signals: str) -> EngineLoad:
         """What the picker routing a request of `tier` scrapes from this engine now:
         vLLM's series (vLLM's own accessors: its waiting queue, not the sidecar's), or,
@@ -343,8 +354,7 @@ class PoolRun:
         if verdict.decision not in KV_REFUSALS:
             return
         tenant = ticket.payload.session.tenant
-        held = sum(e.gateway.ledger.reserved_blocks(tenant)
-                   for e in self.engines if e.gateway is not None)
+        held = sum(e.charged(tenant) for e in self.engines)
         if held + verdict.blocks <= self.pool_guarantee.get(tenant, 0):
             self.refused_within_pool[ticket.payload.session.tier.value] += 1
 
