@@ -98,6 +98,20 @@ def test_prefix_affinity_follows_the_prefix_and_only_the_same_tenants() -> None:
     assert prefix_hashes(shared, 16, "m\0") == prefix_hashes(shared, 16, "m\0")
 
 
+def test_a_session_token_brings_a_follow_up_home_unless_home_is_full_and_queued() -> None:
+    """The example picker configuration's session-affinity scorer (weight 3, above the
+    prefix scorer's 2): a follow-up goes to the engine its session token names though
+    another engine holds its whole prefix in the router's index (the token's engine
+    does not: its entries were pushed out), unless that engine reads full and the
+    most queued."""
+    router = PrefixAffinity(3, block_size=16, capacity_blocks=1000, model="m")
+    prompt = list(range(320))
+    assert router.pick(_request(prompt, session="other"), [IDLE] * 3) == 0  # indexed on 0
+    follow_up = RouteRequest("acme", "s", prompt, "acme", token_engine=2)
+    assert router.pick(follow_up, [IDLE, IDLE, EngineLoad(1.0, 3, 9)]) == 0
+    assert router.pick(follow_up, [IDLE, IDLE, EngineLoad(0.6, 0, 4)]) == 2
+
+
 def test_bad_pool_settings_are_refused_with_the_choices() -> None:
     with pytest.raises(ValueError, match="round-robin, least-kv"):
         make_router("random", 2, block_size=16, capacity_blocks=10, model="m")
@@ -338,3 +352,48 @@ def test_stock_engines_show_vllms_series_whatever_the_switch(tmp_path: Path) -> 
     ]
     with pytest.raises(ValueError, match="vllm, kvquota"):
         PoolSpec(2, "least-kv", signals="envoy")
+
+
+class _Recorder:
+    """A router that sends everything to engine 0 and keeps what it was asked."""
+
+    name = "recorder"
+
+    def __init__(self) -> None:
+        self.requests: list[RouteRequest] = []
+
+    def pick(self, request: RouteRequest, loads: Any) -> int:
+        self.requests.append(request)
+        return 0
+
+
+@pytest.mark.parametrize(("signals", "token"), [("kvquota", 0), ("vllm", None)])
+def test_a_leased_sessions_next_turn_carries_the_engine_that_admitted_the_last(
+    signals: str, token: int | None, tmp_path: Path,
+) -> None:
+    """The sidecar names its engine on a leased session's admitted responses; the
+    picker configuration that reads KVQuota's series scores it, vLLM's defaults do not
+    (the token goes unread)."""
+    from kvquota_lab.bench.cost import load_profile
+    from kvquota_lab.bench.pool import PoolRun
+    from kvquota_lab.bench.twin import POLICIES
+
+    scenario = parse_scenario(SEEN, source="seen")
+    run = PoolRun(scenario, POLICIES["kvquota"], PoolSpec(2, "least-kv", signals=signals),
+                  load_profile(scenario.profile))
+    assert run.policy.tenants["acme"].lease.seconds > 0
+    recorder = _Recorder()
+    run.router = recorder
+    session = next(s for s in run.sessions if s.tenant == "acme")
+    run.open(tmp_path)
+    try:
+        run.deliver(run.pick((0.0, 0, session, 0, None)), (0.0, 0, session, 0, None))
+        for _ in range(3):
+            run.engines[0].turn()
+        run.prompts[(session.session_id, 1)] = session.first_prompt() + [7] * 32
+        run.pick((1.0, 0, session, 1, None))
+    finally:
+        run.close()
+    first, follow_up = recorder.requests
+    assert first.token_engine is None  # a first turn has no token yet
+    assert follow_up.token_engine == token

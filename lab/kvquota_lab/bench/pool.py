@@ -157,6 +157,7 @@ class _Engine(TwinRun):
         tenant = ticket.payload.session.tenant
         if ticket.reservation is not None:
             self.counters.count(tenant, Decision.ADMITTED)
+            self.pool.admitted(ticket, self)
         elif ticket.error is not None and ticket.verdict is not None:
             self.counters.count(tenant, ticket.verdict.decision)
         self.pool.count_refusal(ticket)
@@ -336,6 +337,8 @@ class PoolRun:
         self.split_inputs = SplitInputs(self.totals, engine.capacity_blocks, policy.watermark)
         self.split = PoolSplit()  # the operator's state for the pool
         self.refused_within_pool: Counter[str] = Counter()  # by tier
+        # Session -> the engine its session token names (`admitted`).
+        self.token_engines: dict[str, int] = {}
         self.rebalances = 0
         self.policy_versions = 0  # policies the operator wrote
         self.policy_updates = 0  # engines whose own blocks changed, over all versions
@@ -346,6 +349,14 @@ class PoolRun:
     def push(self, at: float, session: Session, turn: int, outcome: Outcome | None) -> None:
         self._seq += 1
         heapq.heappush(self.events, (at, self._seq, session, turn, outcome))
+
+    def admitted(self, ticket: Ticket, engine: _Engine) -> None:
+        """The sidecar's response names its engine in the session token when the
+        session's tenant has leases (`gateway.affinity`); its client echoes the token
+        with the session's next turns, retries included."""
+        tenant = self.policy.tenants.get(ticket.tenant_id)
+        if ticket.shape.session and tenant is not None and tenant.lease.seconds > 0:
+            self.token_engines[ticket.shape.session] = engine.index
 
     def count_refusal(self, ticket: Ticket) -> None:
         verdict = ticket.verdict
@@ -393,8 +404,12 @@ class PoolRun:
             prompt = (session.first_prompt() if turn == 0
                       else self.contexts[session.session_id] + session.new_tokens(turn))
             self.prompts[key] = prompt  # `_arrive` takes it from here
+        # The session-affinity scorer is part of the picker configuration that reads
+        # KVQuota's series (`routers`): with vLLM's, the token goes unread.
+        token = (self.token_engines.get(session.session_id)
+                 if self.pool.signals == KVQUOTA_SIGNALS else None)
         request = RouteRequest(session.tenant, session.session_id, prompt,
-                               self.salts.get(session.tenant))
+                               self.salts.get(session.tenant), token)
         loads = [e.load(session.tier, self.pool.signals) for e in self.engines]
         return self.engines[self.router.pick(request, loads)]
 

@@ -14,7 +14,10 @@
   1 - waiting / max waiting (weights after the extension's sample configuration with a
   load scorer at half the prefix scorer's weight). Blocks are tokens here (the twin's
   prompts are token ids), `blockSize` tokens each, where the extension hashes 64
-  characters, about 16 tokens.
+  characters, about 16 tokens. A request that carries a session token
+  (`RouteRequest.token_engine`) also scores `SESSION_WEIGHT` (3) on the engine it
+  names: llm-d's session-affinity scorer, as the example picker configuration
+  (manifests/examples/picker/epp-config.yaml) enables it above the prefix scorer.
 - `session-affinity`: a session's next turn goes to the engine that served its
   previous turn (the engine holding its lease, as the sidecar's hint header names it);
   a first turn goes by `least-kv`.
@@ -32,7 +35,12 @@ chosen by the pool's `signals` (`SIGNALS`, `kvquota bench --picker-signals`):
   or T's charge against its per-engine maxBlocks, whichever is nearer), computed by
   the sidecar's own `picker_signals.tier_signals`. A real pool gets this with one
   picker (InferencePool) per tier, each configured to read its tier's series
-  (manifests/examples/picker).
+  (manifests/examples/picker). That configuration also enables the session-affinity
+  scorer, which reads the session token the sidecar writes on a leased session's
+  admitted responses (`gateway.affinity`): with these signals the pool hands the
+  router, with each follow-up turn, the engine that admitted the session's previous
+  turn when its tenant has leases (`RouteRequest.token_engine`); with vLLM's series
+  (the pickers' defaults, no session scorer) it does not.
 
 Ties go to the lowest engine index, so a run is deterministic.
 """
@@ -47,6 +55,7 @@ from typing import Protocol
 
 MAX_PREFIX_BLOCKS = 256  # the extension's default: longer prompts are matched this far
 PREFIX_WEIGHT, KV_WEIGHT, QUEUE_WEIGHT = 2.0, 1.0, 1.0
+SESSION_WEIGHT = 3.0  # the example picker configuration's session-affinity scorer
 VLLM_SIGNALS, KVQUOTA_SIGNALS = "vllm", "kvquota"
 SIGNALS = (VLLM_SIGNALS, KVQUOTA_SIGNALS)
 
@@ -57,6 +66,7 @@ class RouteRequest:
     session: str
     prompt: Sequence[int]
     salt: str | None  # the cache salt the sidecar sets (None: the shared cache)
+    token_engine: int | None = None  # the engine its session token names (None: none)
 
 
 @dataclass(frozen=True)
@@ -163,8 +173,9 @@ class PrefixAffinity:
                 matched += 1
             prefix = matched / len(hashes) if hashes else 0.0
             queue = 1.0 - loads[i].waiting / max_waiting if max_waiting else 1.0
+            session = SESSION_WEIGHT if i == request.token_engine else 0.0
             return (PREFIX_WEIGHT * prefix + KV_WEIGHT * (1.0 - loads[i].kv_usage)
-                    + QUEUE_WEIGHT * queue)
+                    + QUEUE_WEIGHT * queue + session)
 
         best = max(range(len(loads)), key=lambda i: (score(i), -i))
         self._index[best].add(hashes)
