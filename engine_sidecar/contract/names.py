@@ -24,6 +24,9 @@ STATS_PATH_ENV = "KVQUOTA_STATS_PATH"  # both containers: where the plugin's sta
 # The engine's pod name, in both containers: the sidecar names it in the lease-engine
 # header; both pick their entry of the policy's per-engine split by it.
 ENGINE_NAME_ENV = "POD_NAME"
+# The engine pod's namespace, in the sidecar: with the pod name, the pod a picker's
+# session token names (`<namespace>/<name>`).
+ENGINE_NAMESPACE_ENV = "POD_NAMESPACE"
 HEARTBEAT_S = 0.5  # the plugin rewrites its stats file at least this often
 STALE_AFTER_S = max(2.0, 10 * HEARTBEAT_S)  # ten missed rewrites: nobody is writing
 

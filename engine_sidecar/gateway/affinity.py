@@ -24,12 +24,11 @@ from __future__ import annotations
 import base64
 import os
 
+from engine_sidecar.contract.names import ENGINE_NAMESPACE_ENV
+
 LEASE_ENGINE_HEADER = b"x-kvquota-lease-engine"
 SESSION_TOKEN_HEADER = b"x-session-token"
 SESSION_COOKIE = "llm-d-session"
-# The engine pod's namespace, set by the injected sidecar (`inject.pod`) from the
-# downward API; the token names the pod as the picker does, `<namespace>/<name>`.
-ENGINE_NAMESPACE_ENV = "POD_NAMESPACE"
 
 
 def engine_namespace() -> str | None:

@@ -32,6 +32,7 @@ from engine_sidecar.contract.names import (
     ADMIN_PORT,
     ADMIN_PORT_NAME,
     ENGINE_NAME_ENV,
+    ENGINE_NAMESPACE_ENV,
     GROUP,
     PLUGIN_CLASS,
     POLICY_CONFIGMAP_SUFFIX,
@@ -309,7 +310,7 @@ def _sidecar(options: InjectionOptions, serve_port: int, engine_port: int,
             "--secrets-dir", SECRETS_DIR,
         ],
         "env": [
-            {"name": "POD_NAMESPACE", "valueFrom": _field("metadata.namespace")},
+            {"name": ENGINE_NAMESPACE_ENV, "valueFrom": _field("metadata.namespace")},
             {"name": "POD_IP", "valueFrom": _field("status.podIP")},
             {"name": ENGINE_NAME_ENV, "valueFrom": _field("metadata.name")},
             # The pool this engine serves: its label (set above to `pool`).
