@@ -5,6 +5,7 @@ less CPU per request than unique traffic costs."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from kvquota_lab.perf.sidecar import UNIQUE, Target, run_load
 
@@ -41,3 +42,40 @@ def test_no_body_repeats_across_streams_pauses_and_runs() -> None:
     bodies = asyncio.run(scenario())
     assert len(bodies) == 2 * 40 * 2
     assert len(set(bodies)) == len(bodies)
+
+
+def test_a_refused_request_is_counted_not_timed_and_the_run_goes_on() -> None:
+    """At 256 streams a sidecar past its limits answers 503 TOKENIZER_BUSY: the row
+    reports how many, and the times are those of the answered requests."""
+    from kvquota_lab.perf.sidecar import Row
+
+    async def scenario() -> list[list[Any]]:
+        answered = 0
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal answered
+            try:
+                while True:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                                  if line.lower().startswith(b"content-length:"))
+                    await reader.readexactly(length)
+                    answered += 1
+                    status = b"503 Service Unavailable" if answered % 2 else b"200 OK"
+                    writer.write(b"HTTP/1.1 " + status + b"\r\ncontent-length: 2\r\n\r\nok")
+                    await writer.drain()
+            except (asyncio.IncompleteReadError, ConnectionError):
+                writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        async with server:
+            return await run_load([Target(url, {}), Target(url, {})], b"{}", 1, 10)
+
+    direct, proxied = asyncio.run(scenario())
+    row = Row(1, direct, proxied)
+    assert len(direct) + len(proxied) == 20
+    assert row.refused("direct") + row.refused("sidecar") == 10
+    stats = row.stats()
+    assert stats["direct_refused"] + stats["sidecar_refused"] == 10
+    assert stats["sidecar_ttft_p50"] > 0

@@ -1,7 +1,7 @@
 """Latency the sidecar adds: `python -m kvquota_lab.perf.sidecar`.
 
 Streams the same requests straight to an upstream and through a sidecar in front of
-it, at 1, 16 and 64 concurrent streams, and prints p50/p99 of time to first byte
+it, at 1, 16, 64 and 256 concurrent streams, and prints p50/p99 of time to first byte
 (TTFT) and total time for both, and the difference.
 
 Upstreams:
@@ -189,6 +189,7 @@ def chat_body(tokenizer: str, tokens: int) -> dict[str, Any]:
 class Sample:
     ttft: float
     total: float
+    status: int = 200  # any other: a refusal (e.g. 503 TOKENIZER_BUSY), kept out of the times
 
 
 async def _read_headers(reader: asyncio.StreamReader) -> tuple[int, dict[bytes, bytes]]:
@@ -260,9 +261,7 @@ class Connection:
         status, response_headers = await _read_headers(self.reader)
         ttft = await _read_body(self.reader, response_headers, start)
         total = time.perf_counter() - start
-        if status != 200:
-            raise RuntimeError(f"HTTP {status} from {self.host}:{self.port}{path}")
-        return Sample(ttft, total)
+        return Sample(ttft, total, status)
 
     def close(self) -> None:
         if self.writer is not None:
@@ -408,6 +407,13 @@ def _start_sidecar(setup: Setup, upstream: str, model: str, tokenizer: str | Non
     return f"http://127.0.0.1:{port}", tokens, proc
 
 
+def _move_children(pid: int, cpu: str) -> None:
+    """Put the sidecar's child processes (its tokenizer workers) on `cpu`: the event
+    loop keeps its core, the counting gets another (issue #32, more than one core)."""
+    for child in with_children(pid)[1:]:
+        os.sched_setaffinity(child, {int(c) for c in cpu.split(",")})
+
+
 def _pinned(cpu: str | None) -> list[str]:
     return ["taskset", "-c", cpu] if cpu is not None else []
 
@@ -448,12 +454,19 @@ class Row:
     cpu_us: float | None = None  # sidecar CPU (user + system, with workers) per request
     busy: float | None = None  # sidecar CPU seconds per second of the run: 1.0 = one core
 
+    def refused(self, target: str) -> int:
+        """Answers other than 200 (not in the times: a fast refusal is no latency)."""
+        samples = self.direct if target == "direct" else self.proxied
+        return sum(1 for s in samples if s.status != 200)
+
     def stats(self) -> dict[str, float]:
         out: dict[str, float] = {"cpu_us_per_request": self.cpu_us or 0.0,
-                                 "sidecar_core_busy": self.busy or 0.0}
+                                 "sidecar_core_busy": self.busy or 0.0,
+                                 "direct_refused": self.refused("direct"),
+                                 "sidecar_refused": self.refused("sidecar")}
         for name, samples in (("direct", self.direct), ("sidecar", self.proxied)):
             for metric in ("ttft", "total"):
-                values = [getattr(s, metric) * 1000 for s in samples]
+                values = [getattr(s, metric) * 1000 for s in samples if s.status == 200] or [0.0]
                 out[f"{name}_{metric}_p50"] = statistics.median(values)
                 out[f"{name}_{metric}_p99"] = percentile(values, 99) or 0.0
         for metric in ("ttft", "total"):
@@ -494,7 +507,10 @@ def _print_table(title: str, rows: list[Row]) -> None:
                 f"{s[f'added_{metric}_p50']:+6.2f}/{s[f'added_{metric}_p99']:<+6.2f}")
         cpu = (f"{row.cpu_us:9.0f}  {row.busy:8.0%}" if row.cpu_us is not None
                and row.busy is not None else "        -")
-        print(f"{row.concurrency:>7} {len(row.proxied):>5} | {cells[0]} | {cells[1]} | {cpu}")
+        refused = "".join(f"  {row.refused(t)} {t} answers not 200"
+                          for t in ("direct", "sidecar") if row.refused(t))
+        print(f"{row.concurrency:>7} {len(row.proxied):>5} | {cells[0]} | {cells[1]} | {cpu}"
+              f"{refused}")
 
 
 def _bench(label: str, direct_url: str, sidecar_url: str, body: dict[str, Any], token: str,
@@ -520,9 +536,12 @@ def _run(args: argparse.Namespace) -> int:
     try:
         if not args.no_stub:
             stub = _start_stub(setup, args)
+            extra = ["--event-loop", args.event_loop] if args.event_loop else []
             sidecar, tokens, proc = _start_sidecar(
                 setup, stub, "stub", args.tokenizer, code=args.code, cpu=args.sidecar_cpu,
-                extra=["--event-loop", args.event_loop] if args.event_loop else None)
+                extra=extra + list(args.sidecar_arg))
+            if args.worker_cpu is not None and proc.pid:
+                _move_children(proc.pid, args.worker_cpu)
             token = tokens["bench"]
             path = "/v1/completions"
             if args.chat_tokens:
@@ -618,6 +637,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "memo: answers each body as the first of its shape, so only "
                              "the sidecar's cost remains (default: %(default)s)")
     parser.add_argument("--code", type=Path, help="run the sidecar from this source tree")
+    parser.add_argument("--sidecar-arg", action="append", default=[], metavar="ARG",
+                        help="one more argument for the sidecar, e.g. "
+                             "--sidecar-arg=--tokenizer-workers=2 (repeatable)")
+    parser.add_argument("--worker-cpu", metavar="CPUS",
+                        help="once the sidecar is up, move its tokenizer workers to these "
+                             "CPUs (comma-separated), off the event loop's core")
     parser.add_argument("--event-loop", choices=("auto", "uvloop", "asyncio"),
                         help="the sidecar's --event-loop (default: its own default)")
     parser.set_defaults(func=_run, sidecar_cpu=None, others_cpu=None)
