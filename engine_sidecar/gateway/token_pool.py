@@ -51,8 +51,17 @@ def _ready() -> bool:
 
 
 def encode(prompts: Sequence[str], add_special_tokens: bool) -> list[array[int]]:
-    """(In a worker.) Each prompt's token ids."""
-    return [array("I", _worker_tokenizer.encode(p, add_special_tokens=add_special_tokens).ids)
+    """(In a worker.) Each prompt's token ids.
+
+    `encode_batch_fast` gives `encode`'s ids without tracking each token's character
+    offsets, which nothing here reads: a 2.5k-token chat took 970 us of the worker's
+    CPU instead of 1,230-1,320 (issue #32). One prompt per call, so a request of many
+    prompts stays on the worker's one thread, as before."""
+    fast = getattr(_worker_tokenizer, "encode_batch_fast", None)  # tokenizers >= 0.21
+    if fast is None:
+        return [array("I", _worker_tokenizer.encode(
+            p, add_special_tokens=add_special_tokens).ids) for p in prompts]
+    return [array("I", fast([p], add_special_tokens=add_special_tokens)[0].ids)
             for p in prompts]
 
 

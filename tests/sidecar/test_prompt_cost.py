@@ -213,3 +213,21 @@ def test_a_refused_request_retried_is_not_tokenized_again(
     assert admitted.status_code == 200
     assert len(harness.counter.counts) == 1
     assert harness.gateway.prompts.cache.hits == 3
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None)
+@given(texts=st.lists(st.one_of(st.text(min_size=1, max_size=300), WORDS_AND_ODDITIES),
+                      min_size=1, max_size=8))
+def test_the_worker_pool_counts_exactly_what_the_tokenizer_counts(
+    tiny_tokenizer: Any, tokenizer_pool: Any, texts: list[str]
+) -> None:
+    """The workers' ids (`encode_batch_fast`, no offsets tracked, issue #32) are the
+    tokenizer's own `encode` ids, special tokens in the text and added or not: a count
+    lower than the engine's would be a quota escape."""
+    from engine_sidecar.gateway.token_pool import encode
+
+    backend = tiny_tokenizer.backend_tokenizer
+    for special in (True, False):
+        counted = asyncio.run(tokenizer_pool.run(encode, texts, special))
+        assert [list(ids) for ids in counted] == [
+            backend.encode(text, add_special_tokens=special).ids for text in texts]
