@@ -23,6 +23,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
+import threading
+import time
 import weakref
 from array import array
 from collections.abc import Callable, Sequence
@@ -36,14 +39,27 @@ from engine_sidecar.gateway.errors import ApiError
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+PARENT_CHECK_S = 1.0  # how often a worker checks that the sidecar is still there
 _worker_tokenizer: Any = None
 
 
-def _init_worker(tokenizer_json: str) -> None:
+def _init_worker(tokenizer_json: str, sidecar_pid: int) -> None:
     global _worker_tokenizer
     from tokenizers import Tokenizer
 
     _worker_tokenizer = Tokenizer.from_str(tokenizer_json)
+    threading.Thread(target=_exit_with, args=(sidecar_pid,), daemon=True,
+                     name="kvquota-exit-with-sidecar").start()
+
+
+def _exit_with(sidecar_pid: int) -> None:
+    """(In a worker.) Exit once the sidecar is gone. A worker holds its own end of the
+    pool's job queue, so a sidecar killed outright (SIGKILL, OOM) or exiting during a
+    pool restart would otherwise leave it, and the resource tracker it keeps open,
+    running for good beside the next sidecar."""
+    while os.getppid() == sidecar_pid:
+        time.sleep(PARENT_CHECK_S)
+    os._exit(0)
 
 
 def _ready() -> bool:
@@ -90,7 +106,8 @@ class TokenizerPool:
     def _new_executor(self) -> ProcessPoolExecutor:
         # spawn, not fork: the sidecar has threads (uvicorn, httpx, policy watch).
         return ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_init_worker, initargs=(self._json,))
+                                   initializer=_init_worker,
+                                   initargs=(self._json, os.getpid()))
 
     def start(self) -> None:
         """Start every worker now (they would start on first use, a second late)."""
