@@ -17,21 +17,29 @@ blocks from lower tiers first):
   of it (lower or equal priority) waiting in the engine (the plugin's stats) plus those
   queued in the sidecar.
 - `kvquota:kv_cache_usage_perc{tier=T}`: how close a request of tier T is to not
-  fitting on this engine (0..1), the larger of two fractions, one per limit admission
-  applies to it:
-  - capacity: the KV blocks the tenants of the tiers ahead of T hold (running and
-    leased) plus what they reserved and the engine has not allocated yet, and what T's
-    own tenants are charged (below), over the engine's capacity. Blocks of lower tiers,
-    of unclassified traffic and T's idle leases are left out: the victim order gives
-    them back before a request of tier T (an idle lease to its own tenant's new work);
-  - quota: what T's tenants are charged here (what admission counts against maxBlocks:
-    held by running requests, or reserved where more; idle leases yield to their own
-    tenant's new work and are not charged) over the sum of their maxBlocks on this
-    engine (the per-engine ceiling the operator's split renders). A tier's binding
-    limit on an engine is usually its own ceiling, not the cache: an engine where
-    premium is at its ceiling reads full to premium's picker however much of the cache
-    is free, and one where premium has room reads low even if its own cached prefixes
-    (leases) are there.
+  fitting on this engine (0..1): one minus the blocks a request of T can still get
+  here over those it could get on an empty engine under the same policy. What it can
+  get is the smaller of its room under the two limits admission applies, in blocks:
+  - capacity: what the engine keeps above its watermark (a borrower may not go below
+    it), less the KV blocks the tenants of the tiers ahead of T hold (running and
+    leased) plus what they reserved and the engine has not allocated yet, and less
+    what T's own tenants are charged (below); or, if more, what is left of T's
+    guarantee here (a request within it is never refused for capacity). Blocks of lower
+    tiers, of unclassified traffic and T's idle leases are left out: the victim order
+    gives them back before a request of tier T (an idle lease to its own tenant's new
+    work);
+  - quota: the sum of T's tenants' maxBlocks on this engine (the per-engine ceiling the
+    operator's split renders) less what they are charged here (what admission counts
+    against maxBlocks: held by running requests, or reserved where more; idle leases
+    yield to their own tenant's new work and are not charged).
+  A tier's binding limit on an engine is often its own ceiling, not the cache: an
+  engine where premium is at its ceiling reads full to premium's picker however much
+  of the cache is free. The two limits are compared in blocks, never as two fractions
+  of different wholes: the larger of (share of the cache) and (charge over ceiling)
+  weighs a block of a 40% ceiling 2.5 blocks of the cache, so the free tier's series
+  read an engine the tiers ahead nearly filled as emptier than one where free had
+  more blocks left under its own ceiling, and a least-KV picker sent free bursts where
+  the watermark refuses them.
 - `tier="all"`: every request and every block, whichever tier (and unclassified
   traffic): what a single picker for all tiers should read.
 
@@ -40,6 +48,7 @@ Four label values at most (the three tiers and "all"): never a tenant or a reque
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -67,12 +76,14 @@ WAITING_HELP = (
     "what a request of tier T waits behind; tier=all counts every request."
 )
 KV_USAGE_HELP = (
-    "KV cache in use from the viewpoint of a new request, 0..1. tier=T: the larger of "
-    "(blocks held, running and leased, plus reserved and not allocated yet, by the "
-    "tenants of tier T and of every tier served before it, over the engine's capacity) "
-    "and (the blocks tier T's tenants are charged against their maxBlocks on this "
-    "engine, over the sum of those maxBlocks): how close a request of tier T is to not "
-    "fitting. tier=all: every block over capacity. Absent while the capacity is unknown."
+    "KV cache in use from the viewpoint of a new request, 0..1. tier=T: 1 - the blocks "
+    "a request of tier T can still get on this engine over those it could get on an "
+    "empty one, in blocks the smaller of (the capacity above the watermark less the "
+    "blocks held, running and leased, plus reserved and not allocated yet, by the tiers "
+    "served before T and less T's charge, or what is left of T's guarantee if more) and "
+    "(the sum of T's tenants' maxBlocks on this engine less their charge): how close a "
+    "request of tier T is to not fitting. tier=all: every block over capacity. Absent "
+    "while the capacity is unknown."
 )
 
 
@@ -109,8 +120,7 @@ def tier_signals(
         waiting = sum(engine_waiting.get(t, 0) + queue.depth(t) for t in ahead)
         usage = None
         if view is not None and total:
-            usage = max(_capacity_fraction(view, tenants, priority, total),
-                        _quota_fraction(view, tier))
+            usage = _tier_usage(view, tenants, tier, priority, total)
         signals.append(TierSignal(tier.value, waiting, usage))
     waiting_all = sum(engine_waiting.values()) + queue.waiting()
     usage_all = None
@@ -120,10 +130,27 @@ def tier_signals(
     return signals
 
 
-def _capacity_fraction(view: PoolView, tenants: Mapping[str, TenantPolicy], priority: int,
-                       total: int) -> float:
-    """Blocks a request of `priority` cannot take back, over capacity: the tiers ahead
-    of it hold and will allocate, its own tier is charged (`_TenantView.charged`)."""
+def _tier_usage(view: PoolView, tenants: Mapping[str, TenantPolicy], tier: Tier,
+                priority: int, total: int) -> float:
+    """1 - (blocks a request of `tier` can still get here) / (what it could get on an
+    empty engine): the smaller of its room under the capacity and under its ceiling."""
+    floor = math.ceil(view.policy.watermark * total) if view.policy else 0
+    room = whole = total - floor  # a borrower's: the watermark keeps the rest
+    room -= _capacity_blocks(view, tenants, priority)
+    members = _tier_tenants(view, tier)
+    if members:
+        charged = sum(view.tenant(t.tenant_id).charged for t in members)
+        guaranteed = sum(t.guaranteed_blocks for t in members)
+        ceiling = sum(t.max_blocks for t in members)
+        room = min(max(room, guaranteed - charged), ceiling - charged)
+        whole = min(max(whole, guaranteed), ceiling)
+    return _fraction(whole - room, whole)
+
+
+def _capacity_blocks(view: PoolView, tenants: Mapping[str, TenantPolicy],
+                     priority: int) -> int:
+    """Blocks a request of `priority` cannot take back: the tiers ahead of it hold and
+    will allocate, its own tier is charged (`_TenantView.charged`)."""
     blocks = 0
     for tenant_id in view.tenants or {}:
         tenant = tenants.get(tenant_id)
@@ -133,22 +160,17 @@ def _capacity_fraction(view: PoolView, tenants: Mapping[str, TenantPolicy], prio
             blocks += view.holding(tenant_id).used
         else:
             blocks += view.tenant(tenant_id).charged
-    return _fraction(blocks, total)
+    return blocks
 
 
-def _quota_fraction(view: PoolView, tier: Tier) -> float:
-    """What `tier`'s tenants are charged on this engine over their maxBlocks here (the
-    engine's own policy: its split), 0 for a tier with no tenant."""
-    ceilings = [t for t in (view.policy.tenants.values() if view.policy else ())
-                if t.tier is tier]
-    room = sum(t.max_blocks for t in ceilings)
-    if not room:
-        return 0.0
-    return _fraction(sum(view.tenant(t.tenant_id).charged for t in ceilings), room)
+def _tier_tenants(view: PoolView, tier: Tier) -> list[TenantPolicy]:
+    return [t for t in (view.policy.tenants.values() if view.policy else ()) if t.tier is tier]
 
 
 def _fraction(blocks: int, total: int) -> float:
-    """Capped at 1: pickers read the series as vLLM's, a fraction of the cache."""
+    """Within 0..1: pickers read the series as vLLM's (1 for a zero `total`)."""
+    if total <= 0:
+        return 1.0
     return round(min(1.0, max(0.0, blocks / total)), 6)
 
 

@@ -31,6 +31,7 @@ ENGINE_WAITING = {"acme": 1, "globex": 0, "initech": 4, UNCLASSIFIED: 2}
 RUNNING_BLOCKS = {"initech": 50, UNCLASSIFIED: 10}  # in the engine (plugin stats)
 TOTAL_BLOCKS = 1000
 MAX_BLOCKS = 10_000  # every tenant's (`helpers.tenant`): the capacity binds first
+WATERMARK_BLOCKS = 100  # `helpers.make_policy`'s watermark, 0.1 of TOTAL_BLOCKS
 
 
 def _scrape(text: str) -> dict[tuple[str, str], float]:
@@ -115,13 +116,14 @@ def test_the_pods_scrape_counts_the_admission_queue_per_tier_as_status_does(
         assert series[(WAITING, tier.value)] == sum(
             usage[t]["queued"] + ENGINE_WAITING[t] for t in ahead)
         # KV: what the tiers ahead hold (or reserved, where more) and the tier itself is
-        # charged, over capacity; or the tier's charge over its maxBlocks, if more.
+        # charged, over the capacity above the watermark (no tenant has a guarantee, and
+        # each one's maxBlocks is above capacity here).
         before = sum(max(usage[t]["blocks"], usage[t]["reservedBlocks"])
                      for t, (_, p) in TENANTS.items() if p < priority)
         own = [t for t, (name, _) in TENANTS.items() if name == tier.value]
         charged = sum(usage[t]["chargedBlocks"] for t in own)
-        assert series[(KV_USAGE, tier.value)] == max(
-            round((before + charged) / total, 6), round(charged / (MAX_BLOCKS * len(own)), 6))
+        assert series[(KV_USAGE, tier.value)] == round(
+            (before + charged) / (total - WATERMARK_BLOCKS), 6)
     assert series[(WAITING, "all")] == sum(u["queued"] for u in usage.values()) + sum(
         ENGINE_WAITING.values())
     assert series[(KV_USAGE, "all")] == round(1 - status["freeBlocks"] / total, 6)
@@ -171,6 +173,7 @@ def test_without_known_capacity_only_the_waiting_series_is_served(
 
 CAPACITY = 1000
 PREMIUM_MAX = 450  # premium's per-engine ceiling: 45% of the engine
+FREE_MAX = 400
 
 
 def _signals(stats: EngineStats, reserved: dict[str, int]) -> dict[str, float | None]:
@@ -183,7 +186,7 @@ def _signals(stats: EngineStats, reserved: dict[str, int]) -> dict[str, float | 
     policy = make_policy(
         tenant("acme", tier="premium", priority=0, guaranteed_blocks=400,
                max_blocks=PREMIUM_MAX),
-        tenant("initech", tier="free", priority=2, guaranteed_blocks=50, max_blocks=400))
+        tenant("initech", tier="free", priority=2, guaranteed_blocks=50, max_blocks=FREE_MAX))
     queue.set_policy(policy)
     return {s.tier: s.kv_usage for s in tier_signals(policy, stats, queue, queue.view())}
 
@@ -212,4 +215,29 @@ def test_free_work_and_premiums_own_idle_leases_leave_premium_reading_low() -> N
     signals = _signals(stats, {"initech": 380})
     assert signals["all"] == 0.68
     assert signals["premium"] == 0.0
-    assert signals["free"] == 0.95  # 380 of its 400 here, and premium's leases ahead
+    # 20 blocks left under its 400 here (the cache, premium's leases ahead, has 320).
+    assert signals["free"] == round(1 - 20 / FREE_MAX, 6)
+
+
+def test_a_tier_reads_the_engine_where_it_has_fewer_blocks_left_as_fuller() -> None:
+    """Free's picker compares its room in blocks: an engine the tier ahead nearly fills
+    (premium's sessions leave 150 blocks, 50 above the watermark that a borrower may
+    not take) reads fuller to free than one where free's own work has taken half its
+    ceiling (200 left), though the first is further from free's ceiling. Each reads full
+    when nothing more of free fits, an idle engine empty."""
+    premium_full = _signals(_engine(acme=TenantEngineStats(running_blocks=450,
+                                                           leased_blocks=400,
+                                                           pinned_blocks=400)),
+                            {"acme": 450})
+    free_half = _signals(_engine(initech=TenantEngineStats(running_blocks=200)),
+                         {"initech": 200})
+    assert premium_full["free"] == round(1 - 50 / FREE_MAX, 6)
+    assert free_half["free"] == round(1 - 200 / FREE_MAX, 6)
+    assert premium_full["free"] > free_half["free"]
+    assert premium_full["premium"] == 1.0  # premium at its own ceiling there
+    free_at_ceiling = _signals(_engine(initech=TenantEngineStats(running_blocks=400)),
+                               {"initech": 400})
+    assert free_at_ceiling["free"] == 1.0
+    assert free_at_ceiling["premium"] == 0.0
+    idle = _signals(_engine(), {})
+    assert idle["free"] == idle["premium"] == idle["all"] == 0.0

@@ -31,8 +31,9 @@ chosen by the pool's `signals` (`SIGNALS`, `kvquota bench --picker-signals`):
 - `kvquota`: KVQuota's per-tier series for the request's tier,
   `kvquota:num_requests_waiting{tier}` and `kvquota:kv_cache_usage_perc{tier}` (engine
   waiting plus sidecar queued, for T and the tiers served before it; how close a
-  request of T is to not fitting: the cache the tiers ahead and T's own charge take,
-  or T's charge against its per-engine maxBlocks, whichever is nearer), computed by
+  request of T is to not fitting: 1 - the blocks it can still get, under the capacity
+  above the watermark or under its per-engine maxBlocks, whichever has fewer, over
+  those it could get on an empty engine), computed by
   the sidecar's own `picker_signals.tier_signals`. A real pool gets this with one
   picker (InferencePool) per tier, each configured to read its tier's series
   (manifests/examples/picker). That configuration also enables the session-affinity
