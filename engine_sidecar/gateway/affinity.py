@@ -17,6 +17,22 @@ engine's sidecar knows a lease lives there; the picker's scorer, where it writes
 token itself, does so at the end of the response (after a stream's head has gone out)
 and for every request, leased or not. `x-kvquota-lease-engine: <pod>` stays beside
 them for routers that match a header on the pod's plain name.
+
+The token names the engine that keeps the session's KV, which is not always one where
+its next turn fits: a picker that weighs the token above its load scorers (the example
+configuration: 3 against 1 + 1) sends the session back to queue on its tenant's
+per-engine ceiling there. So the token is sent only while the tenant's charge on this
+engine (this turn's included) leaves room below its maxBlocks here for about one more
+turn of the session (`calls_back`: this turn's own blocks again). Otherwise the
+response clears it, so the picker's other scorers decide the next turn: the header
+goes out empty (the scorer scores no pod for an empty token; a client that echoes the
+last token it was given stops naming this pod) and the cookie is expired
+(`llm-d-session=; Max-Age=0`, the standard way to delete a cookie, which a client that
+keeps cookies honours by dropping it). In the cookie version the scorer sets the
+cookie itself after each response only when the request's cookie does not already
+name the pod it picked, so a cleared cookie stays cleared until the picker, on its
+own scores, picks another pod. The lease hint still names the lease's engine: it says
+where the KV is, for routers that weigh that themselves.
 """
 
 from __future__ import annotations
@@ -41,16 +57,26 @@ def session_token(namespace: str, pod: str) -> str:
     return base64.b64encode(f"{namespace}/{pod}".encode()).decode("ascii")
 
 
-def affinity_headers(pod: str | None, namespace: str | None) -> list[tuple[bytes, bytes]]:
-    """Response headers that bring a leased session back to `pod`: the lease hint with
-    the pod's name, and, once its namespace is known too, the picker's session token as
-    a header and as a cookie. Empty for an unnamed engine."""
+def calls_back(charged: int, turn_blocks: int, max_blocks: int) -> bool:
+    """Whether a session's next turn still fits here under its tenant's ceiling: the
+    tenant's charge on this engine (`_TenantView.charged`, this turn included) plus
+    about one more turn of the session (this turn's blocks) within its maxBlocks."""
+    return charged + turn_blocks <= max_blocks
+
+
+def affinity_headers(pod: str | None, namespace: str | None, *, call_back: bool = True
+                     ) -> list[tuple[bytes, bytes]]:
+    """Response headers for a leased session on `pod`: the lease hint with the pod's
+    name, and, once its namespace is known too, the picker's session token as a header
+    and as a cookie; with `call_back` False the token is cleared in both forms instead
+    (the session's next turn does not fit here). Empty for an unnamed engine."""
     if not pod:
         return []
     headers = [(LEASE_ENGINE_HEADER, pod.encode())]
     if namespace:
-        token = session_token(namespace, pod)
+        token = session_token(namespace, pod) if call_back else ""
+        expiry = "" if call_back else "Max-Age=0; "
         headers.append((SESSION_TOKEN_HEADER, token.encode()))
-        headers.append((b"set-cookie", f"{SESSION_COOKIE}={token}; Path=/; HttpOnly; "
-                                       "SameSite=Lax".encode()))
+        headers.append((b"set-cookie", f"{SESSION_COOKIE}={token}; Path=/; {expiry}"
+                                       "HttpOnly; SameSite=Lax".encode()))
     return headers

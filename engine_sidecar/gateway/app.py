@@ -106,7 +106,8 @@ class Gateway:
             stats=self.stats.current, monitor=self.monitor, estimates=self.estimates,
             tokenizers=self.tokenizers, retry_after=config.retry_after_seconds,
         )
-        self.relay = Relay(config, self.upstream, self.holder, self.metrics, self.estimates)
+        self.relay = Relay(config, self.upstream, self.holder, self.metrics, self.estimates,
+                           self.admitter.capacity)
         self.queue = self.admitter.queue
         self.prompts = self.admitter.prompts
         self.counters = self.admitter.counters

@@ -3,18 +3,22 @@
 The rewritten body goes to the engine with the client's allowed headers
 (`forward.request_headers`, minus the policy's trusted tenant header); the answer
 streams back untouched (`forward.exchange`) with the time queued, and for a leased
-session the engine that will hold its KV (`affinity`). The reservation is released as
+session the engine that will hold its KV (`affinity`), its session token only while
+a next turn of the session fits under its tenant's ceiling here. The reservation is released as
 soon as the engine is done, whatever happened; the output tokens counted on the way
 (`output_meter`) teach the tenant's output estimate.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from starlette.types import Receive, Scope, Send
 
 from engine_sidecar.gateway.active_policy import ActivePolicy, PolicyHolder
+from engine_sidecar.gateway.admission import PoolView
 from engine_sidecar.gateway.admitter import Admitted
-from engine_sidecar.gateway.affinity import affinity_headers
+from engine_sidecar.gateway.affinity import affinity_headers, calls_back
 from engine_sidecar.gateway.config import GatewayConfig
 from engine_sidecar.gateway.forward import (
     REQUEST_DROP,
@@ -36,14 +40,20 @@ QUEUE_HEADER = b"x-kvquota-queue-ms"  # on admitted responses: time spent in the
 
 class Relay:
     def __init__(self, config: GatewayConfig, upstream: Upstream, holder: PolicyHolder,
-                 metrics: GatewayMetrics, estimates: OutputEstimates) -> None:
+                 metrics: GatewayMetrics, estimates: OutputEstimates,
+                 view: Callable[[], PoolView | None]) -> None:
         self.upstream = upstream
         self.holder = holder
         self.metrics = metrics
         self.estimates = estimates
         self._drop = frozenset(REQUEST_DROP | config.extra_request_drop | {b"content-type"})
-        # On a leased session's admitted responses: the engine that will hold its KV.
-        self._affinity = affinity_headers(config.engine_id, config.engine_namespace)
+        self.view = view  # admission's view of this engine (the tenant's charge)
+        # On a leased session's admitted responses: the engine that will hold its KV,
+        # calling the session back (the token) or not (the token cleared).
+        self._affinity = {
+            call_back: affinity_headers(config.engine_id, config.engine_namespace,
+                                        call_back=call_back)
+            for call_back in (True, False)}
 
     async def run(
         self, scope: Scope, receive: Receive, send: Send, admitted: Admitted, kind: Kind,
@@ -56,7 +66,10 @@ class Relay:
                          server_timing("admit", arrived)]
         leasing = active.policy.tenants.get(tenant_id)
         if reservation.session and leasing is not None and leasing.lease.seconds > 0:
-            extra_headers.extend(self._affinity)
+            view = self.view()
+            charged = view.tenant(tenant_id).charged if view is not None else 0
+            extra_headers.extend(self._affinity[
+                calls_back(charged, reservation.blocks, leasing.max_blocks)])
         outcome = "cancelled"
         meter = OutputMeter(kind.value)
         upstream = self.upstream

@@ -367,18 +367,27 @@ class _Recorder:
         return 0
 
 
-@pytest.mark.parametrize(("signals", "token"), [("kvquota", 0), ("vllm", None)])
+@pytest.mark.parametrize(("signals", "premium_max", "token"), [
+    ("kvquota", "40%", 0),
+    ("vllm", "40%", None),
+    # 120 blocks: the first turn (66, prompt + max_tokens) leaves 54, not another turn.
+    ("kvquota", "15%", None),
+])
 def test_a_leased_sessions_next_turn_carries_the_engine_that_admitted_the_last(
-    signals: str, token: int | None, tmp_path: Path,
+    signals: str, premium_max: str, token: int | None, tmp_path: Path,
 ) -> None:
-    """The sidecar names its engine on a leased session's admitted responses; the
-    picker configuration that reads KVQuota's series scores it, vLLM's defaults do not
-    (the token goes unread)."""
+    """The sidecar names its engine on a leased session's admitted responses while
+    another turn of the session fits under its tenant's ceiling there, and clears the
+    token once it does not (the load scorers then decide the next turn); the picker
+    configuration that reads KVQuota's series scores it, vLLM's defaults do not (the
+    token goes unread)."""
     from kvquota_lab.bench.cost import load_profile
     from kvquota_lab.bench.pool import PoolRun
     from kvquota_lab.bench.twin import POLICIES
 
-    scenario = parse_scenario(SEEN, source="seen")
+    seen = SEEN.replace('kvCache: {guaranteedBlocks: "10%", maxBlocks: "15%"}',
+                        f'kvCache: {{guaranteedBlocks: "10%", maxBlocks: "{premium_max}"}}')
+    scenario = parse_scenario(seen, source="seen")
     run = PoolRun(scenario, POLICIES["kvquota"], PoolSpec(2, "least-kv", signals=signals),
                   load_profile(scenario.profile))
     assert run.policy.tenants["acme"].lease.seconds > 0

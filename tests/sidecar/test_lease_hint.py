@@ -10,7 +10,7 @@ import httpx
 from engine_sidecar.contract.policy import LeasePolicy
 
 from .conftest import StubFactory
-from .helpers import Keys, http_post, make_policy, tenant
+from .helpers import FULL_RESERVATION, Keys, http_post, make_policy, tenant
 
 HINT = "x-kvquota-lease-engine"
 
@@ -114,3 +114,39 @@ def test_without_its_namespace_the_engine_cannot_be_named_to_a_picker(
     reply = _post(harness.url, keys.hs("acme"), "chat-1")
     assert reply.headers[HINT] == "vllm-pool-7f9c-2"
     assert "x-session-token" not in reply.headers and "set-cookie" not in reply.headers
+
+
+# Full reservations: each turn reserves ceil((prompt + 2000) / 32) = 63 blocks.
+TURN = {"prompt": "x", "max_tokens": 2000}
+
+
+def test_an_engine_without_room_for_another_turn_stops_calling_the_session_back(
+    stub_sidecar: StubFactory, keys: Keys
+) -> None:
+    """With its tenant's charge here (this turn's 63 blocks) leaving less than another
+    turn below its maxBlocks, the response clears the session token: a client that
+    echoes the header names no pod, one that keeps cookies drops the cookie, so the
+    picker's load scorers place the next turn. A tenant with room for it keeps it."""
+    harness, _ = stub_sidecar(engine_id="vllm-pool-7f9c-2", engine_namespace="inference")
+    lease = LeasePolicy(seconds=60)
+    harness.apply(make_policy(
+        tenant("acme", lease=lease, max_tokens=2000, max_blocks=125),  # 62 left after
+        tenant("globex", lease=lease, max_tokens=2000, max_blocks=126),  # 63 left
+        reservation=FULL_RESERVATION))
+    pod_token = base64.b64encode(POOL[1].encode()).decode()
+    replies = {}
+    for tenant_id in ("acme", "globex"):
+        with httpx.Client(base_url=harness.url, timeout=30) as client:
+            # The cookie the last turn left, naming this pod, as the client keeps it.
+            client.cookies.set("llm-d-session", pod_token, domain=httpx.URL(harness.url).host)
+            reply = client.post("/v1/completions", json=TURN, headers={
+                "Authorization": f"Bearer {keys.hs(tenant_id)}", "X-Session-Id": "chat-1"})
+            assert reply.status_code == 200
+            replies[tenant_id] = (reply, client.cookies.get("llm-d-session"))
+    full, kept = replies["acme"]
+    assert _picked(full.headers["x-session-token"], POOL) == {POOL[0]: 0.0, POOL[1]: 0.0}
+    assert kept is None  # the cookie expired: the next turn carries none
+    assert full.headers[HINT] == "vllm-pool-7f9c-2"  # where the KV is, still
+    roomy, kept = replies["globex"]
+    assert roomy.headers["x-session-token"] == kept == pod_token
+    assert _picked(kept, POOL)[POOL[1]] == 1.0

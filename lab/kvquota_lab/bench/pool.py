@@ -47,6 +47,7 @@ from engine_sidecar.contract.policy import EnginePolicy, Isolation, Tier
 from engine_sidecar.contract.stats import SidecarStatus
 from engine_sidecar.gateway.active_policy import ActivePolicy
 from engine_sidecar.gateway.admission import Decision
+from engine_sidecar.gateway.affinity import calls_back
 from engine_sidecar.gateway.auth import Authenticator
 from engine_sidecar.gateway.picker_signals import tier_signals
 from engine_sidecar.gateway.status import DecisionCounters, build_status
@@ -352,11 +353,26 @@ class PoolRun:
 
     def admitted(self, ticket: Ticket, engine: _Engine) -> None:
         """The sidecar's response names its engine in the session token when the
-        session's tenant has leases (`gateway.affinity`); its client echoes the token
-        with the session's next turns, retries included."""
+        session's tenant has leases, and clears the token instead when the tenant's
+        charge there leaves less than another turn of the session below its ceiling
+        (`gateway.affinity.calls_back`, on the engine's own policy and admission view,
+        as the sidecar's relay decides it); its client echoes the token with the
+        session's next turns, retries included."""
         tenant = self.policy.tenants.get(ticket.tenant_id)
-        if ticket.shape.session and tenant is not None and tenant.lease.seconds > 0:
-            self.token_engines[ticket.shape.session] = engine.index
+        session = ticket.shape.session
+        if not session or tenant is None or tenant.lease.seconds <= 0:
+            return
+        gateway, reservation = engine.gateway, ticket.reservation
+        if gateway is None or reservation is None:
+            return
+        enforced = gateway.queue.policy  # the engine's own (`for_engine`)
+        assert enforced is not None
+        own = enforced.tenants[ticket.tenant_id]
+        charged = gateway.queue.view().tenant(ticket.tenant_id).charged
+        if calls_back(charged, reservation.blocks, own.max_blocks):
+            self.token_engines[session] = engine.index
+        else:
+            self.token_engines.pop(session, None)
 
     def count_refusal(self, ticket: Ticket) -> None:
         verdict = ticket.verdict

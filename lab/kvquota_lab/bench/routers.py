@@ -40,8 +40,10 @@ chosen by the pool's `signals` (`SIGNALS`, `kvquota bench --picker-signals`):
   scorer, which reads the session token the sidecar writes on a leased session's
   admitted responses (`gateway.affinity`): with these signals the pool hands the
   router, with each follow-up turn, the engine that admitted the session's previous
-  turn when its tenant has leases (`RouteRequest.token_engine`); with vLLM's series
-  (the pickers' defaults, no session scorer) it does not.
+  turn when its tenant has leases and had room there for another turn of the session
+  below its per-engine maxBlocks (the sidecar clears the token otherwise,
+  `affinity.calls_back`) (`RouteRequest.token_engine`); with vLLM's series (the
+  pickers' defaults, no session scorer) it does not.
 
 Ties go to the lowest engine index, so a run is deterministic.
 """
