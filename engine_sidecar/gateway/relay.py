@@ -67,9 +67,9 @@ class Relay:
         leasing = active.policy.tenants.get(tenant_id)
         if reservation.session and leasing is not None and leasing.lease.seconds > 0:
             view = self.view()
-            charged = view.tenant(tenant_id).charged if view is not None else 0
-            extra_headers.extend(self._affinity[
-                calls_back(charged, reservation.blocks, leasing.max_blocks)])
+            call_back = view is None or calls_back(
+                view, tenant_id, reservation.session, reservation.blocks, leasing.max_blocks)
+            extra_headers.extend(self._affinity[call_back])
         outcome = "cancelled"
         meter = OutputMeter(kind.value)
         upstream = self.upstream

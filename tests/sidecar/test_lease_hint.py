@@ -8,6 +8,8 @@ import base64
 import httpx
 
 from engine_sidecar.contract.policy import LeasePolicy
+from engine_sidecar.gateway.admission import PoolView, _TenantView
+from engine_sidecar.gateway.affinity import calls_back
 
 from .conftest import StubFactory
 from .helpers import FULL_RESERVATION, Keys, http_post, make_policy, tenant
@@ -150,3 +152,21 @@ def test_an_engine_without_room_for_another_turn_stops_calling_the_session_back(
     roomy, kept = replies["globex"]
     assert roomy.headers["x-session-token"] == kept == pod_token
     assert _picked(kept, POOL)[POOL[1]] == 1.0
+
+
+def test_sessions_already_called_back_take_their_room_first() -> None:
+    """Each token promises the session room for its next turn: with another session of
+    the tenant between turns here (its lease pins 60 blocks, its next turn is at least
+    that), this session is called back only if both next turns fit below maxBlocks."""
+    def view(leases: dict[str, int]) -> PoolView:
+        acme = _TenantView(reserved=63, inflight=1, held=63 + sum(leases.values()),
+                           pinned=sum(leases.values()), lease_only=sum(leases.values()),
+                           pinned_in_use=0, growth=0, leases=leases,
+                           sessions=frozenset({"chat-1"}))
+        return PoolView(total_blocks=1000, free_blocks=800, source="engine",
+                        tenants={"acme": acme})
+
+    waiting = {"chat-2": 60}  # chat-1 is in flight: its own lease is not counted twice
+    assert calls_back(view({**waiting, "chat-1": 40}), "acme", "chat-1", 63, 186)
+    assert not calls_back(view({**waiting, "chat-1": 40}), "acme", "chat-1", 63, 185)
+    assert calls_back(view({"chat-1": 40}), "acme", "chat-1", 63, 126)  # alone: 63 + 63

@@ -354,10 +354,11 @@ class PoolRun:
     def admitted(self, ticket: Ticket, engine: _Engine) -> None:
         """The sidecar's response names its engine in the session token when the
         session's tenant has leases, and clears the token instead when the tenant's
-        charge there leaves less than another turn of the session below its ceiling
-        (`gateway.affinity.calls_back`, on the engine's own policy and admission view,
-        as the sidecar's relay decides it); its client echoes the token with the
-        session's next turns, retries included."""
+        charge there leaves less than the next turns of the sessions it already called
+        back and another of this one below its ceiling (`gateway.affinity.calls_back`,
+        on the engine's own policy and admission view, as the sidecar's relay decides
+        it); its client echoes the token with the session's next turns, retries
+        included."""
         tenant = self.policy.tenants.get(ticket.tenant_id)
         session = ticket.shape.session
         if not session or tenant is None or tenant.lease.seconds <= 0:
@@ -368,8 +369,8 @@ class PoolRun:
         enforced = gateway.queue.policy  # the engine's own (`for_engine`)
         assert enforced is not None
         own = enforced.tenants[ticket.tenant_id]
-        charged = gateway.queue.view().tenant(ticket.tenant_id).charged
-        if calls_back(charged, reservation.blocks, own.max_blocks):
+        if calls_back(gateway.queue.view(), ticket.tenant_id, session, reservation.blocks,
+                      own.max_blocks):
             self.token_engines[session] = engine.index
         else:
             self.token_engines.pop(session, None)
