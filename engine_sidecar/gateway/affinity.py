@@ -26,8 +26,8 @@ engine (this turn's included) leaves room below its maxBlocks here for the next 
 of the sessions it has already called back (those between turns, each at least its
 lease's size) and about one more turn of this one (`calls_back`: this turn's own
 blocks again): each token is a promise of room, and several sessions that were each
-told there is room for one more turn come back together. Otherwise the
-response clears it, so the picker's other scorers decide the next turn: the header
+told there is room for one more turn come back together. Otherwise the response
+clears it, so the picker's other scorers decide the next turn: the header
 goes out empty (the scorer scores no pod for an empty token; a client that echoes the
 last token it was given stops naming this pod) and the cookie is expired
 (`llm-d-session=; Max-Age=0`, the standard way to delete a cookie, which a client that

@@ -4,9 +4,9 @@ The rewritten body goes to the engine with the client's allowed headers
 (`forward.request_headers`, minus the policy's trusted tenant header); the answer
 streams back untouched (`forward.exchange`) with the time queued, and for a leased
 session the engine that will hold its KV (`affinity`), its session token only while
-a next turn of the session fits under its tenant's ceiling here. The reservation is released as
-soon as the engine is done, whatever happened; the output tokens counted on the way
-(`output_meter`) teach the tenant's output estimate.
+a next turn of the session fits under its tenant's ceiling here. The reservation is
+released as soon as the engine is done, whatever happened; the output tokens counted
+on the way (`output_meter`) teach the tenant's output estimate.
 """
 
 from __future__ import annotations
