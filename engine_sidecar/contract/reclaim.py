@@ -8,9 +8,16 @@ import this module, so admission never counts on blocks preemption would not fre
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import IntEnum
+
+
+def watermark_floor(watermark: float, total_blocks: int) -> int:
+    """The free blocks the watermark keeps for guaranteed capacity: a borrower may not
+    take the engine's free count below this."""
+    return math.ceil(watermark * total_blocks)
 
 
 class Band(IntEnum):

@@ -39,7 +39,13 @@ from enum import StrEnum
 
 from engine_sidecar.contract.names import UNCLASSIFIED
 from engine_sidecar.contract.policy import EnginePolicy, TenantPolicy
-from engine_sidecar.contract.reclaim import Band, Holding, reclaimable_blocks, requester_band
+from engine_sidecar.contract.reclaim import (
+    Band,
+    Holding,
+    reclaimable_blocks,
+    requester_band,
+    watermark_floor,
+)
 from engine_sidecar.contract.stats import EngineStats, TenantEngineStats
 from engine_sidecar.gateway import errors
 from engine_sidecar.gateway.errors import ApiError
@@ -346,7 +352,7 @@ def decide(
         ), borrowing)
     if borrowing and view.known:
         assert view.total_blocks is not None
-        floor = math.ceil(watermark * view.total_blocks)
+        floor = watermark_floor(watermark, view.total_blocks)
         above = max(0, view.free_blocks - floor)
         if new_blocks > above:
             available = above + view.reclaimable(tenant.tenant_id, band, pinned_in_use)

@@ -48,7 +48,6 @@ Four label values at most (the three tiers and "all"): never a tenant or a reque
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -57,6 +56,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engine_sidecar.contract.policy import EnginePolicy, TenantPolicy, Tier
+from engine_sidecar.contract.reclaim import watermark_floor
 from engine_sidecar.contract.stats import EngineStats
 from engine_sidecar.gateway.active_policy import ActivePolicy
 from engine_sidecar.gateway.admission import PoolView
@@ -134,7 +134,7 @@ def _tier_usage(view: PoolView, tenants: Mapping[str, TenantPolicy], tier: Tier,
                 priority: int, total: int) -> float:
     """1 - (blocks a request of `tier` can still get here) / (what it could get on an
     empty engine): the smaller of its room under the capacity and under its ceiling."""
-    floor = math.ceil(view.policy.watermark * total) if view.policy else 0
+    floor = watermark_floor(view.policy.watermark, total) if view.policy else 0
     room = whole = total - floor  # a borrower's: the watermark keeps the rest
     room -= _capacity_blocks(view, tenants, priority)
     members = _tier_tenants(view, tier)

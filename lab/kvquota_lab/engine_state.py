@@ -31,6 +31,7 @@ import httpx
 
 from engine_sidecar.contract.names import STATUS_ROUTE
 from engine_sidecar.contract.policy import EnginePolicy
+from engine_sidecar.contract.reclaim import watermark_floor
 from engine_sidecar.contract.stats import EngineStats, SidecarStatus
 
 # A request waits for KV only when the free blocks cannot take its next chunk. Below 90%
@@ -187,7 +188,7 @@ class QuotaGauge:
             return "concurrency limit"
         if reserved + per_request > self.free.max_blocks:
             return "block quota"
-        floor = math.ceil(self.policy.watermark * status.total_blocks)
+        floor = watermark_floor(self.policy.watermark, status.total_blocks)
         if status.total_blocks and status.free_blocks - per_request < floor:
             return "watermark"
         return None

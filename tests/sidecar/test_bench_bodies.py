@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from kvquota_lab.perf.sidecar import UNIQUE, Target, run_load
+from kvquota_lab.perf.sidecar import UNIQUE, Row, Target, run_load
 
 
 async def _recording_server(bodies: list[bytes]) -> tuple[asyncio.Server, str]:
@@ -47,7 +47,6 @@ def test_no_body_repeats_across_streams_pauses_and_runs() -> None:
 def test_a_refused_request_is_counted_not_timed_and_the_run_goes_on() -> None:
     """At 256 streams a sidecar past its limits answers 503 TOKENIZER_BUSY: the row
     reports how many, and the times are those of the answered requests."""
-    from kvquota_lab.perf.sidecar import Row
 
     async def scenario() -> list[list[Any]]:
         answered = 0

@@ -33,17 +33,17 @@ chosen by the pool's `signals` (`SIGNALS`, `kvquota bench --picker-signals`):
   waiting plus sidecar queued, for T and the tiers served before it; how close a
   request of T is to not fitting: 1 - the blocks it can still get, under the capacity
   above the watermark or under its per-engine maxBlocks, whichever has fewer, over
-  those it could get on an empty engine), computed by
-  the sidecar's own `picker_signals.tier_signals`. A real pool gets this with one
-  picker (InferencePool) per tier, each configured to read its tier's series
-  (manifests/examples/picker). That configuration also enables the session-affinity
-  scorer, which reads the session token the sidecar writes on a leased session's
-  admitted responses (`gateway.affinity`): with these signals the pool hands the
-  router, with each follow-up turn, the engine that admitted the session's previous
-  turn when its tenant has leases and had room there for another turn of the session
-  below its per-engine maxBlocks (the sidecar clears the token otherwise,
-  `affinity.calls_back`) (`RouteRequest.token_engine`); with vLLM's series (the
-  pickers' defaults, no session scorer) it does not.
+  those it could get on an empty engine), computed by the sidecar's own
+  `picker_signals.tier_signals`. A real pool gets this with one picker (InferencePool)
+  per tier, each configured to read its tier's series (manifests/examples/picker).
+  That configuration also enables the session-affinity scorer, which reads the session
+  token the sidecar writes on a leased session's admitted responses
+  (`gateway.affinity`): with these signals the pool hands the router, with each
+  follow-up turn, the engine that admitted the session's previous turn when its tenant
+  has leases and had room there for another turn of the session below its per-engine
+  maxBlocks (the sidecar clears the token otherwise, `affinity.calls_back`)
+  (`RouteRequest.token_engine`); with vLLM's series (the pickers' defaults, no session
+  scorer) it does not.
 
 Ties go to the lowest engine index, so a run is deterministic.
 """

@@ -70,6 +70,11 @@ local function stale(generation, status, conditions)
   return false
 end
 
+local function degrade(hs, c)
+  hs.status = "Degraded"
+  hs.message = describe(c)
+end
+
 -- Not Degraded: Healthy once Ready and `also` are True, else Progressing with the
 -- condition that holds it back.
 local function settle(hs, ready, also)
@@ -98,14 +103,11 @@ if obj.kind == "TenantQuota" then
   local accepted = find(conditions, "Accepted")
   local degraded = find(conditions, "Degraded")
   if is(accepted, "False") then
-    hs.status = "Degraded"
-    hs.message = describe(accepted)
+    degrade(hs, accepted)
   elseif is(degraded, "True") then
-    hs.status = "Degraded"
-    hs.message = describe(degraded)
+    degrade(hs, degraded)
   elseif is(ready, "False") and POOL_BROKEN[ready.reason or ""] then
-    hs.status = "Degraded"
-    hs.message = describe(ready)
+    degrade(hs, ready)
   else
     settle(hs, ready, accepted)
   end
@@ -115,11 +117,9 @@ end
 local synced = find(conditions, "Synced")
 local oversubscribed = find(conditions, "Oversubscribed")
 if is(oversubscribed, "True") then
-  hs.status = "Degraded"
-  hs.message = describe(oversubscribed)
+  degrade(hs, oversubscribed)
 elseif is(ready, "False") and not TRANSIENT[ready.reason or ""] then
-  hs.status = "Degraded"
-  hs.message = describe(ready)
+  degrade(hs, ready)
 else
   settle(hs, ready, synced)
 end
