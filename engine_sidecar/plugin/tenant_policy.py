@@ -196,24 +196,31 @@ def lease_block_cap(policy: EnginePolicy | None, tenant: str) -> int:
 class SessionPauses:
     """How long an idle session is worth its lease, from the pauses it has shown.
 
-    A lease lapses `PAUSE_FACTOR` times the session's typical pause after its last
-    activity, never later than the tenant's `lease.seconds` and never sooner than
-    `MIN_HOLD_S`. The typical pause is an exponentially weighted mean of the session's
-    observed gaps (end of a turn to the next request). A session with none yet gets
-    the full `lease.seconds` the platform team declared: one tenant's sessions need not
-    share a rhythm (an agent's loop and a person reading an answer), so its other
-    sessions' pauses say little about this one's first. One thing the tenant's sessions
-    do say: whether they come back at all. When none of the last `RETURN_WINDOW` leases
-    of a tenant saw its session return (one-shot API calls that happen to carry a
-    session id), a session with no pause of its own holds only `MIN_HOLD_S`; one
-    return in that window restores the full lease. The tenant's typical pause also
-    orders retention (`RetentionOrder`).
+    A lease lapses a few times the session's typical pause after its last activity,
+    never later than the tenant's `lease.seconds` and never sooner than `MIN_HOLD_S`.
+    The typical pause is an exponentially weighted mean of the session's observed gaps
+    (end of a turn to the next request). A session with none yet gets the full
+    `lease.seconds` the platform team declared: one tenant's sessions need not share a
+    rhythm (an agent's loop and a person reading an answer), so its other sessions'
+    pauses say little about this one's first. One thing the tenant's sessions do say:
+    whether they come back at all. When none of the last `RETURN_WINDOW` leases of a
+    tenant saw its session return (one-shot API calls that happen to carry a session
+    id), a session with no pause of its own holds only `MIN_HOLD_S`; one return in that
+    window restores the full lease. The tenant's typical pause also orders retention
+    (`RetentionOrder`).
 
-    Why 4: think times of people and agents are roughly exponential, and an exponential
-    pause exceeds 4 times its mean with probability e^-4 (under 2%), so a returning
-    session almost always finds its prefix, while a session that was abandoned gives its
-    blocks back after 4 pauses instead of the whole lease (a chat that pauses 20 s holds
-    80 s, not 300 s). Gaps are remembered for the `MAX_SESSIONS` most recent sessions.
+    How many times: think times of people and agents are roughly exponential. Were the
+    session's mean pause known, `PAUSE_FACTOR` (4) times it would be enough: an
+    exponential pause exceeds 4 means with probability e^-4 (under 2%), and an abandoned
+    session gives its blocks back after 4 pauses instead of the whole lease (a chat
+    that pauses 20 s for ever holds ~116 s, not 300 s). But the mean is estimated from
+    the pauses seen, and a new pause X exceeds c times the mean of n earlier ones with
+    probability (1 + c/n)^-n: 20% for c = 4 and one pause seen. So the factor is the c
+    that keeps that chance at e^-4 for the evidence at hand, c(n) = n (e^(4/n) - 1):
+    53.6 after one pause, 9.3 after three, 5.8 at the weighted mean's steady state
+    (which rests on 1/sum(w^2) = 5.7 pauses' worth of evidence, taken as its n).
+    A session that paused 0.4 s once is not yet known to come back within 1.6 s.
+    Gaps are remembered for the `MAX_SESSIONS` most recent sessions.
     """
 
     PAUSE_FACTOR = 4.0
@@ -227,7 +234,8 @@ class SessionPauses:
 
     def __init__(self) -> None:
         self._ended: dict[tuple[str, str], float] = {}  # session -> end of its last turn
-        self._session_mean: dict[tuple[str, str], float] = {}
+        # session -> (weighted mean pause, sum of its weights squared)
+        self._session_mean: dict[tuple[str, str], tuple[float, float]] = {}
         self._tenant_mean: dict[str, float] = {}
         self._returns: dict[str, deque[bool]] = {}  # tenant -> latest outcomes
         self._spread: dict[str, tuple[int, float, float]] = {}  # tenant -> n, E[gap], E[gap²]
@@ -264,7 +272,9 @@ class SessionPauses:
         gap = max(0.0, now - ended)
         tenant = key[0]
         self._outcome(tenant, True)
-        self._session_mean[key] = self._mix(self._session_mean.get(key), gap)
+        seen = self._session_mean.get(key)
+        self._session_mean[key] = (gap, 1.0) if seen is None else (
+            self._mix(seen[0], gap), seen[1] * (1 - self.WEIGHT) ** 2 + self.WEIGHT ** 2)
         self._tenant_mean[tenant] = self._mix(self._tenant_mean.get(tenant), gap)
         n, mean, square = self._spread.get(tenant, (0, gap, gap * gap))
         w = max(self.SPREAD_WEIGHT, 1.0 / (n + 1))
@@ -291,16 +301,29 @@ class SessionPauses:
         are regular enough to say (`regular`): its own mean, else its tenant's."""
         if not self.regular(key[0]):
             return None
-        return self._session_mean.get(key, self._tenant_mean.get(key[0]))
+        own = self.session_pause(key)
+        return own if own is not None else self._tenant_mean.get(key[0])
+
+    def session_pause(self, key: tuple[str, str]) -> float | None:
+        """The session's own typical pause, None before it showed one."""
+        seen = self._session_mean.get(key)
+        return seen[0] if seen is not None else None
 
     def hold_seconds(self, key: tuple[str, str]) -> float:
         """How long the lease of `key` should last after the session's last activity,
         before the tenant's `lease.seconds` caps it (inf: no pause of its own yet, and
         the tenant's sessions do come back)."""
-        typical = self._session_mean.get(key)
-        if typical is None:
+        seen = self._session_mean.get(key)
+        if seen is None:
             return math.inf if self.comes_back(key[0]) else self.MIN_HOLD_S
-        return max(self.MIN_HOLD_S, self.PAUSE_FACTOR * typical)
+        typical, weights_squared = seen
+        return max(self.MIN_HOLD_S, self.pause_factor(1.0 / weights_squared) * typical)
+
+    @classmethod
+    def pause_factor(cls, pauses_seen: float) -> float:
+        """c(n) = n (e^(PAUSE_FACTOR / n) - 1): how many typical pauses to hold when the
+        typical pause rests on `pauses_seen` of them (see the class docstring)."""
+        return pauses_seen * math.expm1(cls.PAUSE_FACTOR / pauses_seen)
 
 
 class RetentionOrder:

@@ -95,7 +95,9 @@ def test_demo_isolates_premium_from_the_burst_and_cleans_up(tmp_path: Path) -> N
     # ...and KVQuota's leases keep it. A follow-up can only miss its 40 new tokens and
     # the previous turn's last partial block: 320 of the shortest one's 372 tokens are
     # whole cached blocks (86%); 0.8 still holds if one of the 30 loses its lease.
-    assert on["premium"]["prefix_hit_rate"] >= 0.8
+    assert on["premium"]["prefix_hit_rate"] >= 0.8, [
+        (r["turn"], r["sent_at"], r["cached_tokens"], r["prompt_tokens"])
+        for r in report["requests"]["KVQuota (policy on)"] if r["tier"] == "premium"]
     # Admission holds the free tier back, premium never: refused or queued, not served.
     assert on["premium"]["rejected_quota"] == on["premium"]["rejected_watermark"] == 0
     held_back = (on["free"]["rejected_quota"] + on["free"]["rejected_watermark"]

@@ -8,6 +8,7 @@ import pytest
 from plugin_policies import Tokens, engine_policy, tenant, write_policy
 
 from engine_sidecar.gateway.admission import Decision
+from engine_sidecar.plugin.tenant_policy import SessionPauses
 from kvquota_lab.bench.admission import TwinGateway
 
 BLOCK = 16
@@ -178,9 +179,11 @@ def test_a_lease_lasts_a_few_of_the_sessions_own_pauses(
         harness.run_until_done()
         context = [*request.all_token_ids, *tokens(16)]
         harness.advance(3.0)
-    # The lease lasts max(10 s, 4 x its 3 s pauses) = 12 s after the last turn, not the
-    # tier's 300 s: alive 11 s on, gone 13 s on.
-    harness.advance(8.0)
+    # The lease lasts c(n) of its 3 s pauses after the last turn, not the tier's 300 s:
+    # three pauses in a mean weighted 0.49, 0.21, 0.3 are n = 1 / sum(w^2) = 2.67 pauses'
+    # worth, c(2.67) = 9.27, 27.8 s. Alive a second before, gone a second after.
+    hold = 3.0 * SessionPauses.pause_factor(1 / (0.49**2 + 0.21**2 + 0.3**2))
+    harness.advance(hold - 3.0 - 1.0)
     leased = harness.kvq_stats().tenants["acme"].leases.get("s")
     assert leased is not None
     harness.advance(2.0)
@@ -189,10 +192,10 @@ def test_a_lease_lasts_a_few_of_the_sessions_own_pauses(
     stats = harness.kvq_stats().tenants["acme"]
     assert stats.leases.get("s") is None
     assert stats.lease_drops.get("expired") == 1
-    # What it held for nothing: its blocks, from the last turn to its expiry 12 s later
+    # What it held for nothing: its blocks, from the last turn to its expiry `hold` later
     # (the earlier leases were renewed by the next turn: their session came back). Each
     # measured pause also holds the 10 ms step in which the turn finished: 1% of margin.
-    assert stats.idle_lease_block_seconds == pytest.approx(leased * 12.0, rel=0.01)
+    assert stats.idle_lease_block_seconds == pytest.approx(leased * hold, rel=0.01)
 
     # A new session of the same tenant has shown no pause of its own: it keeps its
     # lease for the tier's whole 300 s, whatever the tenant's other sessions did.
