@@ -228,6 +228,7 @@ class Gateway:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.upstream.aclose()
+            self.tokenizers.close()
 
     def _upstream_failed(self, kind: str) -> None:
         self.metrics.upstream_errors.labels(kind).inc()

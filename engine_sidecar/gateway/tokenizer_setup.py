@@ -17,6 +17,7 @@ from engine_sidecar.gateway.engine_monitor import EngineMonitor
 from engine_sidecar.gateway.forward import Upstream
 from engine_sidecar.gateway.frozen_heap import freeze_startup_objects
 from engine_sidecar.gateway.status import hide_paths
+from engine_sidecar.gateway.token_pool import TokenizerPool
 from engine_sidecar.gateway.tokens import EngineTokenCounter, HfTokenCounter, TokenCounter
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class TokenizerSetup:
         self.holder = holder
         self.counter = counter
         self.error: str | None = None
+        self._pools: list[TokenizerPool] = []  # started by `load`: ours to close
 
     def load(self, name: str) -> HfTokenCounter:
         """The local tokenizer `name`, its worker pool started (blocking; raises what the
@@ -41,9 +43,16 @@ class TokenizerSetup:
                                       workers=self.config.tokenizer_workers,
                                       retry_after=self.config.retry_after_seconds)
         if counter.pool is not None:
+            self._pools.append(counter.pool)
             counter.pool.start()
         freeze_startup_objects()
         return counter
+
+    def close(self) -> None:
+        """Stop the worker processes of the pools `load` started (a counter given from
+        outside keeps its own)."""
+        while self._pools:
+            self._pools.pop().close()
 
     async def run(self) -> None:
         """Find and load the counter (the gateway's lifespan runs this when none was

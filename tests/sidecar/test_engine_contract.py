@@ -258,12 +258,15 @@ def test_an_estimated_reservation_admits_what_max_tokens_refused(
     sidecar: Harness, keys: Keys
 ) -> None:
     # The same two requests as above, reserved at an output estimate instead of
-    # max_tokens: one block each, both admitted at once.
-    sidecar.apply(make_policy(tenant("acme", max_tokens=2000, max_blocks=100,
+    # max_tokens: one block each, both admitted at once. A tenant of its own: the
+    # stream the test above left can still hold its 63 blocks in the engine (vLLM
+    # aborts it a step after the sidecar's ledger let it go, later on a busy machine),
+    # and a tenant is charged the blocks its running requests hold.
+    sidecar.apply(make_policy(tenant("estimated", max_tokens=2000, max_blocks=100,
                                      max_queue_seconds=0)))
-    token = keys.hs("acme")
+    token = keys.hs("estimated")
     with _held_stream(sidecar, token, {"max_tokens": 2000}):
-        held = _status(sidecar).tenants["acme"].usage
+        held = _status(sidecar).tenants["estimated"].usage
         # Admitted and streaming; the client then leaves, so the engine stops decoding.
         with httpx.stream("POST", sidecar.url + "/v1/completions", timeout=60,
                           json={"prompt": PROMPT, "max_tokens": 2000, "stream": True},
@@ -271,7 +274,7 @@ def test_an_estimated_reservation_admits_what_max_tokens_refused(
             assert second.status_code == 200
             assert next(second.iter_lines()).startswith("data: ")
     # The tier's default of 8 tokens, or shorter answers the session's sidecar learned
-    # from acme's earlier requests: one block either way.
+    # from the tenant's earlier requests: one block either way.
     assert (held.reserved_blocks, held.inflight) == (1, 1)
     assert 1 <= held.output_estimate_tokens <= 8
     _wait_ledger_empty(sidecar)

@@ -1,5 +1,7 @@
 """The sidecar's tokenizer worker processes go when the sidecar goes, however it goes.
 
+A sidecar that shuts down stops the workers it started with it.
+
 A worker holds its own end of the pool's job queue, so without a check of its own it
 outlives a sidecar killed outright (SIGKILL, the OOM killer), and keeps the resource
 tracker running too: a restarted container would pile them up.
@@ -7,6 +9,7 @@ tracker running too: a restarted container would pile them up.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -14,7 +17,11 @@ import sys
 import textwrap
 from pathlib import Path
 
-from .helpers import wait_for
+from engine_sidecar.gateway.app import GatewayConfig
+
+from .conftest import start_harness
+from .helpers import Keys, ServerThread, wait_for
+from .stub_engine import StubEngine
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -65,3 +72,27 @@ def test_workers_exit_when_the_sidecar_is_killed_outright(tmp_path: Path) -> Non
         for pid in workers:
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_sidecar_that_shuts_down_stops_the_workers_it_started(
+    tiny_model: Path, keys: Keys, tmp_path: Path
+) -> None:
+    # In-process: this test's process outlives the sidecar, so nothing but the shutdown
+    # itself can stop the workers (their parent check would wait for pytest to exit).
+    before = {p.pid for p in multiprocessing.active_children()}
+    with ServerThread(StubEngine(model_id=str(tiny_model))).running() as engine:
+        config = GatewayConfig(upstream=engine.url, secrets_dir=keys.dir,
+                               plugin_policy_path=tmp_path / "plugin-policy.json",
+                               tokenizer=str(tiny_model), engine_probe_interval=0.2)
+        harness = start_harness(tmp_path, config, None)
+        try:
+            wait_for(lambda: harness.gateway.token_counter is not None, 120,
+                     "the sidecar never loaded its tokenizer")
+            workers = [p.pid for p in multiprocessing.active_children()
+                       if p.pid not in before]
+            assert workers and all(_running(pid) for pid in workers)
+        finally:
+            harness.stop()
+    # The pool's shutdown signals its workers and returns; they exit within moments.
+    wait_for(lambda: not any(_running(pid) for pid in workers), 30,
+             f"tokenizer workers {workers} outlived the sidecar's shutdown")
