@@ -112,6 +112,22 @@ def test_a_session_token_brings_a_follow_up_home_unless_home_is_full_and_queued(
     assert router.pick(follow_up, [IDLE, IDLE, EngineLoad(0.6, 0, 4)]) == 2
 
 
+def test_a_kv_filter_sends_a_follow_up_away_from_a_home_with_no_room_left() -> None:
+    """`--picker-kv-filter`: engines whose KV series reads the threshold or more are left
+    out before scoring, though they hold the whole prefix and the session token names
+    them; when every engine reads above it, scoring decides among all of them."""
+    prompt = list(range(320))
+    home_full = [EngineLoad(0.85, 0, 4), IDLE, IDLE]
+    follow_up = RouteRequest("acme", "s", prompt, "acme", token_engine=0)
+    for kv_filter, expected in ((None, 0), (0.9, 0), (0.8, 1)):
+        router = PrefixAffinity(3, block_size=16, capacity_blocks=1000, model="m",
+                                kv_filter=kv_filter)
+        assert router.pick(_request(prompt, session="other"), [IDLE] * 3) == 0  # indexed
+        assert router.pick(follow_up, home_full) == expected, kv_filter
+    all_full = [EngineLoad(0.85, 0, 4), EngineLoad(0.9, 0, 4), EngineLoad(0.95, 0, 4)]
+    assert router.pick(follow_up, all_full) == 0
+
+
 def test_bad_pool_settings_are_refused_with_the_choices() -> None:
     with pytest.raises(ValueError, match="round-robin, least-kv"):
         make_router("random", 2, block_size=16, capacity_blocks=10, model="m")
@@ -119,6 +135,10 @@ def test_bad_pool_settings_are_refused_with_the_choices() -> None:
         PoolSpec(2, "least-kv", "uneven")
     with pytest.raises(ValueError, match="--replicas must be >= 1"):
         PoolSpec(0, "least-kv")
+    with pytest.raises(ValueError, match=r"--picker-kv-filter must be in \(0, 1\], got 1.5"):
+        PoolSpec(2, "prefix-affinity", kv_filter=1.5)
+    with pytest.raises(ValueError, match="for --router prefix-affinity only"):
+        PoolSpec(2, "least-kv", kv_filter=0.8)
 
 
 # -- load ---------------------------------------------------------------------------

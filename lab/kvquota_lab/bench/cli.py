@@ -59,6 +59,10 @@ def register(subparsers: Any) -> None:
                         "vllm (vLLM's own waiting and KV usage; the sidecar's queue "
                         "unseen), kvquota (KVQuota's per-tier series for the request's "
                         "tier); stock engines always show vLLM's")
+    parser.add_argument("--picker-kv-filter", type=float, default=None, metavar="T",
+                        help="pool, prefix-affinity: leave out engines whose KV series "
+                        "reads T or more before scoring (a filter no shipped picker has; "
+                        "see bench/README.md)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="PATH=VALUE", help="override a scenario setting, e.g. "
                         "pool.tiers.premium.reservation=Full (repeatable; suite: every "
@@ -156,6 +160,7 @@ def _bench(args: argparse.Namespace) -> int:
         router=args.router,
         splits=tuple(s.strip() for s in args.split.split(",") if s.strip()),
         picker_signals=tuple(s.strip() for s in args.picker_signals.split(",") if s.strip()),
+        picker_kv_filter=args.picker_kv_filter,
         overrides=parse_overrides(args.overrides),
     )
     document = run_bench(options, out=sys.stdout)

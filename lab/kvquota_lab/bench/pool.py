@@ -92,6 +92,7 @@ class PoolSpec:
     split: str = "even"
     rebalance_interval: float = OperatorConfig.poll_interval
     signals: str = VLLM_SIGNALS  # what the picker reads (`routers.SIGNALS`)
+    kv_filter: float | None = None  # prefix-affinity: leave out engines whose KV reads >= it
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -103,6 +104,10 @@ class PoolSpec:
                              f"{', '.join(SIGNALS)}")
         if self.rebalance_interval <= 0:
             raise ValueError("the rebalance interval must be > 0 seconds")
+        if self.kv_filter is not None and not 0 < self.kv_filter <= 1:
+            raise ValueError(f"--picker-kv-filter must be in (0, 1], got {self.kv_filter}")
+        if self.kv_filter is not None and self.router != "prefix-affinity":
+            raise ValueError("--picker-kv-filter is modelled for --router prefix-affinity only")
 
 
 def scale_load(scenario: Scenario, replicas: int) -> Scenario:
@@ -320,7 +325,7 @@ class PoolRun:
         engine = self.scenario.engine
         self.router: Router = make_router(
             pool.router, pool.replicas, block_size=engine.block_size,
-            capacity_blocks=engine.capacity_blocks, model="bench",
+            capacity_blocks=engine.capacity_blocks, model="bench", kv_filter=pool.kv_filter,
         )
         policy = self.scenario.engine_policy().model_copy(
             update={"replicas": pool.replicas}).with_version()
@@ -537,6 +542,8 @@ class PoolRun:
             label += f", {self.pool.split} split"
             if self.pool.signals == KVQUOTA_SIGNALS:
                 label += ", KVQuota signals"
+        if self.pool.kv_filter is not None:
+            label += f", KV filter {self.pool.kv_filter:g}"
         result = RunResult(
             key=self.key, label=label, outcomes=self.outcomes, timeline=timeline,
             makespan=makespan, steps=sum(e.steps for e in self.engines), notes=notes,
@@ -594,7 +601,7 @@ def run_pool(
 def pool_tasks(
     scenario: Scenario, specs: list[PolicySpec], baseline: Scenario | None, *,
     replicas: int, router: str, splits: tuple[str, ...],
-    signals: tuple[str, ...] = (VLLM_SIGNALS,),
+    signals: tuple[str, ...] = (VLLM_SIGNALS,), kv_filter: float | None = None,
 ) -> list[TwinTask]:
     """The runs of a pool bench: every policy (those with admission once per split and
     picker signals; without a sidecar a picker reads vLLM's series), then the baseline
@@ -610,12 +617,12 @@ def pool_tasks(
     tasks: list[TwinTask] = []
     for spec in specs:
         if not spec.admission:
-            tasks.append((scenario, spec, PoolSpec(replicas, router)))
+            tasks.append((scenario, spec, PoolSpec(replicas, router, kv_filter=kv_filter)))
             continue
         for split in splits:
             for signal in signals:
                 tasks.append((scenario, spec, PoolSpec(replicas, router, split,
-                                                       signals=signal)))
+                                                       signals=signal, kv_filter=kv_filter)))
     if baseline is not None:
-        tasks.append((baseline, BASELINE, PoolSpec(replicas, router)))
+        tasks.append((baseline, BASELINE, PoolSpec(replicas, router, kv_filter=kv_filter)))
     return tasks

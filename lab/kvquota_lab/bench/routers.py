@@ -18,6 +18,11 @@
   (`RouteRequest.token_engine`) also scores `SESSION_WEIGHT` (3) on the engine it
   names: llm-d's session-affinity scorer, as the example picker configuration
   (manifests/examples/picker/epp-config.yaml) enables it above the prefix scorer.
+  With `kv_filter` (`kvquota bench --picker-kv-filter`), engines whose KV series reads
+  at least that are left out before scoring (all of them stay when none is below it):
+  a filter with an absolute threshold on the KV series, which no shipped picker has
+  (the extension's `least-kv-cache-filter` keeps a band above the emptiest engine);
+  modelled to measure what one would give (#31).
 - `session-affinity`: a session's next turn goes to the engine that served its
   previous turn (the engine holding its lease, as the sidecar's hint header names it);
   a first turn goes by `least-kv`.
@@ -158,9 +163,10 @@ class PrefixAffinity:
     name = "prefix-affinity"
 
     def __init__(self, engines: int, *, block_size: int, capacity_blocks: int,
-                 model: str) -> None:
+                 model: str, kv_filter: float | None = None) -> None:
         self.block_size = block_size
         self.model = model
+        self.kv_filter = kv_filter
         self._index = [_Lru(capacity_blocks) for _ in range(engines)]
 
     def pick(self, request: RouteRequest, loads: Sequence[EngineLoad]) -> int:
@@ -180,7 +186,10 @@ class PrefixAffinity:
             return (PREFIX_WEIGHT * prefix + KV_WEIGHT * (1.0 - loads[i].kv_usage)
                     + QUEUE_WEIGHT * queue + session)
 
-        best = max(range(len(loads)), key=lambda i: (score(i), -i))
+        candidates: Sequence[int] = range(len(loads))
+        if self.kv_filter is not None:
+            candidates = [i for i in candidates if loads[i].kv_usage < self.kv_filter] or candidates
+        best = max(candidates, key=lambda i: (score(i), -i))
         self._index[best].add(hashes)
         return best
 
@@ -189,14 +198,14 @@ ROUTERS = ("round-robin", "least-kv", "prefix-affinity", "session-affinity")
 
 
 def make_router(name: str, engines: int, *, block_size: int, capacity_blocks: int,
-                model: str) -> Router:
+                model: str, kv_filter: float | None = None) -> Router:
     if name == "round-robin":
         return RoundRobin()
     if name == "least-kv":
         return LeastKv()
     if name == "prefix-affinity":
         return PrefixAffinity(engines, block_size=block_size,
-                              capacity_blocks=capacity_blocks, model=model)
+                              capacity_blocks=capacity_blocks, model=model, kv_filter=kv_filter)
     if name == "session-affinity":
         return SessionAffinity()
     raise ValueError(f"unknown router {name!r}; choose from {', '.join(ROUTERS)}")

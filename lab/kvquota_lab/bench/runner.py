@@ -36,6 +36,7 @@ class BenchOptions:
     router: str = "round-robin"
     splits: tuple[str, ...] = ("even",)
     picker_signals: tuple[str, ...] = ("vllm",)  # what the pool's picker reads (routers.SIGNALS)
+    picker_kv_filter: float | None = None  # prefix-affinity: engines at or above it left out
     overrides: dict[str, Any] = field(default_factory=dict)  # `--set`, merged into the scenario
 
 
@@ -118,7 +119,8 @@ def run_bench(options: BenchOptions, out: TextIO | None = None) -> dict[str, Any
             raise ValueError("--replicas runs in the twin only")
         from kvquota_lab.bench.pool import PoolSpec, scale_load
 
-        PoolSpec(options.replicas, options.router)  # bad values fail before any work
+        PoolSpec(options.replicas, options.router,  # bad values fail before any work
+                 kv_filter=options.picker_kv_filter)
         scenario = scale_load(scenario, options.replicas)
     sessions = generate_sessions(scenario)
     num_requests = sum(len(s.turns) for s in sessions)
@@ -132,7 +134,8 @@ def run_bench(options: BenchOptions, out: TextIO | None = None) -> dict[str, Any
 
         tasks = pool_tasks(scenario, specs, base_scenario, replicas=options.replicas,
                            router=options.router, splits=options.splits,
-                           signals=options.picker_signals)
+                           signals=options.picker_signals,
+                           kv_filter=options.picker_kv_filter)
     elif base_scenario is not None:
         tasks.append((base_scenario, BASELINE))
     num_runs = len(tasks) if specs else len(options.policies) + (base_scenario is not None)
@@ -176,5 +179,6 @@ def run_bench(options: BenchOptions, out: TextIO | None = None) -> dict[str, Any
     if options.replicas is not None:
         document["pool"] = {"replicas": options.replicas, "router": options.router,
                             "splits": list(options.splits),
-                            "pickerSignals": list(options.picker_signals)}
+                            "pickerSignals": list(options.picker_signals),
+                            "pickerKvFilter": options.picker_kv_filter}
     return document
