@@ -507,8 +507,8 @@ def _print_table(title: str, rows: list[Row]) -> None:
                 f"{s[f'added_{metric}_p50']:+6.2f}/{s[f'added_{metric}_p99']:<+6.2f}")
         cpu = (f"{row.cpu_us:9.0f}  {row.busy:8.0%}" if row.cpu_us is not None
                and row.busy is not None else "        -")
-        refused = "".join(f"  {row.refused(t)} {t} answers not 200"
-                          for t in ("direct", "sidecar") if row.refused(t))
+        counts = {t: row.refused(t) for t in ("direct", "sidecar")}
+        refused = "".join(f"  {n} {t} answers not 200" for t, n in counts.items() if n)
         print(f"{row.concurrency:>7} {len(row.proxied):>5} | {cells[0]} | {cells[1]} | {cpu}"
               f"{refused}")
 
