@@ -31,7 +31,9 @@ from engine_sidecar.plugin import preflight
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 # What runs inside vLLM, and all install-plugin copies: not the gateway, not this CLI.
-PLUGIN_PARTS = ("__init__.py", "contract", "plugin")
+# The top-level modules are the paths 0.1.0's manifests name (contract/renamed.py).
+PLUGIN_PARTS = ("__init__.py", "contract", "plugin", "scheduler.py", "preflight.py",
+                "policy.py")
 
 
 def register(subparsers: Any) -> None:

@@ -4,4 +4,4 @@ Imports `engine_sidecar.contract` (the API version and every cross-process name,
 EnginePolicy it renders), never the reverse.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -96,6 +96,9 @@ LAYERS = {
                            "engine_sidecar.plugin"},
     "kvquota": {"engine_sidecar.contract", "kvquota"},
 }
+# 0.1.0's paths (engine_sidecar/contract/renamed.py): each hands over to its new home.
+for _old in ("engine_sidecar.scheduler", "engine_sidecar.preflight", "engine_sidecar.policy"):
+    LAYERS[_old] = {"engine_sidecar.contract", "engine_sidecar.plugin"}
 ROOTS = {"engine_sidecar": REPO / "engine_sidecar", "kvquota": REPO / "operator" / "kvquota"}
 
 

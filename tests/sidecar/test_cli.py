@@ -72,7 +72,8 @@ def test_install_plugin_writes_the_contract_and_the_plugin_only(tmp_path: Path) 
     """What goes into the vLLM container: no gateway, no CLI, and nothing in the copy
     imports a module the copy lacks (or the operator)."""
     installed = install_plugin(tmp_path)
-    assert sorted(p.name for p in installed.iterdir()) == ["__init__.py", "contract", "plugin"]
+    assert sorted(p.name for p in installed.iterdir()) == [
+        "__init__.py", "contract", "plugin", "policy.py", "preflight.py", "scheduler.py"]
     written = {p.relative_to(installed).with_suffix("").as_posix().replace("/", ".")
                for p in installed.rglob("*.py")}
     modules = {"engine_sidecar." + m.removesuffix(".__init__") for m in written} | {

@@ -3,6 +3,11 @@
 Like `istioctl kube-inject`: reads Pods, Deployments, StatefulSets (any pod-template
 workload) from multi-document YAML (`-` for stdin) and prints them injected; other
 objects pass through unchanged. The same code as the operator's webhook.
+
+A pod already injected stays as it is; with `--upgrade`, one injected by an older
+release is brought to this release's names and sidecar image instead (the names a
+release renamed: engine_sidecar/contract/renamed.py). Without it, such a pod is only
+named on stderr.
 """
 
 from __future__ import annotations
@@ -23,6 +28,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--image", help="sidecar image (default: the release's)")
     parser.add_argument("--secret", help="the Secret the pool's spec.auth names "
                         "(default: kvquota-auth)")
+    parser.add_argument("--upgrade", action="store_true",
+                        help="also rewrite pods injected by an older release to this "
+                             "release's names (e.g. the plugin's --scheduler-cls path) and "
+                             "sidecar image (--image); each change is listed on stderr")
     parser.set_defaults(func=main)
 
 
@@ -31,8 +40,9 @@ def main(args: argparse.Namespace) -> int:
 
     import yaml
 
-    from kvquota.inject.objects import inject_object
+    from kvquota.inject.objects import describe, inject_object
     from kvquota.inject.pod import InjectionOptions, InjectionRefused
+    from kvquota.inject.upgrade import deprecated_names, upgrade_object
 
     changes: dict[str, Any] = {k: v for k, v in (("image", args.image),
                                                  ("secret", args.secret)) if v}
@@ -53,6 +63,15 @@ def main(args: argparse.Namespace) -> int:
             print(f"kvquota inject: {args.filename}: a document is not a Kubernetes object",
                   file=sys.stderr)
             return 2
+        if args.upgrade:
+            upgraded = upgrade_object(doc, options.image)
+            for change in upgraded.changes:
+                print(f"kvquota inject: upgraded {change}", file=sys.stderr)
+            doc = upgraded.obj
+        for renamed in deprecated_names(doc):
+            print(f"kvquota inject: {describe(doc)} names {renamed.old}, deprecated since "
+                  f"{renamed.since} and gone in {renamed.removed_in}: rerun with --upgrade",
+                  file=sys.stderr)
         try:
             out.append(inject_object(doc, args.pool, options))
         except InjectionRefused as exc:

@@ -44,6 +44,7 @@ from engine_sidecar.contract.names import (
     STATS_FILE,
     STATS_PATH_ENV,
 )
+from kvquota import __version__
 from kvquota.inject.engine_key import KeyRefused, engine_key_env
 from kvquota.inject.vllm_argv import (
     DEFAULT_PORT,
@@ -79,7 +80,7 @@ class InjectionRefused(ValueError):
 
 @dataclass(frozen=True)
 class InjectionOptions:
-    image: str = "ghcr.io/kvquota/sidecar:v0.1.0"
+    image: str = f"ghcr.io/kvquota/sidecar:v{__version__}"  # this release's
     secret: str = "kvquota-auth"  # the Secret the pool's spec.auth names
     service_account: str = "kvquota-engine"  # set when the pod names none
 

@@ -1,0 +1,90 @@
+"""Pods injected by an older release, brought to this release's names and sidecar image.
+
+An injected pod template kept in Git names the plugin's class path, the pre-flight
+module and the sidecar image of the release that injected it; injecting it again
+leaves it alone (a pod injected twice stays the same). `kvquota inject --upgrade`
+rewrites those names by `engine_sidecar.contract.renamed.RENAMED` and points the
+KVQuota containers at this release's image, and changes nothing else the user wrote.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine_sidecar.contract.renamed import RENAMED, Renamed
+from kvquota.inject.objects import TEMPLATE_KINDS, describe
+from kvquota.inject.pod import INIT, INJECTED_ANNOTATION, SIDECAR
+
+# An old name as a whole word of an argument: `--scheduler-cls=OLD`, `OLD`, or within a
+# shell command line; never a prefix of a longer dotted name.
+_PATTERNS = [(re.compile(rf"(?<![\w.]){re.escape(r.old)}(?![\w.])"), r) for r in RENAMED]
+
+
+@dataclass
+class Upgrade:
+    """What the rewrite changed, worded for the user (one line each)."""
+
+    obj: dict[str, Any]
+    changes: list[str] = field(default_factory=list)
+
+
+def _pod(obj: dict[str, Any]) -> dict[str, Any] | None:
+    if obj.get("kind") == "Pod":
+        return obj
+    if obj.get("kind") in TEMPLATE_KINDS:
+        template: dict[str, Any] | None = (obj.get("spec") or {}).get("template")
+        return template
+    return None
+
+
+def _containers(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    return [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
+
+
+def deprecated_names(obj: dict[str, Any]) -> list[Renamed]:
+    """The renamed names an injected pod (or pod template) still carries."""
+    pod = _pod(obj)
+    if pod is None:
+        return []
+    found: dict[str, Renamed] = {}
+    for container in _containers(pod.get("spec") or {}):
+        for word in [*(container.get("command") or []), *(container.get("args") or [])]:
+            for pattern, renamed in _PATTERNS:
+                if isinstance(word, str) and pattern.search(word):
+                    found[renamed.old] = renamed
+    return list(found.values())
+
+
+def upgrade_object(obj: dict[str, Any], image: str) -> Upgrade:
+    """`obj` (a copy) with its injected pod's renamed names replaced and KVQuota's
+    containers on `image`; objects that are not injected pods come back unchanged."""
+    pod = _pod(obj)
+    spec = (pod or {}).get("spec") or {}
+    if not any(c.get("name") == SIDECAR for c in spec.get("containers") or []):
+        return Upgrade(obj)
+    out = copy.deepcopy(obj)
+    pod = _pod(out)
+    assert pod is not None
+    result = Upgrade(out)
+    where = describe(obj)
+    for container in _containers(pod["spec"]):
+        for key in ("command", "args"):
+            words = container.get(key) or []
+            for i, word in enumerate(words):
+                for pattern, renamed in _PATTERNS:
+                    if isinstance(word, str) and pattern.search(word):
+                        word = pattern.sub(renamed.new, word)
+                        result.changes.append(f"{where}: container {container['name']!r}: "
+                                              f"{renamed.old} -> {renamed.new}")
+                words[i] = word
+        if container.get("name") in (SIDECAR, INIT) and container.get("image") != image:
+            result.changes.append(f"{where}: container {container['name']!r}: image "
+                                  f"{container.get('image')} -> {image}")
+            container["image"] = image
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    if INJECTED_ANNOTATION in annotations:
+        annotations[INJECTED_ANNOTATION] = image
+    return result
