@@ -172,7 +172,7 @@ def round_robin(tiny_scenario_module: Path) -> dict[str, Any]:
 
 
 def test_a_pool_runs_every_request_on_its_engines(round_robin: dict[str, Any]) -> None:
-    kvquota = round_robin["policies"]["kvquota:even"]
+    kvquota = round_robin["policies"]["kvquota:even:signals"]
     pool = kvquota["extra"]["pool"]
     assert kvquota["completed"] == kvquota["requests"] > 0
     assert sum(pool["requestsPerEngine"]) >= kvquota["requests"]  # retries route again
@@ -195,7 +195,7 @@ def test_session_affinity_keeps_conversations_cached(
 ) -> None:
     sticky = _pool_bench(str(tiny_scenario_module), replicas=3, router="session-affinity",
                          baseline=False)
-    hit = {name: doc["policies"]["kvquota:even"]["tiers"]["premium"]["prefixHitRate"]
+    hit = {name: doc["policies"]["kvquota:even:signals"]["tiers"]["premium"]["prefixHitRate"]
            for name, doc in (("sticky", sticky), ("spread", round_robin))}
     # Round robin sends a follow-up turn to the engine that has its prefix one time in
     # three; the sticky router always does.

@@ -54,15 +54,21 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--split", default="even",
                         help="pool: how quotas are split over engines, comma-separated: "
                         "even (the operator's default), demand (kvquota.rebalance)")
-    parser.add_argument("--picker-signals", default="vllm",
+    parser.add_argument("--picker-signals", default="kvquota",
                         help="pool: what the router reads of each engine, comma-separated: "
-                        "vllm (vLLM's own waiting and KV usage; the sidecar's queue "
-                        "unseen), kvquota (KVQuota's per-tier series for the request's "
-                        "tier); stock engines always show vLLM's")
+                        "kvquota (the default: KVQuota's per-tier series; under "
+                        "prefix-affinity, the picker configuration --picker-config), vllm "
+                        "(vLLM's own waiting and KV usage, the sidecar's queue unseen; "
+                        "under prefix-affinity, the pickers' stock scorers); stock engines "
+                        "always show vLLM's")
+    parser.add_argument("--picker-config", type=Path, default=None, metavar="FILE",
+                        help="pool, prefix-affinity on KVQuota's series: the llm-d Router "
+                        "EndpointPickerConfig to run (default: the shipped "
+                        "manifests/examples/picker/epp-config.yaml)")
     parser.add_argument("--picker-kv-filter", type=float, default=None, metavar="T",
-                        help="pool, prefix-affinity: leave out engines whose KV series "
-                        "reads T or more before scoring (a filter no shipped picker has; "
-                        "see bench/README.md)")
+                        help="pool, prefix-affinity: set every KV filter's threshold to T "
+                        "(the configuration's endpoint-attribute-filter; with vLLM's "
+                        "series, leave out engines whose KV reads T or more)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="PATH=VALUE", help="override a scenario setting, e.g. "
                         "pool.tiers.premium.reservation=Full (repeatable; suite: every "
@@ -161,6 +167,7 @@ def _bench(args: argparse.Namespace) -> int:
         splits=tuple(s.strip() for s in args.split.split(",") if s.strip()),
         picker_signals=tuple(s.strip() for s in args.picker_signals.split(",") if s.strip()),
         picker_kv_filter=args.picker_kv_filter,
+        picker_config=args.picker_config,
         overrides=parse_overrides(args.overrides),
     )
     document = run_bench(options, out=sys.stdout)

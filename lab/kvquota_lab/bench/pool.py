@@ -49,12 +49,13 @@ from engine_sidecar.gateway.active_policy import ActivePolicy
 from engine_sidecar.gateway.admission import Decision
 from engine_sidecar.gateway.affinity import calls_back
 from engine_sidecar.gateway.auth import Authenticator
-from engine_sidecar.gateway.picker_signals import tier_signals
+from engine_sidecar.gateway.picker_signals import KV_USAGE, TIER_LABEL, WAITING, tier_signals
 from engine_sidecar.gateway.status import DecisionCounters, build_status
 from kvquota.demand_split import PoolSplit, SplitInputs, engine_overrides
 from kvquota.rebalance import TenantTotals
 from kvquota.runtime import OperatorConfig
 from kvquota_lab.bench.metrics import Outcome, RunResult, Timeline
+from kvquota_lab.bench.picker_config import PickerConfig, load_picker_config
 from kvquota_lab.bench.routers import (
     KVQUOTA_SIGNALS,
     SIGNALS,
@@ -62,6 +63,7 @@ from kvquota_lab.bench.routers import (
     EngineLoad,
     Router,
     RouteRequest,
+    SeriesKey,
     make_router,
 )
 from kvquota_lab.bench.scenario import Bursts, Scenario, Session, generate_sessions
@@ -82,6 +84,8 @@ if TYPE_CHECKING:
     from kvquota_lab.twin.harness import SchedulerHarness
 
 SPLITS = ("even", "demand")
+VLLM_WAITING, VLLM_RUNNING = "vllm:num_requests_waiting", "vllm:num_requests_running"
+VLLM_KV_USAGE = "vllm:kv_cache_usage_perc"
 INF = math.inf
 
 
@@ -93,6 +97,9 @@ class PoolSpec:
     rebalance_interval: float = OperatorConfig.poll_interval
     signals: str = VLLM_SIGNALS  # what the picker reads (`routers.SIGNALS`)
     kv_filter: float | None = None  # prefix-affinity: leave out engines whose KV reads >= it
+    # prefix-affinity on KVQuota's signals: the picker configuration it runs (None: the
+    # shipped one, `picker_config.SHIPPED_CONFIG`).
+    picker_config: Path | None = None
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -190,16 +197,23 @@ class _Engine(TwinRun):
         scheduler = self.harness.scheduler
         running, waiting = scheduler.get_request_counts()
         kv_usage = float(scheduler.get_kv_cache_usage())
+        series: dict[SeriesKey, float] = {
+            (VLLM_WAITING, ()): waiting, (VLLM_RUNNING, ()): running,
+            (VLLM_KV_USAGE, ()): kv_usage}
         gateway = self.gateway
         if signals == KVQUOTA_SIGNALS and gateway is not None:
             queue = gateway.queue
-            signal = next(s for s in tier_signals(queue.policy, self._engine_stats(self.harness),
-                                                  queue, queue.view())
-                          if s.tier == tier.value)
-            waiting = signal.waiting
-            if signal.kv_usage is not None:
-                kv_usage = signal.kv_usage
-        return EngineLoad(kv_usage=kv_usage, waiting=waiting, running=running)
+            for signal in tier_signals(queue.policy, self._engine_stats(self.harness), queue,
+                                       queue.view()):
+                labels = ((TIER_LABEL, signal.tier),)
+                series[(WAITING, labels)] = signal.waiting
+                if signal.kv_usage is not None:
+                    series[(KV_USAGE, labels)] = signal.kv_usage
+                if signal.tier == tier.value:
+                    waiting = signal.waiting
+                    if signal.kv_usage is not None:
+                        kv_usage = signal.kv_usage
+        return EngineLoad(kv_usage=kv_usage, waiting=waiting, running=running, series=series)
 
     def status(self) -> SidecarStatus:
         """What the engine's sidecar serves at `/kvquota/status` now (`build_status`,
@@ -323,9 +337,11 @@ class PoolRun:
         self.events: list[TwinEvent] = []
         self._seq = 0
         engine = self.scenario.engine
+        self.picker_config = self._picker_config()
         self.router: Router = make_router(
             pool.router, pool.replicas, block_size=engine.block_size,
             capacity_blocks=engine.capacity_blocks, model="bench", kv_filter=pool.kv_filter,
+            config=self.picker_config,
         )
         policy = self.scenario.engine_policy().model_copy(
             update={"replicas": pool.replicas}).with_version()
@@ -343,12 +359,23 @@ class PoolRun:
         self.split_inputs = SplitInputs(self.totals, engine.capacity_blocks, policy.watermark)
         self.split = PoolSplit()  # the operator's state for the pool
         self.refused_within_pool: Counter[str] = Counter()  # by tier
-        # Session -> the engine its session token names (`admitted`).
+        # Session -> the engine its session token names (`admitted`, `deliver`).
         self.token_engines: dict[str, int] = {}
         self.rebalances = 0
         self.policy_versions = 0  # policies the operator wrote
         self.policy_updates = 0  # engines whose own blocks changed, over all versions
         self.engines: list[_Engine] = []
+
+    def _picker_config(self) -> PickerConfig | None:
+        """The configuration a `prefix-affinity` picker reading KVQuota's series runs,
+        checked to have a profile for every tier the scenario's clients send."""
+        if not (self.pool.router == "prefix-affinity" and self.spec.admission
+                and self.pool.signals == KVQUOTA_SIGNALS):
+            return None
+        config = load_picker_config(self.pool.picker_config)
+        for tier in self.scenario.tiers:
+            config.profile_for(tier.value)
+        return config
 
     # -- bookkeeping the engines call -------------------------------------------------
 
@@ -363,7 +390,10 @@ class PoolRun:
         back and another of this one below its ceiling (`gateway.affinity.calls_back`,
         on the engine's own policy and admission view, as the sidecar's relay decides
         it); its client echoes the token with the session's next turns, retries
-        included."""
+        included. Behind a configured picker the picker's own scorer writes the token
+        instead (`deliver`)."""
+        if self.picker_config is not None:
+            return
         tenant = self.policy.tenants.get(ticket.tenant_id)
         session = ticket.shape.session
         if not session or tenant is None or tenant.lease.seconds <= 0:
@@ -431,13 +461,17 @@ class PoolRun:
         token = (self.token_engines.get(session.session_id)
                  if self.pool.signals == KVQUOTA_SIGNALS else None)
         request = RouteRequest(session.tenant, session.session_id, prompt,
-                               self.salts.get(session.tenant), token)
+                               self.salts.get(session.tenant), token, session.tier.value)
         loads = [e.load(session.tier, self.pool.signals) for e in self.engines]
         return self.engines[self.router.pick(request, loads)]
 
     def deliver(self, engine: _Engine, event: TwinEvent) -> None:
         """The turn arrives at `engine`'s sidecar (admitted, queued or refused there)."""
         engine.routed += 1
+        if self.picker_config is not None:
+            # The session-affinity scorer writes the pod it picked on the response (over
+            # the sidecar's token, whatever the outcome); the client echoes it.
+            self.token_engines[event[2].session_id] = engine.index
         engine.catch_up(event[0])
         engine.blocked = False
         engine._arrive(engine.harness, event)
@@ -542,6 +576,8 @@ class PoolRun:
             label += f", {self.pool.split} split"
             if self.pool.signals == KVQUOTA_SIGNALS:
                 label += ", KVQuota signals"
+        if self.picker_config is not None:
+            label += f", picker {Path(self.picker_config.source).name}"
         if self.pool.kv_filter is not None:
             label += f", KV filter {self.pool.kv_filter:g}"
         result = RunResult(
@@ -565,6 +601,7 @@ class PoolRun:
             "router": self.pool.router,
             "split": self.pool.split if self.spec.admission else None,
             "signals": self.pool.signals if self.spec.admission else VLLM_SIGNALS,
+            "pickerConfig": self.picker_config.source if self.picker_config else None,
             "refusedWithinPoolGuarantee": {
                 tier.value: self.refused_within_pool.get(tier.value, 0)
                 for tier in self.scenario.tiers
@@ -601,7 +638,8 @@ def run_pool(
 def pool_tasks(
     scenario: Scenario, specs: list[PolicySpec], baseline: Scenario | None, *,
     replicas: int, router: str, splits: tuple[str, ...],
-    signals: tuple[str, ...] = (VLLM_SIGNALS,), kv_filter: float | None = None,
+    signals: tuple[str, ...] = (KVQUOTA_SIGNALS,), kv_filter: float | None = None,
+    picker_config: Path | None = None,
 ) -> list[TwinTask]:
     """The runs of a pool bench: every policy (those with admission once per split and
     picker signals; without a sidecar a picker reads vLLM's series), then the baseline
@@ -622,7 +660,8 @@ def pool_tasks(
         for split in splits:
             for signal in signals:
                 tasks.append((scenario, spec, PoolSpec(replicas, router, split,
-                                                       signals=signal, kv_filter=kv_filter)))
+                                                       signals=signal, kv_filter=kv_filter,
+                                                       picker_config=picker_config)))
     if baseline is not None:
         tasks.append((baseline, BASELINE, PoolSpec(replicas, router, kv_filter=kv_filter)))
     return tasks

@@ -57,9 +57,12 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from kvquota_lab.bench.picker_config import PickerConfig
 
 MAX_PREFIX_BLOCKS = 256  # the extension's default: longer prompts are matched this far
 PREFIX_WEIGHT, KV_WEIGHT, QUEUE_WEIGHT = 2.0, 1.0, 1.0
@@ -75,6 +78,11 @@ class RouteRequest:
     prompt: Sequence[int]
     salt: str | None  # the cache salt the sidecar sets (None: the shared cache)
     token_engine: int | None = None  # the engine its session token names (None: none)
+    tier: str | None = None  # the tier header the client sends (None: none)
+
+
+# A served sample: the metric's name and its label pairs, sorted.
+SeriesKey = tuple[str, tuple[tuple[str, str], ...]]
 
 
 @dataclass(frozen=True)
@@ -84,6 +92,9 @@ class EngineLoad:
     kv_usage: float  # 0..1: vllm:kv_cache_usage_perc, or kvquota's for the request's tier
     waiting: int  # vllm:num_requests_waiting (engine only), or kvquota's (+ sidecar queue)
     running: int  # vllm:num_requests_running
+    # Every sample the engine serves to a picker (vLLM's, and KVQuota's per tier when a
+    # sidecar is in front): what a configured picker's metrics extractor reads.
+    series: Mapping[SeriesKey, float] = field(default_factory=dict)
 
 
 class Router(Protocol):
@@ -129,11 +140,14 @@ class SessionAffinity:
         return index
 
 
-def prefix_hashes(prompt: Sequence[int], block_size: int, seed: str) -> list[bytes]:
-    """Chained block hashes of the prompt's full blocks (at most `MAX_PREFIX_BLOCKS`)."""
+def prefix_hashes(prompt: Sequence[int], block_size: int, seed: str,
+                  max_blocks: int | None = MAX_PREFIX_BLOCKS) -> list[bytes]:
+    """Chained block hashes of the prompt's full blocks (at most `max_blocks`; None: all)."""
     hashes: list[bytes] = []
     previous = hashlib.blake2b(seed.encode(), digest_size=8).digest()
-    full = min(len(prompt) // block_size, MAX_PREFIX_BLOCKS)
+    full = len(prompt) // block_size
+    if max_blocks is not None:
+        full = min(full, max_blocks)
     for i in range(full):
         block = prompt[i * block_size:(i + 1) * block_size]
         digest = hashlib.blake2b(previous, digest_size=8)
@@ -143,7 +157,7 @@ def prefix_hashes(prompt: Sequence[int], block_size: int, seed: str) -> list[byt
     return hashes
 
 
-class _Lru:
+class Lru:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._entries: OrderedDict[bytes, None] = OrderedDict()
@@ -167,7 +181,7 @@ class PrefixAffinity:
         self.block_size = block_size
         self.model = model
         self.kv_filter = kv_filter
-        self._index = [_Lru(capacity_blocks) for _ in range(engines)]
+        self._index = [Lru(capacity_blocks) for _ in range(engines)]
 
     def pick(self, request: RouteRequest, loads: Sequence[EngineLoad]) -> int:
         seed = f"{self.model}\0{request.salt or ''}"
@@ -198,12 +212,22 @@ ROUTERS = ("round-robin", "least-kv", "prefix-affinity", "session-affinity")
 
 
 def make_router(name: str, engines: int, *, block_size: int, capacity_blocks: int,
-                model: str, kv_filter: float | None = None) -> Router:
+                model: str, kv_filter: float | None = None,
+                config: PickerConfig | None = None) -> Router:
+    """With `config`, `prefix-affinity` is llm-d Router running it (`picker_router`);
+    without, the model of the pickers' stock scorers on vLLM's series (`PrefixAffinity`)."""
     if name == "round-robin":
         return RoundRobin()
     if name == "least-kv":
         return LeastKv()
     if name == "prefix-affinity":
+        if config is not None:
+            from kvquota_lab.bench.picker_router import ConfiguredPicker
+
+            if kv_filter is not None:
+                config = config.with_threshold(kv_filter)
+            return ConfiguredPicker(config, engines, block_size=block_size,
+                                    capacity_blocks=capacity_blocks, model=model)
         return PrefixAffinity(engines, block_size=block_size,
                               capacity_blocks=capacity_blocks, model=model, kv_filter=kv_filter)
     if name == "session-affinity":

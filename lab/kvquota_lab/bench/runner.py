@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from kvquota_lab.bench.cost import CostProfile, load_profile
@@ -35,8 +36,9 @@ class BenchOptions:
     replicas: int | None = None  # a pool of twin engines behind `router` (kvquota_lab.bench.pool)
     router: str = "round-robin"
     splits: tuple[str, ...] = ("even",)
-    picker_signals: tuple[str, ...] = ("vllm",)  # what the pool's picker reads (routers.SIGNALS)
-    picker_kv_filter: float | None = None  # prefix-affinity: engines at or above it left out
+    picker_signals: tuple[str, ...] = ("kvquota",)  # what the pool's picker reads (routers.SIGNALS)
+    picker_kv_filter: float | None = None  # prefix-affinity: every KV filter's threshold
+    picker_config: Path | None = None  # prefix-affinity on KVQuota's series (None: shipped)
     overrides: dict[str, Any] = field(default_factory=dict)  # `--set`, merged into the scenario
 
 
@@ -121,6 +123,10 @@ def run_bench(options: BenchOptions, out: TextIO | None = None) -> dict[str, Any
 
         PoolSpec(options.replicas, options.router,  # bad values fail before any work
                  kv_filter=options.picker_kv_filter)
+        if options.router == "prefix-affinity" and "kvquota" in options.picker_signals:
+            from kvquota_lab.bench.picker_config import load_picker_config
+
+            load_picker_config(options.picker_config)
         scenario = scale_load(scenario, options.replicas)
     sessions = generate_sessions(scenario)
     num_requests = sum(len(s.turns) for s in sessions)
@@ -135,7 +141,8 @@ def run_bench(options: BenchOptions, out: TextIO | None = None) -> dict[str, Any
         tasks = pool_tasks(scenario, specs, base_scenario, replicas=options.replicas,
                            router=options.router, splits=options.splits,
                            signals=options.picker_signals,
-                           kv_filter=options.picker_kv_filter)
+                           kv_filter=options.picker_kv_filter,
+                           picker_config=options.picker_config)
     elif base_scenario is not None:
         tasks.append((base_scenario, BASELINE))
     num_runs = len(tasks) if specs else len(options.policies) + (base_scenario is not None)
@@ -177,8 +184,11 @@ def run_bench(options: BenchOptions, out: TextIO | None = None) -> dict[str, Any
     if options.overrides:
         document["scenario"]["overrides"] = options.overrides
     if options.replicas is not None:
+        from kvquota_lab.bench.picker_config import SHIPPED_CONFIG
+
         document["pool"] = {"replicas": options.replicas, "router": options.router,
                             "splits": list(options.splits),
                             "pickerSignals": list(options.picker_signals),
-                            "pickerKvFilter": options.picker_kv_filter}
+                            "pickerKvFilter": options.picker_kv_filter,
+                            "pickerConfig": str(options.picker_config or SHIPPED_CONFIG)}
     return document
