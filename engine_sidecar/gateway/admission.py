@@ -7,16 +7,20 @@ borrowers of a lower tier, leases ranked above it, and its own tenant's idle lea
 The watermark refuses only what would have to come from the request's own class or a
 higher one; a request that stays within its tenant's guarantee is never refused for it.
 
-What a request reserves (README: reservations): its prompt plus, for a tier whose
-`reservation` is `Estimated`, the output its tenant's requests on that route usually
-produce (`output_estimate`, capped by its max_tokens); for `Full`, max_tokens. A
-tenant is charged what it holds plus what it reserved for work not yet allocated:
-the larger of its ledger reservations and the blocks its running requests hold in the
-engine (`_TenantView.charged`), so a request that decodes past its estimate is charged
-its real blocks as the plugin publishes them, and its growth draws on its tenant's
-headroom up to maxBlocks (new requests of the tenant wait), then on free blocks above
-the watermark (the engine's free count shrinks, so borrowers wait); when both are
-gone the plugin's victim order decides, as for any shortage.
+What a request is charged (README: reservations): for a tier whose `reservation` is
+`Estimated`, its tenant is charged what its admitted requests take now (prompts and
+tokens decoded so far, `ledger`) plus ONE bound on what they will still grow together
+(`joint_charge`: the sum of each request's expected remainder, given what it decoded,
+plus Z = 2 standard deviations of the sum, at most the sum of their 90th percentiles);
+for `Full`, each request's remainder is max_tokens less what it decoded. The tenant's
+charge (`_TenantView.charged`) is the larger of what the ledger counts as taken and
+the blocks its running requests hold in the engine (the plugin's stats, which also
+cover responses the sidecar cannot follow token by token), plus that bound. A request
+admitted grows the charge by its prompt's new blocks and what the bound grows by.
+When its requests outgrow the charge, their growth draws on its tenant's headroom up
+to maxBlocks (new requests of the tenant wait), then on free blocks above the
+watermark (the engine's free count shrinks, so borrowers wait); when both are gone the
+plugin's victim order decides, as for any shortage.
 
 Blocks are counted as vLLM holds them, once each: a prompt's full blocks that the
 tenant's in-flight requests already hold (a shared system prompt) add nothing to its
@@ -49,7 +53,9 @@ from engine_sidecar.contract.reclaim import (
 from engine_sidecar.contract.stats import EngineStats, TenantEngineStats
 from engine_sidecar.gateway import errors
 from engine_sidecar.gateway.errors import ApiError
+from engine_sidecar.gateway.joint_charge import NO_GROWTH, Remainder, in_blocks
 from engine_sidecar.gateway.ledger import Ledger
+from engine_sidecar.gateway.output_estimate import Outlook
 
 
 class Decision(StrEnum):
@@ -79,7 +85,7 @@ class RequestShape:
 class _TenantView:
     """One tenant in the pool view: the ledger's reservations beside the plugin's stats."""
 
-    reserved: int  # outstanding reservations (the ledger)
+    reserved: int  # what the ledger charges: `committed` + the joint bound on growth
     inflight: int
     held: int  # distinct blocks in the engine: running + lease-only
     pinned: int  # distinct blocks its leases pin (shared with running ones or not)
@@ -90,15 +96,16 @@ class _TenantView:
     sessions: frozenset[str]  # sessions with a request in flight
     held_prefix: Container[int] = ()  # prefix fingerprints its in-flight requests hold
     running: int = 0  # blocks its running requests hold in the engine (the plugin's stats)
+    committed: int = 0  # blocks its requests take now, as the ledger counts them
+    remainder: Remainder = NO_GROWTH  # its requests' summed growth still to come
 
     @property
     def charged(self) -> int:
-        """What counts against its quota: the blocks its requests hold plus what they
-        reserved and have not allocated yet. The larger of the two sides: a request
-        below its estimate is covered by its reservation, one that decoded past it by
-        the blocks it holds (a tenant's overshoot can offset another of its requests'
-        unallocated reservation, never what it really holds)."""
-        return max(self.reserved, self.running)
+        """THE number admission compares with guaranteedBlocks and maxBlocks: the blocks
+        its requests take now (the ledger's count or the engine's, the larger: a request
+        admitted but not scheduled yet, or one the sidecar cannot follow as it decodes)
+        plus the joint bound on what they will still grow (`joint_charge`)."""
+        return max(self.reserved, self.running + self.remainder.bound)
 
 
 _NO_TENANT = _TenantView(0, 0, 0, 0, 0, 0, 0, {}, frozenset())
@@ -175,9 +182,10 @@ def pool_view(
 ) -> PoolView:
     """Free blocks and per-tenant holdings from the plugin's stats and the ledger.
 
-    A running request's reservation is partly allocated already (it shows in the
-    engine's used blocks, and a queued follow-up's prefix is pinned by its lease): only
-    the excess of the tenant's reserved blocks over those is growth still to come.
+    What a tenant's requests take is partly allocated already (it shows in the engine's
+    used blocks, and a queued follow-up's prefix is pinned by its lease): growth still to
+    come is the excess of what they take over those, plus the joint bound on their
+    remainders.
     Without stats every reservation counts and nothing is known to be reclaimable.
     `holders`: `engine_holders(policy, stats)`, when the caller keeps it."""
     override = policy.capacity_blocks
@@ -190,9 +198,12 @@ def pool_view(
     for tenant_id in {*holders, *ledger.tenants()}:
         seen = (engine.tenants.get(tenant_id) if engine else None) or _NO_STATS
         reserved = ledger.reserved_blocks(tenant_id)
+        committed = ledger.committed_blocks(tenant_id)
+        remainder = ledger.growth(tenant_id)
         sessions = ledger.sessions(tenant_id)
         pinned_in_use = sum(seen.leases.get(s, 0) for s in sessions)
-        growth = max(0, reserved - max(seen.running_blocks, pinned_in_use))
+        taken = max(committed, seen.running_blocks)
+        growth = max(0, taken - max(seen.running_blocks, pinned_in_use)) + remainder.bound
         growth_total += growth
         tenants[tenant_id] = _TenantView(
             reserved=reserved,
@@ -206,6 +217,8 @@ def pool_view(
             sessions=sessions,
             held_prefix=ledger.held_prefix(tenant_id),
             running=seen.running_blocks,
+            committed=committed,
+            remainder=remainder,
         )
     total = override or engine_total
     if total is None:
@@ -248,6 +261,11 @@ def blocks_for(shape: RequestShape, max_tokens: int, block_size: int) -> int:
     )
 
 
+def sequences(shape: RequestShape) -> int:
+    """The sequences a request decodes: n per prompt."""
+    return max(1, shape.n * max(1, len(shape.prompt_tokens)))
+
+
 def sequence_blocks(shape: RequestShape, output_tokens: int, block_size: int) -> int:
     """What one sequence of the request reserves (its longest prompt): the plugin counts
     a victim holding more as one that outgrew its estimate."""
@@ -264,7 +282,8 @@ class Verdict:
     borrowing: bool = False  # it would take its tenant beyond its guarantee
     new_blocks: int = 0  # what the engine must allocate (its session's leased prefix out)
     extra: int = 0  # the blocks beyond the prompt's full blocks (ledger.reserve)
-    output_tokens: int = 0  # the output tokens reserved (estimate or max_tokens)
+    output_tokens: int = 0  # per sequence: its share of its tenant's joint charge
+    remainder: Remainder = NO_GROWTH  # what it may still grow (ledger.reserve)
 
     @property
     def admitted(self) -> bool:
@@ -284,19 +303,25 @@ def decide(
     watermark: float,
     view: PoolView,
     max_model_len: int | None,
-    output_tokens: int | None = None,
+    outlook: Outlook | None = None,
 ) -> Verdict:
-    """Admit or refuse now. `output_tokens`: what the request reserves for its output
-    (`OutputEstimates.output_tokens`; None: max_tokens, the tier reserves Full)."""
+    """Admit or refuse now. `outlook`: what one of its sequences is expected to decode
+    (`OutputEstimates.outlook`; None: max_tokens, the tier reserves Full)."""
     max_tokens = effective_max_tokens(tenant, shape, max_model_len)
     full = blocks_for(shape, max_tokens, block_size)
-    reserved = reserved_output(max_tokens, output_tokens)
-    whole = blocks_for(shape, reserved, block_size)
     longest = max(shape.prompt_tokens, default=0)
     load = view.tenant(tenant.tenant_id)
-    extra = max(0, whole - len(shape.prefix))
+    ahead = Outlook.exactly(max_tokens) if outlook is None else outlook.capped(max_tokens)
+    own = in_blocks(ahead, shape.prompt_tokens, shape.n, 0, block_size)
+    after = load.remainder + own
+    # Its share of its tenant's joint bound, per sequence in tokens: its expected output
+    # plus its part of the margin (the plugin counts a victim past it as outgrown).
+    margin = (after.share(own) - own.mean) * block_size / sequences(shape)
+    reserved = min(max_tokens, math.ceil(ahead.mean + margin - 1e-9))
+    extra = max(0, blocks_for(shape, 0, block_size) - len(shape.prefix))
     held = load.held_prefix
     blocks = extra + sum(1 for fingerprint in shape.prefix if fingerprint not in held)
+    blocks += max(0, after.bound - load.remainder.bound)
     session_pinned = load.leases.get(shape.session, 0) if shape.session else 0
     new_blocks = max(min(extra, blocks), blocks - session_pinned)
     pinned_in_use = load.pinned_in_use
@@ -367,4 +392,5 @@ def decide(
                     "Retry later.",
                 ), borrowing)
     return Verdict(Decision.ADMITTED, max_tokens, blocks, borrowing=borrowing,
-                   new_blocks=new_blocks, extra=extra, output_tokens=reserved)
+                   new_blocks=new_blocks, extra=extra, output_tokens=reserved,
+                   remainder=own)

@@ -63,8 +63,9 @@ from engine_sidecar.gateway.admission import (
     reserved_output,
 )
 from engine_sidecar.gateway.errors import ApiError
+from engine_sidecar.gateway.joint_charge import RequestGrowth
 from engine_sidecar.gateway.ledger import Ledger, Reservation
-from engine_sidecar.gateway.output_estimate import OutputEstimates
+from engine_sidecar.gateway.output_estimate import Outlook, OutputEstimates
 
 RATE_SAMPLES = 32  # admissions per tenant the drain rate is measured over
 RATE_WINDOW_S = 60.0  # older admissions say nothing about the current drain rate
@@ -289,8 +290,10 @@ class AdmissionQueue:
             weight = max(1, self.policy.tenants[tenant_id].guaranteed_blocks)
             queue.served += verdict.blocks / weight
             queue.admissions.append(now)
+            shape = ticket.shape
             ticket.reservation = self.ledger.reserve(
-                tenant_id, verdict.extra, ticket.shape.session, ticket.shape.prefix
+                tenant_id, verdict.extra, shape.session, shape.prefix,
+                verdict.remainder, self._growth(tenant_id, shape, verdict.max_tokens),
             )
         else:
             ticket.error = verdict.error
@@ -351,8 +354,22 @@ class AdmissionQueue:
         return decide(tenant, ticket.shape, block_size=self.policy.block_size,
                       watermark=self.policy.watermark, view=self.view(),
                       max_model_len=self.max_model_len(),
-                      output_tokens=self.estimates.output_tokens(
-                          tenant, ticket.shape.route, self.policy))
+                      outlook=self.estimates.outlook(tenant, ticket.shape.route, self.policy))
+
+    def _growth(self, tenant_id: str, shape: RequestShape, max_tokens: int) -> RequestGrowth:
+        """How an admitted request's take and remainder follow what it decodes (its
+        tenant's learned lengths beyond that point, as they stand at each update)."""
+        assert self.policy is not None
+        policy, estimates = self.policy, self.estimates
+        tenant = policy.tenants[tenant_id]
+
+        def outlook(decoded: int) -> Outlook:
+            ahead = estimates.outlook(tenant, shape.route, policy, decoded)
+            room = max_tokens - decoded
+            return Outlook.exactly(room) if ahead is None else ahead.capped(room)
+
+        full = len(shape.prefix)
+        return RequestGrowth(shape.prompt_tokens, shape.n, full, policy.block_size, outlook)
 
     def _settle(self, ticket: Ticket, now: float) -> None:
         ticket.settled_at = now

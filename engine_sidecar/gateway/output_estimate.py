@@ -34,6 +34,8 @@ policy names (`retain`).
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Container
 from dataclasses import dataclass, field
@@ -44,21 +46,81 @@ WINDOW = 64  # latest output lengths kept per tenant and route
 MIN_SAMPLES = 8  # below this the window says too little; the tier default applies
 QUANTILE = 0.9
 ALL_ROUTES = ""  # the key of a tenant's samples over every route
+TAIL_MIN = 4  # fewer samples than this beyond a point: the tail's shape stands in
+
+
+@dataclass(frozen=True, slots=True)
+class Outlook:
+    """The output one sequence of a request still has to decode, in tokens: its
+    expected value, variance and 90th percentile, given what it has decoded so far, and
+    the standard error of that expected value (the window is a sample: every request
+    of the tenant shares its error, so errors add up linearly, not in quadrature)."""
+
+    mean: float
+    var: float
+    quantile: float
+    error: float = 0.0
+
+    def capped(self, room: int) -> Outlook:
+        """Within the `room` its max_tokens leaves: the mean and quantile cut there, the
+        variance at most room^2 / 4 (the widest a variable within [0, room] can spread)."""
+        room = max(0, room)
+        return Outlook(min(self.mean, room), min(self.var, room * room / 4),
+                       min(self.quantile, room), min(self.error, room / 2))
+
+    @classmethod
+    def exactly(cls, tokens: int) -> Outlook:
+        """A known remainder (a `Full` reservation, or the tier's declared default)."""
+        return cls(float(max(0, tokens)), 0.0, float(max(0, tokens)))
+
+
+def _rank(count: int) -> int:
+    """Nearest rank of the QUANTILE among `count` ordered samples: ceil(q * n), 1-based."""
+    return max(1, int(-(-count * QUANTILE // 1)))
 
 
 @dataclass
 class _Window:
-    """The latest output lengths of one tenant on one route, and their quantile."""
+    """The latest output lengths of one tenant on one route, sorted with their suffix
+    sums, so the remainder beyond any point is a binary search, not a scan."""
 
     lengths: deque[int] = field(default_factory=lambda: deque(maxlen=WINDOW))
     quantile: int | None = None  # None until MIN_SAMPLES
+    ordered: list[int] = field(default_factory=list)
+    above: list[float] = field(default_factory=list)  # above[j] = sum(ordered[j:])
+    above_sq: list[float] = field(default_factory=list)  # of squares
 
     def add(self, tokens: int) -> None:
         self.lengths.append(tokens)
         if len(self.lengths) >= MIN_SAMPLES:
-            ordered = sorted(self.lengths)
-            rank = max(1, -(-len(ordered) * QUANTILE // 1))  # nearest rank: ceil(q * n)
-            self.quantile = ordered[int(rank) - 1]
+            ordered = self.ordered = sorted(self.lengths)
+            self.quantile = ordered[_rank(len(ordered)) - 1]
+            above, above_sq, total, total_sq = [0.0], [0.0], 0.0, 0.0
+            for length in reversed(ordered):
+                total += length
+                total_sq += length * length
+                above.append(total)
+                above_sq.append(total_sq)
+            self.above, self.above_sq = above[::-1], above_sq[::-1]
+
+    def beyond(self, decoded: int) -> Outlook:
+        """L - d given L > d over the window's lengths L (d = `decoded`). Past the
+        longest few (fewer than TAIL_MIN longer), the last TAIL_MIN stand in, measured
+        from the length just below them: such a request is expected to grow as much
+        again as the longest answers grew past that point (a tail that does not thin)."""
+        ordered = self.ordered
+        count = len(ordered)
+        start = bisect_right(ordered, decoded)
+        origin = float(decoded)
+        if count - start < TAIL_MIN:
+            start = max(0, count - TAIL_MIN)
+            origin = float(ordered[start - 1]) if start > 0 else 0.0
+        tail = count - start
+        mean_length = self.above[start] / tail
+        var = max(0.0, self.above_sq[start] / tail - mean_length * mean_length)
+        quantile = ordered[start + _rank(tail) - 1]
+        return Outlook(mean_length - origin, var, max(0.0, quantile - origin),
+                       math.sqrt(var / tail))
 
 
 class OutputEstimates:
@@ -85,6 +147,21 @@ class OutputEstimates:
             if window is not None and window.quantile is not None:
                 return window.quantile
         return None
+
+    def outlook(
+        self, tenant: TenantPolicy, route: str, policy: EnginePolicy, decoded: int = 0,
+    ) -> Outlook | None:
+        """What one sequence of a request of `tenant` on `route` that has decoded
+        `decoded` tokens is expected to decode still, before its max_tokens caps it:
+        the tenant's learned lengths beyond that point (route, then all routes), else
+        the tier default less what it decoded; None: its tier reserves `Full`."""
+        if policy.reservation_for(tenant.tier) is ReservationMode.FULL:
+            return None
+        for key in ((tenant.tenant_id, route), (tenant.tenant_id, ALL_ROUTES)):
+            window = self._windows.get(key)
+            if window is not None and window.quantile is not None:
+                return window.beyond(decoded)
+        return Outlook.exactly(tenant.default_max_tokens - decoded)
 
     def samples(self, tenant_id: str) -> int:
         window = self._windows.get((tenant_id, ALL_ROUTES))

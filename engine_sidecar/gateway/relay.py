@@ -68,7 +68,8 @@ class Relay:
         if reservation.session and leasing is not None and leasing.lease.seconds > 0:
             view = self.view()
             call_back = view is None or calls_back(
-                view, tenant_id, reservation.session, reservation.blocks, leasing.max_blocks)
+                view, tenant_id, reservation.session, reservation.turn_blocks,
+                leasing.max_blocks)
             extra_headers.extend(self._affinity[call_back])
         outcome = "cancelled"
         meter = OutputMeter(kind.value)

@@ -221,8 +221,10 @@ def test_a_prefix_the_tenants_requests_share_is_reserved_once() -> None:
     system = _prompt(10 * BLOCK)  # a 10-block system prompt
     ledger = Ledger()
     first = _decide(acme, system + [18] * (4 * BLOCK), 32, view=_view(policy, None, ledger))
-    assert (first.blocks, first.extra) == (15, 1)
-    ledger.reserve("acme", first.extra, None, prompt_fingerprints([system + [18] * 128], BLOCK))
+    # 14 prompt blocks, all full (extra 0), and one block of output still to come.
+    assert (first.blocks, first.extra, first.remainder.bound) == (15, 0, 1)
+    ledger.reserve("acme", first.extra, None, prompt_fingerprints([system + [18] * 128], BLOCK),
+                   first.remainder)
     # The second request shares the 10 system blocks: it adds its own 4 + 1.
     second = _decide(acme, system + [19] * (4 * BLOCK), 32, view=_view(policy, None, ledger))
     assert second.admitted and second.blocks == 5

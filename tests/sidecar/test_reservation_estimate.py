@@ -63,11 +63,15 @@ def test_generous_max_tokens_no_longer_queue_once_answer_lengths_are_learned() -
     estimated, full = _queue(), _queue(ReservationMode.FULL)
     _answers(estimated), _answers(full)
     admitted = [_ask(estimated) for _ in range(20)]
-    # prompt + 180 tokens: 9 blocks each, so 20 fit in the tenant's 300.
+    # Their prompts take 4 blocks each; their answers (10-200 tokens, mean 105, variance
+    # 3,325; 28 fit in each prompt's last block) grow by 20 * 77 / 32 = 48.1 blocks on
+    # average, plus two standard deviations of the sum (the window's error on the mean,
+    # 20 * sqrt(3325 / 20) / 32, with the answers' own spread): 71 for the 20
+    # together, where the sum of their 90th percentiles (180 tokens) would be 95.
     assert all(t.admitted for t in admitted)
-    assert estimated.ledger.reserved_blocks("acme") == 20 * 9
+    assert estimated.ledger.reserved_blocks("acme") == 20 * 4 + 71
     verdict = admitted[0].verdict
-    assert verdict is not None and verdict.output_tokens == 180
+    assert verdict is not None and verdict.output_tokens == 180  # alone: its p90
     assert verdict.max_tokens == GENEROUS  # the engine still may decode to max_tokens
     # Full reserves max_tokens: 132 blocks each, the third waits on maxBlocks.
     first, second, third = _ask(full), _ask(full), _ask(full)
@@ -98,13 +102,19 @@ def test_each_route_learns_its_own_answers_and_borrows_the_tenants_until_it_has_
     for _ in range(3):
         queue.estimates.observe("acme", "completion", 2000)
     # Three completions are too few of their own: the tenant's answers over all routes.
-    early = _ask(queue, "completion")
-    assert early.verdict is not None and early.verdict.output_tokens == 2000
+    policy = queue.policy
+    assert policy is not None
+    acme = policy.tenants["acme"]
+
+    def p90(route: str) -> float:
+        outlook = queue.estimates.outlook(acme, route, policy)
+        assert outlook is not None
+        return outlook.quantile
+
+    assert p90("completion") == 2000
     for _ in range(MIN_SAMPLES):
         queue.estimates.observe("acme", "completion", 1800)
-    completion, chat = _ask(queue, "completion"), _ask(queue, "chat")
-    assert completion.verdict is not None and completion.verdict.output_tokens == 2000
-    assert chat.verdict is not None and chat.verdict.output_tokens == 180
+    assert (p90("completion"), p90("chat")) == (2000, 180)
 
 
 def test_a_response_of_n_choices_counts_per_choice() -> None:
@@ -124,10 +134,12 @@ def test_requests_that_decoded_past_their_estimates_are_charged_what_they_hold()
     queue = _queue(stats=lambda: seen[-1])
     _answers(queue)
     first = _ask(queue)
+    # Alone, its answer is charged at its 90th percentile: 4 + ceil((180 - 28) / 32).
     assert first.admitted and queue.ledger.reserved_blocks("acme") == 9
-    # It decodes far past its estimate: the plugin reports it holding 295 blocks. The
-    # tenant is charged those, so it is at its maxBlocks and the next request waits.
-    seen.append(_engine(running_blocks=295))
+    # It decodes far past its estimate (in a response the sidecar cannot follow): the
+    # plugin reports it holding 290 blocks. The tenant is charged those plus its
+    # remainder still, so it is at its maxBlocks and the next request waits.
+    seen.append(_engine(running_blocks=290))
     waiting = _ask(queue)
     assert not waiting.settled and waiting.verdict is not None
     assert waiting.verdict.decision is Decision.REJECTED_QUOTA

@@ -280,6 +280,16 @@ class TwinRun:
         self._tier_of_req[req_id] = session.tier.value
         self._live[req_id] = _Live(outcome, session, turn, attempt.prompt, reservation)
 
+    def _feed_progress(self, harness: SchedulerHarness) -> None:
+        """What each running turn has decoded, to its reservation, after every step: the
+        sidecar reads the same off the response it streams (`Reservation.progress`
+        re-estimates once per block, so this costs a comparison per running turn)."""
+        live = self._live
+        for request in harness.scheduler.running:
+            turn = live.get(request.request_id)
+            if turn is not None and turn.reservation is not None:
+                turn.reservation.progress(request.num_output_tokens)
+
     def _prompt(self, session: Session, turn: int) -> list[int]:
         if turn == 0:
             return session.first_prompt()
@@ -415,6 +425,8 @@ class TwinRun:
             record = harness.step()
             steps += 1
             self._observe_step(harness, record.start_time, record.num_free_blocks)
+            if gateway is not None:
+                self._feed_progress(harness)
             for req_id in record.finished_req_ids:
                 if req_id in self._live:
                     self._finish(harness, req_id)
