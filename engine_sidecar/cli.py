@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine_sidecar.contract.listen import parse_listen
 from engine_sidecar.contract.names import (
@@ -28,6 +28,9 @@ from engine_sidecar.contract.names import (
 from engine_sidecar.gateway.engine_auth import load_engine_key
 from engine_sidecar.gateway.request_body import BODY_BYTES_PER_TOKEN
 from engine_sidecar.plugin import preflight
+
+if TYPE_CHECKING:
+    from engine_sidecar.gateway.app import Gateway
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 # What runs inside vLLM, and all install-plugin copies: not the gateway, not this CLI.
@@ -162,13 +165,11 @@ def _env_path(name: str) -> Path | None:
     return Path(value) if value else None
 
 
-def _run_sidecar(args: argparse.Namespace) -> int:
-    import logging
+def build_gateway(args: argparse.Namespace, api_client_factory: Any = None) -> Gateway:
+    """The gateway `kvquota sidecar` serves, from its flags and environment.
 
-    import prometheus_client
-    import uvicorn
-
-    from engine_sidecar.gateway import server
+    `api_client_factory` replaces the in-cluster Kubernetes client of
+    --policy-configmap (tests run the sidecar's own command line against an emulator)."""
     from engine_sidecar.gateway.app import Gateway, GatewayConfig
     from engine_sidecar.gateway.policy_source import (
         ConfigMapPolicySource,
@@ -176,17 +177,12 @@ def _run_sidecar(args: argparse.Namespace) -> int:
         PolicySource,
     )
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call
-    prometheus_client.disable_created_metrics()  # no `_created` series per label set
-    (host, port), (admin_host, admin_port) = check_server_flags(args)
     source: PolicySource
     if args.policy_configmap:
         namespace, sep, name = args.policy_configmap.partition("/")
         if not sep or not namespace or not name:
             raise SystemExit("--policy-configmap must be NAMESPACE/NAME")
-        source = ConfigMapPolicySource(namespace, name)
+        source = ConfigMapPolicySource(namespace, name, api_client_factory=api_client_factory)
     else:
         source = FilePolicySource(args.policy_file)
     if args.secrets_dir is not None and not args.secrets_dir.is_dir():
@@ -222,6 +218,23 @@ def _run_sidecar(args: argparse.Namespace) -> int:
                              f"({type(exc).__name__}: {str(exc)[:200]}); pass the model's "
                              "tokenizer, or --engine-tokenizer to count with the engine's "
                              "/tokenize") from None
+    return gateway
+
+
+def _run_sidecar(args: argparse.Namespace) -> int:
+    import logging
+
+    import prometheus_client
+    import uvicorn
+
+    from engine_sidecar.gateway import server
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call
+    prometheus_client.disable_created_metrics()  # no `_created` series per label set
+    (host, port), (admin_host, admin_port) = check_server_flags(args)
+    gateway = build_gateway(args)
     client_limits = server.ConnectionLimits(head_timeout=args.header_timeout,
                                             max_connections=args.max_connections)
     admin_limits = server.ConnectionLimits(head_timeout=args.header_timeout,

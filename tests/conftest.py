@@ -6,6 +6,7 @@ Heavy things are made once per test session; the model is cached across sessions
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -76,3 +77,12 @@ def engine(serve_engine: Callable[..., AbstractContextManager[Engine]]) -> Itera
     # vLLM's stats on, as deployed: its vllm:* Prometheus series are what routers scrape.
     with serve_engine(log_stats=True) as running:
         yield running
+
+
+@pytest.fixture(scope="session")
+def vllm_parser() -> argparse.ArgumentParser:
+    """vLLM's own `vllm serve` / api_server argument parser (slow to import: once)."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return make_arg_parser(FlexibleArgumentParser())

@@ -1,15 +1,13 @@
-"""Fixtures for injection tests: the real-world pod specs, vLLM's own argument parser,
+"""Fixtures for injection tests: the real-world pod specs,
 and AdmissionReviews as the API server sends them for the pods those specs create."""
 
 from __future__ import annotations
 
-import argparse
 import copy
 import uuid
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -55,12 +53,3 @@ def admission_review(pod: dict[str, Any]) -> dict[str, Any]:
             "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"},
         },
     }
-
-
-@pytest.fixture(scope="session")
-def vllm_parser() -> argparse.ArgumentParser:
-    """vLLM's own `vllm serve` / api_server argument parser (slow to import: once)."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    return make_arg_parser(FlexibleArgumentParser())
