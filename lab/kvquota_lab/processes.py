@@ -176,6 +176,8 @@ class EngineOptions:
     # > 0: vLLM's OffloadingConnector with a host tier of this many bytes (kvquota_lab.cpu_offload)
     kv_offload_bytes: int = 0
     log_stats: bool = False  # True: keep vLLM's stats, incl. the Prometheus /metrics counters
+    # --scheduler-cls with the plugin: another path of it (an older release's) to test it
+    plugin_class: str = PLUGIN_CLASS
     extra_args: list[str] = field(default_factory=list)
 
 
@@ -197,7 +199,7 @@ def vllm_engine(opts: EngineOptions, log_path: Path) -> ManagedProcess:
         *opts.extra_args,
     ]
     if opts.plugin:
-        argv += ["--scheduler-cls", PLUGIN_CLASS]
+        argv += ["--scheduler-cls", opts.plugin_class]
     if opts.kv_offload_bytes > 0:
         argv += ["--kv-transfer-config", json.dumps({
             "kv_connector": "OffloadingConnector",

@@ -10,6 +10,10 @@ pins the worker's block-to-chunk mapping instead.
 Under a burst that forces preemptions, the plugin honours `recomputeBelowBlocks`: victims
 at or above it reload from the offload tier, smaller ones recompute, and its stats say
 which happened.
+
+This engine loads the plugin by 0.1.0's class path, as a manifest 0.1.0 injected and a
+team kept in Git still names it (the session engine uses today's): the plugin runs, and
+the engine's log says once that the path is deprecated.
 """
 
 from __future__ import annotations
@@ -25,8 +29,11 @@ import httpx
 import pytest
 from plugin_policies import engine_policy, tenant, wait_stats, write_policy
 
+from engine_sidecar.contract.renamed import BY_OLD
+
 pytestmark = pytest.mark.engine
 
+OLD_PLUGIN_CLASS = "engine_sidecar.scheduler.TenantAwareScheduler"  # 0.1.0's
 PROMPT_TOKENS = 1_500
 FLOOD_PROMPT_TOKENS = 1_900
 BLOCK_SIZE = 32
@@ -34,8 +41,10 @@ BLOCK_SIZE = 32
 
 @pytest.fixture(scope="module")
 def offload_engine(serve_engine: Callable[..., AbstractContextManager[Any]]) -> Iterator[Any]:
-    """A second engine: a small KV cache (256 blocks) over a 32 MiB offload tier."""
+    """A second engine: a small KV cache (256 blocks) over a 32 MiB offload tier, with
+    the plugin loaded by its deprecated path."""
     with serve_engine(
+        plugin_class=OLD_PLUGIN_CLASS,
         block_size=BLOCK_SIZE,
         kv_cache_bytes=4 * 1024 * 1024,
         kv_offload_bytes=32 * 1024 * 1024,
@@ -166,6 +175,14 @@ def test_preempted_victims_reload_or_recompute_by_policy(
     else:
         assert modes == {"offload": 0, "recompute": modes["recompute"]}, summary
         assert modes["recompute"] >= 1 and loaded == 0, summary
+
+
+def test_the_deprecated_class_path_runs_the_plugin_and_says_so_once(
+    offload_engine: Any,
+) -> None:
+    """The plugin itself is at work in the tests above (its stats, its victims)."""
+    log = offload_engine.process.log_path.read_text()
+    assert log.count(BY_OLD[OLD_PLUGIN_CLASS].message()) == 1, log[-3000:]
 
 
 def test_worker_maps_engine_blocks_to_host_chunks() -> None:
