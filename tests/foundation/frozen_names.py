@@ -217,3 +217,26 @@ def crd_names() -> dict[str, frozenset[str]]:
                         if p.split(".")[0] in ("spec", "status")}
         found[names["kind"]] = frozenset(entries)
     return found
+
+
+def unfrozen() -> dict[str, Any]:
+    """What the product has that the list does not (for the kinds it can enumerate), in
+    the list's own shape: paste what should be frozen into frozen_names.yaml."""
+    names = frozen()
+    flags = {c: sorted(f for f in command_flags()[c] - set(names["flags"][c])
+                       if f not in ("-h", "--help")) for c in COMMANDS}
+    conditions = {k: sorted(str(v) for v in condition_names()[k] - set(names["conditions"][k]))
+                  for k in ("types", "reasons")}
+    metrics = {m: sorted(labels - set(names["metrics"].get(m, [])))
+               for m, labels in metric_labels().items()
+               if m not in names["metrics"] or labels - set(names["metrics"][m])}
+    crd = {k: sorted(v - set(names["crd"].get(k, []))) for k, v in crd_names().items()}
+    found = {"flags": flags, "conditions": conditions, "metrics": metrics, "crd": crd}
+    return {kind: {k: v for k, v in entries.items() if v or kind == "metrics"}
+            for kind, entries in found.items() if any(entries.values()) or
+            (kind == "metrics" and entries)}
+
+
+if __name__ == "__main__":
+    new = unfrozen()
+    print(yaml.safe_dump(new, sort_keys=False) if new else "nothing unfrozen", end="")
