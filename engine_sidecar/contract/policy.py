@@ -66,6 +66,20 @@ class ReservationMode(StrEnum):
 DEFAULT_RESERVATION = ReservationMode.ESTIMATED
 
 
+class AboveMax(StrEnum):
+    """Whether a tenant at its maxBlocks may run more work into KV nobody else wants
+    (`spec.kvCache.aboveMax`)."""
+
+    # Into free blocks above the watermark while no other tenant's request waits for
+    # capacity; that work is the first victim of the victim order (README: above maxBlocks).
+    RECLAIMABLE = "Reclaimable"
+    # maxBlocks is a hard ceiling (for tenants billed or capped by it).
+    NEVER = "Never"
+
+
+DEFAULT_ABOVE_MAX = AboveMax.RECLAIMABLE
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(
         alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
@@ -83,7 +97,11 @@ class TenantPolicy(_Model):
     tier: Tier
     priority: int = Field(ge=0, le=2, description="vLLM priority; lower runs first.")
     guaranteed_blocks: int = Field(ge=0)
-    max_blocks: int = Field(ge=0)
+    max_blocks: int = Field(
+        ge=0, description="Blocks the tenant may hold on this engine (its share of the "
+        "pool-wide maxBlocks); beyond it only as `above_max` allows."
+    )
+    above_max: AboveMax = DEFAULT_ABOVE_MAX
     lease: LeasePolicy = LeasePolicy()
     max_tokens: int = Field(ge=1, description="Ceiling that max_tokens is clamped to.")
     default_max_tokens: int = Field(ge=1, description="max_tokens when the client sends none.")
@@ -111,6 +129,12 @@ class TenantPolicy(_Model):
                 f"must be <= maxTokens ({self.max_tokens})"
             )
         return self
+
+    @property
+    def ceiling(self) -> int | None:
+        """Usage beyond which the tenant's work is reclaimable above-max work (None: it
+        runs none; maxBlocks is a hard ceiling)."""
+        return self.max_blocks if self.above_max is AboveMax.RECLAIMABLE else None
 
 
 class EngineShare(_Model):

@@ -25,7 +25,8 @@ class Band(IntEnum):
 
     GUARANTEED = 1
     BORROWER = 2
-    UNCLASSIFIED = 3
+    ABOVE_MAX = 3  # beyond its maxBlocks, in KV nobody else wanted (aboveMax: Reclaimable)
+    UNCLASSIFIED = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +36,8 @@ class Holding:
     `used` is what counts against the tenant's guarantee (blocks held plus growth its
     admitted requests may still allocate); `held` is what it holds now, running and
     pinned, i.e. what preemption and lease releases can actually free; `idle_leased`
-    is the part of `held` pinned by leases of sessions with no request in flight.
+    is the part of `held` pinned by leases of sessions with no request in flight;
+    `ceiling` is the usage beyond which its work is above-max work (None: it has none).
     """
 
     priority: int
@@ -43,12 +45,15 @@ class Holding:
     used: int
     held: int
     idle_leased: int
+    ceiling: int | None = None
 
 
-def requester_band(used: int, blocks: int, guaranteed: int) -> Band:
+def requester_band(used: int, blocks: int, guaranteed: int, ceiling: int | None = None) -> Band:
     """The class of a new request: borrowing if it would take its tenant over its
-    guarantee (Kueue's nominal quota). `used` leaves out the tenant's idle leases,
-    which yield to its own new work."""
+    guarantee (Kueue's nominal quota), above-max work if over its `ceiling`. `used`
+    leaves out the tenant's idle leases, which yield to its own new work."""
+    if ceiling is not None and used + blocks > ceiling:
+        return Band.ABOVE_MAX
     return Band.BORROWER if used + blocks > guaranteed else Band.GUARANTEED
 
 
@@ -86,22 +91,18 @@ def _reclaimable_from(holding: Holding, request_key: tuple[int, int, int]) -> in
     if held <= 0:
         return 0
     prio = holding.priority
-    excess = min(held, max(0, holding.used - holding.guaranteed))
     idle = min(holding.idle_leased, held)
-    # While borrowing: the excess goes, running work too if the tier ranks above,
-    # else only idle leases.
-    if (Band.BORROWER, prio, 0) > request_key:
-        taken = excess
-    elif (Band.BORROWER, prio, 1) > request_key:
-        taken = min(excess, idle)
-    else:
-        taken = 0
-    # Back within its guarantee: what is left, if its class still ranks above.
-    left = held - taken
-    if (Band.GUARANTEED, prio, 0) > request_key:
-        return taken + left
-    if (Band.GUARANTEED, prio, 1) > request_key:
-        return taken + min(left, max(0, idle - taken))
+    # Its usage in layers, top first: above its ceiling, above its guarantee, within
+    # it. Each layer goes while its class ranks above the request: running work too if
+    # the (band, tier) does, else only idle leases (they go before running work of the
+    # same class); once a layer is given back, the tenant is in the next band.
+    above = 0 if holding.ceiling is None else min(held, max(0, holding.used - holding.ceiling))
+    borrowed = min(held - above, max(0, holding.used - holding.guaranteed - above))
+    taken = 0
+    for band, layer in ((Band.ABOVE_MAX, above), (Band.BORROWER, borrowed),
+                        (Band.GUARANTEED, held - above - borrowed)):
+        if (band, prio, 0) > request_key:
+            taken += layer
+        elif (band, prio, 1) > request_key:
+            taken += min(layer, max(0, idle - taken))
     return taken
-
-

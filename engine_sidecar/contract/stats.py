@@ -117,6 +117,10 @@ class TenantUsage(_Wire):
         0, description="the output tokens a request of the tenant reserves now (learned, "
         "or the tier's defaultMaxTokens; maxTokens for a Full tier)"
     )
+    above_max_blocks: int = Field(
+        0, description="chargedBlocks beyond maxBlocks: work run in KV nobody else wanted "
+        "(aboveMax: Reclaimable), the first to be preempted"
+    )
     leased_blocks: int = 0
     leased_sessions: int = 0
     inflight: int = 0

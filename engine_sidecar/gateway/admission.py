@@ -140,6 +140,7 @@ class PoolView:
             used=t.held + t.growth,
             held=t.held,
             idle_leased=min(t.lease_only, max(0, t.pinned - in_use)),
+            ceiling=policy.ceiling if policy else None,
         )
 
     def reclaimable(self, tenant_id: str, band: Band, pinned_in_use: int) -> int:
@@ -284,6 +285,7 @@ class Verdict:
     extra: int = 0  # the blocks beyond the prompt's full blocks (ledger.reserve)
     output_tokens: int = 0  # per sequence: its share of its tenant's joint charge
     remainder: Remainder = NO_GROWTH  # what it may still grow (ledger.reserve)
+    above_max: bool = False  # admitted beyond its tenant's maxBlocks, into idle KV
 
     @property
     def admitted(self) -> bool:
@@ -304,9 +306,13 @@ def decide(
     view: PoolView,
     max_model_len: int | None,
     outlook: Outlook | None = None,
+    beyond_max: bool = False,
 ) -> Verdict:
     """Admit or refuse now. `outlook`: what one of its sequences is expected to decode
-    (`OutputEstimates.outlook`; None: max_tokens, the tier reserves Full)."""
+    (`OutputEstimates.outlook`; None: max_tokens, the tier reserves Full).
+    `beyond_max`: no other tenant's request waits for capacity, so a tenant whose
+    `aboveMax` is Reclaimable may take free blocks above the watermark past its
+    maxBlocks (README: above maxBlocks)."""
     max_tokens = effective_max_tokens(tenant, shape, max_model_len)
     full = blocks_for(shape, max_tokens, block_size)
     longest = max(shape.prompt_tokens, default=0)
@@ -369,6 +375,13 @@ def decide(
             f"(limit {limit} per engine). Retry after one finishes.",
         ), borrowing)
     if used + blocks > tenant.max_blocks:
+        if beyond_max and tenant.ceiling is not None and view.known:
+            assert view.total_blocks is not None
+            idle = view.free_blocks - watermark_floor(watermark, view.total_blocks)
+            if new_blocks <= idle:
+                return Verdict(Decision.ADMITTED, max_tokens, blocks, borrowing=True,
+                               new_blocks=new_blocks, extra=extra, output_tokens=reserved,
+                               remainder=own, above_max=True)
         return refuse(Decision.REJECTED_QUOTA, ApiError(
             429, errors.TENANT_BLOCK_QUOTA_EXHAUSTED,
             f"tenant {tenant.tenant_id!r} holds or has reserved {used} of its "

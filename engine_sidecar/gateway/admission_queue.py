@@ -48,6 +48,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine_sidecar.contract.policy import EnginePolicy
+from engine_sidecar.contract.reclaim import watermark_floor
 from engine_sidecar.contract.stats import EngineStats
 from engine_sidecar.gateway import errors
 from engine_sidecar.gateway.admission import (
@@ -145,6 +146,9 @@ class AdmissionQueue:
         self._holders: frozenset[str] = frozenset()
         self._view_version = -1
         self._view: PoolView | None = None
+        # Seconds each tenant's queued requests waited on its maxBlocks beside idle KV.
+        self.idle_waits: dict[str, float] = {}
+        self._last_pump: float | None = None
 
     # -- the caller's side ----------------------------------------------------------
 
@@ -197,10 +201,14 @@ class AdmissionQueue:
         now = self.clock()
         self._expire(now, settled)
         while True:
-            ticket = self._admit_next(now)
+            # Within ceilings first; then, while nobody waits for capacity, a tenant at
+            # its maxBlocks may take the idle blocks (aboveMax: Reclaimable).
+            ticket = self._admit_next(now) or (
+                None if self._capacity_wanted() else self._admit_next(now, beyond_max=True))
             if ticket is None:
                 break
             settled.append(ticket)
+        self._note_idle_waits(now)
         return settled
 
     def next_deadline(self) -> float | None:
@@ -259,15 +267,44 @@ class AdmissionQueue:
         backlog.sort(key=lambda item: (tenants[item[0]].priority, item[1].served))
         return backlog
 
-    def _admit_next(self, now: float) -> Ticket | None:
+    def _capacity_wanted(self) -> bool:
+        """Some queued request waits for capacity within its tenant's ceiling (the
+        watermark): idle blocks are wanted, so nobody may take them beyond maxBlocks."""
+        return any(ticket.waited_on is Decision.REJECTED_WATERMARK
+                   for queue in self._queues.values() for ticket in queue.tickets)
+
+    def _note_idle_waits(self, now: float) -> None:
+        """Charge the time since the last pump to the requests that waited on their
+        tenant's maxBlocks while the blocks they asked for sat idle above the watermark
+        and nobody waited for capacity ("waited beside idle KV", `idle_waits`)."""
+        since, self._last_pump = self._last_pump, now
+        if since is None or now <= since or self.policy is None:
+            return
+        capped = [(tenant_id, ticket.verdict.new_blocks)
+                  for tenant_id, queue in self._queues.items() for ticket in queue.tickets
+                  if ticket.verdict is not None and ticket.waited_on is Decision.REJECTED_QUOTA]
+        if not capped or self._capacity_wanted():
+            return
+        view = self.view()
+        if view.total_blocks is None:
+            return
+        idle = view.free_blocks - watermark_floor(self.policy.watermark, view.total_blocks)
+        for tenant_id, new_blocks in capped:
+            if new_blocks <= idle:
+                self.idle_waits[tenant_id] = self.idle_waits.get(tenant_id, 0.0) + now - since
+
+    def _admit_next(self, now: float, beyond_max: bool = False) -> Ticket | None:
         """Settle the first request in order that can settle now (admitted, or refused
-        for good); None when every one must keep waiting."""
+        for good); None when every one must keep waiting. `beyond_max`: only tickets
+        waiting on their tenant's maxBlocks are tried, allowed past it (`decide`)."""
         for tenant_id, queue in self._order():
             smallest_waiting = math.inf  # a request at least this large waits too
             for index, ticket in enumerate(queue.tickets):
                 if ticket.size >= smallest_waiting:
                     continue
-                if self._try(tenant_id, queue, ticket, index, now):
+                if beyond_max and ticket.waited_on is not Decision.REJECTED_QUOTA:
+                    break
+                if self._try(tenant_id, queue, ticket, index, now, beyond_max):
                     return ticket
                 verdict = ticket.verdict
                 if verdict is not None and verdict.decision is Decision.REJECTED_CONCURRENCY:
@@ -276,11 +313,12 @@ class AdmissionQueue:
         return None
 
     def _try(
-        self, tenant_id: str, queue: _TenantQueue, ticket: Ticket, index: int, now: float
+        self, tenant_id: str, queue: _TenantQueue, ticket: Ticket, index: int, now: float,
+        beyond_max: bool = False,
     ) -> bool:
         """Decide one queued ticket; settle it (True) unless it must keep waiting."""
         assert self.policy is not None
-        verdict = self._decide_now(ticket)
+        verdict = self._decide_now(ticket, beyond_max)
         ticket.verdict = verdict
         if verdict.waits:
             ticket.waited_on = verdict.decision
@@ -344,7 +382,7 @@ class AdmissionQueue:
                                 retry_after=retry_after, headers=dict(error.headers))
         self._settle(ticket, now)
 
-    def _decide_now(self, ticket: Ticket) -> Verdict:
+    def _decide_now(self, ticket: Ticket, beyond_max: bool = False) -> Verdict:
         assert self.policy is not None
         tenant = self.policy.tenants.get(ticket.tenant_id)
         if tenant is None:
@@ -354,7 +392,8 @@ class AdmissionQueue:
         return decide(tenant, ticket.shape, block_size=self.policy.block_size,
                       watermark=self.policy.watermark, view=self.view(),
                       max_model_len=self.max_model_len(),
-                      outlook=self.estimates.outlook(tenant, ticket.shape.route, self.policy))
+                      outlook=self.estimates.outlook(tenant, ticket.shape.route, self.policy),
+                      beyond_max=beyond_max)
 
     def _growth(self, tenant_id: str, shape: RequestShape, max_tokens: int) -> RequestGrowth:
         """How an admitted request's take and remainder follow what it decodes (its

@@ -154,6 +154,15 @@ class StateCollector(Collector):
         pending = GaugeMetricFamily(
             "kvquota_tenant_blocks_pending",
             "KV blocks reserved for the tenant's work not allocated yet.", labels=["tenant_id"])
+        above = GaugeMetricFamily(
+            "kvquota_tenant_blocks_above_max",
+            "KV blocks charged to the tenant beyond its maxBlocks: work run in KV no other "
+            "tenant wanted (aboveMax: Reclaimable).", labels=["tenant_id"])
+        beside_idle = CounterMetricFamily(
+            "kvquota_tenant_queue_beside_idle_kv_seconds",
+            "Seconds the tenant's queued requests waited on its maxBlocks while the blocks "
+            "they asked for were free above the watermark and nobody else waited for them.",
+            labels=["tenant_id"])
         estimate = GaugeMetricFamily(
             "kvquota_tenant_output_estimate_tokens",
             "Output tokens a request of the tenant reserves now, by route (all: over every "
@@ -163,12 +172,20 @@ class StateCollector(Collector):
         rows: dict[str, list[int]] = {}
         for tenant_id in {*(view.tenants or {}), *queue.ledger.tenants()}:
             seen = view.tenant(tenant_id)
-            row = rows.setdefault(label(tenant_id), [0, 0])
+            tenant = policy.tenants.get(tenant_id)
+            row = rows.setdefault(label(tenant_id), [0, 0, 0])
             row[0] += seen.charged
             row[1] += seen.growth
-        for name, (blocks, growth) in sorted(rows.items()):
+            row[2] += max(0, seen.charged - tenant.max_blocks) if tenant else 0
+        for name, (blocks, growth, beyond) in sorted(rows.items()):
             charged.add_metric([name], blocks)
             pending.add_metric([name], growth)
+            above.add_metric([name], beyond)
+        waits: dict[str, float] = {}
+        for tenant_id, waited in queue.idle_waits.items():
+            waits[label(tenant_id)] = waits.get(label(tenant_id), 0.0) + waited
+        for name, total in sorted(waits.items()):
+            beside_idle.add_metric([name], total)
         estimates: dict[tuple[str, str], int] = {}
         for tenant_id, tenant in policy.tenants.items():
             name = label(tenant_id)
@@ -179,7 +196,7 @@ class StateCollector(Collector):
                 estimates[(name, route)] = queue.estimates.in_use(tenant, policy, key)
         for (name, route), tokens in sorted(estimates.items()):
             estimate.add_metric([name, route], tokens)
-        yield from (charged, pending, estimate)
+        yield from (charged, pending, above, beside_idle, estimate)
 
     def _plugin_families(
         self, stats: EngineStats, tenants: object, label: Callable[[str], str]

@@ -464,7 +464,8 @@ class TenantAwareScheduler(compat.Scheduler):
             if lease.tenant == tenant and lease.key not in self._kvq_active
         )
         used = max(0, ranker.usage.get(tenant_policy.tenant_id, 0) - idle)
-        band = requester_band(used, need, tenant_policy.guaranteed_blocks)
+        band = requester_band(used, need, tenant_policy.guaranteed_blocks,
+                              tenant_policy.ceiling)
         return (band, tenant_policy.priority, 0, 0, arrival_time)
 
     def _kvq_ranks_above(self, view: _StepView, bound: RankKey) -> bool:

@@ -10,8 +10,9 @@ candidate with the largest key goes first:
 1. expired leases, always first: they are released at the start of every step and
    before anything else when an allocation fails;
 2. band: unclassified traffic (no tenant, or a tenant the policy does not know), then
-   borrowers (tenants whose usage, running + pinned blocks, is above
-   `guaranteedBlocks`), then tenants within their guarantee;
+   above-max work (tenants with `aboveMax: Reclaimable` whose usage, running + pinned
+   blocks, is above `maxBlocks`: KV they took because nobody else wanted it), then
+   borrowers (usage above `guaranteedBlocks`), then tenants within their guarantee;
 3. tier: within a band, lower tier (larger `priority` number) first;
 4. within a band and tier: live leases before running requests (an idle session's
    cache before work in flight), leases with the oldest activity first; then the
@@ -50,7 +51,8 @@ releases live leases in the same order (the oldest premium leases go last of all
 oldest first) until the request fits. A degraded episode is logged once and ends with
 the first step in which no allocation failed.
 
-Preemption reasons (`preemptions` in the stats): `unclassified`, `borrower`, `tier`
+Preemption reasons (`preemptions` in the stats): `unclassified`, `above_max`,
+`borrower`, `tier`
 (a running request within its guarantee) for running requests; `lease_break` and
 `degraded` for live leases released under pressure. Across those reasons,
 `outgrownPreemptions` counts the running victims that held more blocks than the
@@ -71,7 +73,7 @@ from typing import Any, Generic, TypeVar
 
 from engine_sidecar.contract.names import RESERVED_BLOCKS_ARG, SESSION_ARG, TENANT_ARG, UNCLASSIFIED
 from engine_sidecar.contract.policy import EnginePolicy, TenantPolicy
-from engine_sidecar.contract.reclaim import Band
+from engine_sidecar.contract.reclaim import Band, requester_band
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +88,7 @@ class Reason(StrEnum):
 
     UNCLASSIFIED = "unclassified"  # a running request without a known tenant
     BORROWER = "borrower"  # a running request of a tenant above its guarantee
+    ABOVE_MAX = "above_max"  # a running request of a tenant above its maxBlocks
     TIER = "tier"  # a running request within its guarantee (lower tier, or least work)
     LEASE_BREAK = "lease_break"  # a live lease released under memory pressure
     DEGRADED = "degraded"  # a live lease released because nothing else could progress
@@ -102,6 +105,7 @@ class LeaseDrop(StrEnum):
 
 _RUNNING_REASON = {
     Band.UNCLASSIFIED: Reason.UNCLASSIFIED,
+    Band.ABOVE_MAX: Reason.ABOVE_MAX,
     Band.BORROWER: Reason.BORROWER,
     Band.GUARANTEED: Reason.TIER,
 }
@@ -543,8 +547,8 @@ class VictimRanker:
         return self.policy.tenants.get(tenant)
 
     def band(self, tenant_policy: TenantPolicy) -> Band:
-        used = self.usage.get(tenant_policy.tenant_id, 0)
-        return Band.BORROWER if used > tenant_policy.guaranteed_blocks else Band.GUARANTEED
+        return requester_band(self.usage.get(tenant_policy.tenant_id, 0), 0,
+                              tenant_policy.guaranteed_blocks, tenant_policy.ceiling)
 
     def running_key(
         self,

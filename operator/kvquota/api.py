@@ -16,8 +16,10 @@ from pydantic.alias_generators import to_camel
 
 from engine_sidecar.contract.names import API_VERSION, ApiVersion
 from engine_sidecar.contract.policy import (
+    DEFAULT_ABOVE_MAX,
     MAX_TOKEN_LIFETIME_SECONDS,
     TENANT_ID_PATTERN,
+    AboveMax,
     Isolation,
     JwtAlgorithm,
     ReservationMode,
@@ -587,6 +589,13 @@ class TenantKVCacheSpec(BaseModel):
         description="Most KV blocks the tenant's requests may hold; beyond guaranteedBlocks "
         "they borrow free capacity.",
     )
+    above_max: AboveMax = Field(
+        DEFAULT_ABOVE_MAX,
+        description="Reclaimable: at maxBlocks, the tenant's further requests may still run "
+        "in free blocks above the watermark while no other tenant's request waits for "
+        "capacity; that work is the first to be preempted when another tenant needs the "
+        "blocks. Never: maxBlocks is a hard ceiling (for quotas that bill or cap by it).",
+    )
     lease: LeaseSpec = Field(default_factory=LeaseSpec)
 
 
@@ -712,6 +721,9 @@ class EffectiveSettings(_Model):
     prefix_cache_isolation: Isolation | None = Field(
         None, description="Tenant (own cache_salt) or Shared."
     )
+    above_max: AboveMax | None = Field(
+        None, description="Reclaimable (may run into idle KV beyond maxBlocks) or Never."
+    )
 
 
 class _WireView(_Model):
@@ -766,6 +778,11 @@ class Usage(_WireView):
         "percentile of its recent answers, the tier's defaultMaxTokens until enough "
         "finished, maxTokens for a tier whose reservation is Full (the largest over the "
         "engines).",
+    )
+    above_max_blocks: int = Field(
+        0, description="Of chargedBlocks, those beyond the tenant's maxBlocks on each engine: "
+        "work run in KV no other tenant wanted (aboveMax: Reclaimable), the first to be "
+        "preempted when another tenant needs the blocks.",
     )
     leased_blocks: int = Field(
         0, description="KV blocks idle leases pin that no running request holds."

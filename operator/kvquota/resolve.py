@@ -9,7 +9,7 @@ a default above it (the engine would refuse the policy).
 
 from __future__ import annotations
 
-from engine_sidecar.contract.policy import LeasePolicy, TenantPolicy, Tier
+from engine_sidecar.contract.policy import DEFAULT_ABOVE_MAX, LeasePolicy, TenantPolicy, Tier
 from kvquota.api import (
     TIER_DEFAULTS,
     EffectiveSettings,
@@ -69,6 +69,7 @@ def effective_settings(
             else tier.max_queued_requests
         ),
         prefix_cache_isolation=spec.prefix_cache.isolation,
+        above_max=spec.kv_cache.above_max,
     )
 
 
@@ -96,4 +97,5 @@ def tenant_policy(effective: EffectiveSettings) -> TenantPolicy:
         max_queue_seconds=effective.max_queue_seconds or 0,
         max_queued_requests=split_ceiling(effective.max_queued_requests, replicas) or 0,
         prefix_cache_isolation=effective.prefix_cache_isolation or "Tenant",
+        above_max=effective.above_max or DEFAULT_ABOVE_MAX,
     )

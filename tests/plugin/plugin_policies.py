@@ -23,6 +23,7 @@ def tenant(
     lease_seconds: int = 0,
     lease_sessions: int = 0,
     lease_blocks: int = 0,
+    above_max: str = "Reclaimable",
 ) -> TenantPolicy:
     return TenantPolicy(
         tenant_id=tenant_id,
@@ -30,6 +31,7 @@ def tenant(
         priority=TIERS[tier],
         guaranteed_blocks=guaranteed,
         max_blocks=max(max_blocks, guaranteed),
+        above_max=above_max,
         lease=LeasePolicy(seconds=lease_seconds, max_sessions=lease_sessions,
                           max_blocks=lease_blocks),
         max_tokens=4096,

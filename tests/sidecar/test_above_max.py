@@ -1,0 +1,116 @@
+"""A tenant at its maxBlocks runs more work into KV nobody else wants (aboveMax:
+Reclaimable), gives it back to anyone who asks, and keeps a hard ceiling with Never."""
+
+from __future__ import annotations
+
+import random
+import time
+
+from engine_sidecar.contract.reclaim import Band
+from engine_sidecar.contract.stats import EngineStats, TenantEngineStats
+from engine_sidecar.gateway.admission import Decision, RequestShape
+from engine_sidecar.gateway.admission_queue import AdmissionQueue, Ticket
+from engine_sidecar.gateway.ledger import Ledger
+
+from .helpers import FULL_RESERVATION, make_policy, tenant
+
+BLOCK = 32
+TOTAL = 1_000  # blocks; the watermark (0.1) keeps 100 of them
+PROMPT = 32 * 9  # 9 blocks, + max_tokens 32: 10 blocks a request
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _queue(capped: str = "Reclaimable", *, held: dict[str, int] | None = None,
+           clock: Clock | None = None) -> AdmissionQueue:
+    """`acme` (premium) may hold 30 blocks; `cheap` (free) is guaranteed 100."""
+    acme = tenant("acme", tier="premium", priority=0, max_tokens=32, max_blocks=30,
+                  above_max=capped, prefix_cache_isolation="Shared", max_queue_seconds=30)
+    cheap = tenant("cheap", tier="free", priority=2, max_tokens=32, guaranteed_blocks=100,
+                   max_blocks=2_000, prefix_cache_isolation="Shared", max_queue_seconds=30)
+    holding = held or {}
+    used = sum(holding.values())
+
+    def stats() -> EngineStats:
+        return EngineStats(
+            timestamp=time.time(), total_blocks=TOTAL, free_blocks=TOTAL - used,
+            tenants={t: TenantEngineStats(running_blocks=n, running=1)
+                     for t, n in holding.items()})
+
+    queue = AdmissionQueue(Ledger(), clock=clock or Clock(), rng=random.Random(1),
+                           stats=stats, max_model_len=lambda: None)
+    queue.set_policy(make_policy(acme, cheap, reservation=FULL_RESERVATION, auth={}))
+    return queue
+
+
+def _ask(queue: AdmissionQueue, tenant_id: str = "acme", prompt: int = PROMPT) -> Ticket:
+    return queue.submit(tenant_id, RequestShape((prompt,), 32))
+
+
+def test_a_capped_tenant_runs_into_idle_kv_beyond_its_max_blocks() -> None:
+    queue = _queue()
+    within = [_ask(queue) for _ in range(3)]  # 30 blocks: its maxBlocks
+    assert all(t.admitted and t.verdict and not t.verdict.above_max for t in within)
+    beyond = _ask(queue)
+    assert beyond.admitted, "idle KV nobody waits for was left idle"
+    assert beyond.verdict is not None and beyond.verdict.above_max
+    assert queue.view().tenant("acme").charged == 40
+
+
+def test_never_keeps_max_blocks_a_hard_ceiling_and_counts_the_wait_beside_idle_kv() -> None:
+    clock = Clock()
+    queue = _queue("Never", clock=clock)
+    for _ in range(3):
+        assert _ask(queue).admitted
+    waiting = _ask(queue)
+    assert not waiting.settled and waiting.verdict is not None
+    assert waiting.verdict.decision is Decision.REJECTED_QUOTA
+    clock.now = 2.0
+    queue.pump()
+    assert not waiting.settled
+    # The 10 blocks it asked for were free above the watermark the whole time.
+    assert queue.idle_waits == {"acme": 2.0}
+
+
+def test_nobody_goes_beyond_max_blocks_while_another_tenant_waits_for_capacity() -> None:
+    # `cheap` borrows beyond its guarantee and the engine is at the watermark: it waits
+    # for capacity, so the free blocks are wanted and acme stays at its maxBlocks.
+    queue = _queue(held={"cheap": 880})
+    for _ in range(2):
+        assert _ask(queue).admitted
+    starved = _ask(queue, "cheap", prompt=32 * 19)
+    assert not starved.settled and starved.verdict is not None
+    assert starved.verdict.decision is Decision.REJECTED_WATERMARK
+    third, fourth = _ask(queue), _ask(queue)
+    assert third.admitted
+    assert not fourth.settled and fourth.verdict is not None
+    assert fourth.verdict.decision is Decision.REJECTED_QUOTA
+
+
+def test_work_beyond_max_blocks_is_what_any_other_request_reclaims_first() -> None:
+    # acme holds 200 blocks against its 30: 170 of them are above-max work. A free
+    # request that borrows can count on them (the victim order gives them back first),
+    # though they belong to a higher tier.
+    queue = _queue(held={"acme": 200, "cheap": 700})
+    view = queue.view()
+    holding = view.holding("acme")
+    assert holding.ceiling == 30
+    assert view.reclaimable("cheap", Band.BORROWER, 0) == 170
+    # The engine has 100 free, all kept by the watermark: a borrowing request of 150
+    # blocks is admitted on the above-max blocks it will reclaim.
+    big = _ask(queue, "cheap", prompt=32 * 149)
+    assert big.admitted and big.verdict is not None and big.verdict.borrowing
+
+
+def test_with_never_the_same_blocks_are_a_higher_tiers_to_keep() -> None:
+    queue = _queue("Never", held={"acme": 200, "cheap": 700})
+    assert queue.view().reclaimable("cheap", Band.BORROWER, 0) == 0
+    big = _ask(queue, "cheap", prompt=32 * 149)
+    assert not big.settled and big.verdict is not None
+    assert big.verdict.decision is Decision.REJECTED_WATERMARK
