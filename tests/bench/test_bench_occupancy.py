@@ -17,7 +17,8 @@ from kvquota_lab.bench.runner import BenchOptions, run_bench
 
 # A premium chat with room to spare beside a free tenant whose quota fits two of its
 # requests at a time: the answers are as long as max_tokens, so what admission
-# reserves is what the requests hold, and the free tenant holds its maxBlocks.
+# reserves is what the requests hold, and the free tenant holds its maxBlocks (a hard
+# ceiling: aboveMax Never).
 AT_CEILING = """
 name: at-ceiling
 seed: 4
@@ -37,7 +38,7 @@ tenants:
         maxTokens: 16
   hobbyist:
     tier: free
-    kvCache: {guaranteedBlocks: 0, maxBlocks: 126}
+    kvCache: {guaranteedBlocks: 0, maxBlocks: 126, aboveMax: Never}
     limits: {maxConcurrentRequests: 4}
     workloads:
       burst:

@@ -287,7 +287,7 @@ pool:
 tenants:
   acme:
     tier: premium
-    kvCache: {guaranteedBlocks: "10%", maxBlocks: "15%"}
+    kvCache: {guaranteedBlocks: "10%", maxBlocks: "15%", aboveMax: Never}
     workloads:
       chat:
         arrival: {process: steady, rate: 1}
@@ -405,8 +405,7 @@ def test_a_leased_sessions_next_turn_carries_the_engine_that_admitted_the_last(
     from kvquota_lab.bench.pool import PoolRun
     from kvquota_lab.bench.twin import POLICIES
 
-    seen = SEEN.replace('kvCache: {guaranteedBlocks: "10%", maxBlocks: "15%"}',
-                        f'kvCache: {{guaranteedBlocks: "10%", maxBlocks: "{premium_max}"}}')
+    seen = SEEN.replace('maxBlocks: "15%"', f'maxBlocks: "{premium_max}"')
     scenario = parse_scenario(seen, source="seen")
     run = PoolRun(scenario, POLICIES["kvquota"], PoolSpec(2, "least-kv", signals=signals),
                   load_profile(scenario.profile))

@@ -47,7 +47,7 @@ from engine_sidecar.contract.policy import AuthPolicy
 from engine_sidecar.contract.stats import EngineStats
 from kvquota_lab.bench.metrics import Outcome, RunResult, Timeline
 from kvquota_lab.bench.occupancy import Occupancy
-from kvquota_lab.bench.plugin_counts import outgrown_by_tier
+from kvquota_lab.bench.plugin_counts import above_max_by_tier, outgrown_by_tier
 from kvquota_lab.bench.scenario import TIER_ORDER, Scenario, Session, generate_sessions
 from kvquota_lab.bench.twin import BASELINE, POLICIES, PolicySpec, Progress
 from kvquota_lab.stream_client import Streamed, Target, completion_body, stream_completion
@@ -633,6 +633,7 @@ def run_engine_policy(
                 reasons[reason] = reasons.get(reason, 0) + count
         result.preemptions_by_tier = by_tier
         result.outgrown_by_tier = outgrown_by_tier(final, tier_of)
+        result.above_max_by_tier = above_max_by_tier(final, tier_of)
         result.extra["preemptionsByReason"] = dict(sorted(reasons.items()))
         # The plugin's own count, over every request (first turns included).
         result.extra["pluginPrefixHitRate"] = {

@@ -101,6 +101,11 @@ class RunResult:
     # Preemptions of requests that decoded past their reserved output estimate, per
     # tier, from the plugin's stats; None: not a KVQuota run.
     outgrown_by_tier: dict[str, int] | None = None
+    # Preemptions of work beyond its tenant's maxBlocks, per tier; None: not KVQuota.
+    above_max_by_tier: dict[str, int] | None = None
+    # Seconds queued requests waited on their tenant's maxBlocks while the blocks they
+    # asked for sat idle above the watermark and nobody else waited, per tier.
+    beside_idle_kv: dict[str, float] | None = None
 
 
 def _r(value: float | None, digits: int = 4) -> float | None:
@@ -204,6 +209,12 @@ def summarize(run: RunResult, scenario: Scenario) -> dict[str, Any]:
     for tier, summary in by_tier.items():
         summary["outgrownPreemptions"] = (
             None if run.outgrown_by_tier is None else run.outgrown_by_tier.get(tier, 0)
+        )
+        summary["aboveMaxPreemptions"] = (
+            None if run.above_max_by_tier is None else run.above_max_by_tier.get(tier, 0)
+        )
+        summary["besideIdleKvSeconds"] = (
+            None if run.beside_idle_kv is None else _r(run.beside_idle_kv.get(tier, 0.0), 1)
         )
         ceilings = occupancy["ceilings"]
         summary["atCeiling"] = None if ceilings is None else {

@@ -112,7 +112,7 @@ def _n(value: Any, fmt: str = "{}") -> str:
 COLUMNS = (
     ("policy", 30), ("tier", 8), ("reqs", 6), ("TTFT p50", 9), ("p95", 8), ("p99", 8),
     ("TPOT", 7), ("tok/s", 8), ("goodput", 8), ("preempt", 8), ("outgrown", 9),
-    ("prefix hit", 11),
+    ("above max", 10), ("prefix hit", 11),
     ("lease brk", 10), ("429", 6), ("503", 6),
 )
 
@@ -137,7 +137,7 @@ def format_table(document: dict[str, Any]) -> str:
                 label, tier, str(t["requests"]), _s(t["ttftP50"]), _s(t["ttftP95"]),
                 _s(t["ttftP99"]), _s(t["tpotMean"]), _n(t["throughput"], "{:.0f}"),
                 _n(t["goodput"], "{:.2f}"), _n(t["preemptions"]),
-                _n(t.get("outgrownPreemptions")),
+                _n(t.get("outgrownPreemptions")), _n(t.get("aboveMaxPreemptions")),
                 _n(t["prefixHitRate"], "{:.0%}"), _n(t["leaseBreaks"]),
                 str(t["rejected429"]), str(t["rejected503"]),
             ], first))

@@ -36,7 +36,14 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from engine_sidecar.contract import errors
-from engine_sidecar.contract.policy import TENANT_ID_PATTERN, EnginePolicy, Isolation, Tier
+from engine_sidecar.contract.policy import (
+    DEFAULT_ABOVE_MAX,
+    TENANT_ID_PATTERN,
+    AboveMax,
+    EnginePolicy,
+    Isolation,
+    Tier,
+)
 from kvquota.api import (
     InferencePoolSpec,
     KVCacheSpec,
@@ -309,6 +316,7 @@ class TenantLease(_Model):
 class TenantKVCache(_Model):
     guaranteed_blocks: Blocks = Field(0, description="Blocks, or '25%' of capacity.")
     max_blocks: Blocks = Field(description="Blocks, or '50%' of capacity.")
+    above_max: AboveMax = DEFAULT_ABOVE_MAX
     lease: TenantLease = Field(default_factory=TenantLease)
 
     _check = field_validator("guaranteed_blocks", "max_blocks", mode="before")(_blocks)
@@ -440,6 +448,7 @@ class Scenario(_Model):
                 kv_cache=TenantKVCacheSpec(
                     guaranteed_blocks=resolve_blocks(tenant.kv_cache.guaranteed_blocks, capacity),
                     max_blocks=resolve_blocks(tenant.kv_cache.max_blocks, capacity),
+                    above_max=tenant.kv_cache.above_max,
                     lease=tenant.kv_cache.lease.spec(capacity),
                 ),
                 limits=tenant.limits,

@@ -16,6 +16,9 @@ Targets, per scenario and scale (twin backend; stock = vLLM's own schedulers):
   the table names that limit;
 - `kv-use`: KVQuota's mean KV blocks in use while load arrives at least 0.9x stock
   priority's (a policy that reserves more than requests hold leaves the cache idle);
+- `idle-kv`: no tier waited more than 2% of its queued seconds on its own maxBlocks
+  while the blocks it asked for were free above the watermark and no one else waited
+  for them ("waited beside idle KV");
 - `tput`: total throughput at least 1.0x stock FCFS; `tput/prio`: at least 0.95x
   stock priority.
 
@@ -49,6 +52,9 @@ GOODPUT_VS_PRIORITY = 0.9
 THROUGHPUT_VS_FCFS = 1.0
 THROUGHPUT_VS_PRIORITY = 0.95
 KV_USE_VS_PRIORITY = 0.9
+# Of a tier's queued seconds, at most this share waited on its own maxBlocks beside KV
+# nobody else wanted (free above the watermark, no one else waiting).
+BESIDE_IDLE_KV_SHARE = 0.02
 # A tier "spent the run at a ceiling" when a tenant of it sat there for at least this
 # share of the load window.
 CEILING_RUN_SHARE = 0.5
@@ -127,6 +133,9 @@ def evaluate(document: dict[str, Any]) -> list[Check]:
         kv = ours_kv / prio_kv
         checks.append(Check("kv-use", kv >= KV_USE_VS_PRIORITY, f"{kv:.2f}x",
                             f"KV in use {ours_kv:.0%}, stock priority {prio_kv:.0%}"))
+    idle = _beside_idle_kv(ours)
+    if idle is not None:
+        checks.append(idle)
     # Throughput is output tokens / makespan: KVQuota's makespan against the time the
     # stock policy's throughput (times the target) needs for the same tokens.
     for name, stock, target in (("tput", fcfs, THROUGHPUT_VS_FCFS),
@@ -140,6 +149,23 @@ def evaluate(document: dict[str, Any]) -> list[Check]:
                                                        _cut_answers(ours, stock))))
             checks.append(check)
     return checks
+
+
+def _beside_idle_kv(summary: dict[str, Any]) -> Check | None:
+    """The worst tier's seconds waited on its maxBlocks beside idle KV, as a share of
+    all its queued seconds (None: the run does not report it)."""
+    shares: list[tuple[str, float, float]] = []
+    for tier, t in _tiers(summary).items():
+        idle = t.get("besideIdleKvSeconds")
+        if idle is None:
+            return None
+        queued = sum((t.get("queuedSecondsBy") or {}).values())
+        shares.append((tier, idle, idle / queued if queued else 0.0))
+    if not shares:
+        return None
+    tier, idle, share = max(shares, key=lambda s: s[2])
+    return Check("idle-kv", share <= BESIDE_IDLE_KV_SHARE, f"{share:.1%}",
+                 f"{tier} waited {idle:.0f} s on its maxBlocks beside idle KV")
 
 
 def _cut_answers(summary: dict[str, Any], stock: dict[str, Any]) -> str:
@@ -231,6 +257,10 @@ def diagnosis(document: dict[str, Any]) -> str:
     capped = (extra.get("leaseDrops") or {}).get("cap")
     if capped:
         parts.append(f"leases dropped for lease caps {capped}")
+    above = {name: t.get("aboveMaxPreemptions") for name, t in ours.items()}
+    if any(above.values()):
+        parts.append("preempted beyond maxBlocks " + ", ".join(
+            f"{name} {count}" for name, count in above.items() if count))
     outgrown = {name: t.get("outgrownPreemptions") for name, t in ours.items()}
     if any(outgrown.values()):
         parts.append("preempted past their estimate " + ", ".join(
@@ -338,7 +368,7 @@ def run_suite(
     return outcome
 
 
-TARGET_NAMES = ("p99/base", "p99/prio", "in-guar", "goodput", "kv-use", "tput",
+TARGET_NAMES = ("p99/base", "p99/prio", "in-guar", "goodput", "kv-use", "idle-kv", "tput",
                 "tput/prio")
 
 

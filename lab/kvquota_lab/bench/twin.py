@@ -32,7 +32,7 @@ from kvquota_lab.bench.admission import TwinGateway
 from kvquota_lab.bench.cost import CostProfile
 from kvquota_lab.bench.metrics import Outcome, RunResult, Timeline
 from kvquota_lab.bench.occupancy import Occupancy
-from kvquota_lab.bench.plugin_counts import outgrown_by_tier
+from kvquota_lab.bench.plugin_counts import above_max_by_tier, outgrown_by_tier
 from kvquota_lab.bench.scenario import Scenario, Session, generate_sessions
 
 if TYPE_CHECKING:
@@ -466,9 +466,16 @@ class TwinRun:
             result.has_leases = True
             stats = harness.kvq_stats()
             result.extra = plugin_extra(stats)
-            result.outgrown_by_tier = outgrown_by_tier(
-                stats, {t: self.scenario.tier_of(t).value for t in self.scenario.tenants}
-            )
+            tier_of = {t: self.scenario.tier_of(t).value for t in self.scenario.tenants}
+            result.outgrown_by_tier = outgrown_by_tier(stats, tier_of)
+            result.above_max_by_tier = above_max_by_tier(stats, tier_of)
+            if self.gateway is not None:
+                waits: dict[str, float] = {}
+                for tenant_id, seconds in self.gateway.queue.idle_waits.items():
+                    tier = tier_of.get(tenant_id)
+                    if tier is not None:
+                        waits[tier] = waits.get(tier, 0.0) + seconds
+                result.beside_idle_kv = waits
             for tenant_id, tenant_stats in stats.tenants.items():
                 if tenant_id in self.scenario.tenants:
                     tier = self.scenario.tier_of(tenant_id).value
