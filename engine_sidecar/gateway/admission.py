@@ -31,7 +31,10 @@ Order of checks, cheapest first and the most specific reason wins: prompt length
 -> request larger than the tenant's whole quota (400) -> concurrency (429) -> block
 quota (429) -> capacity for borrowers (503). 400s are final; the others say the
 request must wait (`Verdict.waits`): `admission_queue` queues it and refuses it with
-that error only when it has waited too long.
+that error only when it has waited too long. A request over its tenant's maxBlocks
+passes the quota check only when the queue says nobody waits for capacity
+(`beyond_max`), its tenant's `aboveMax` is Reclaimable and it fits in the free blocks
+above the watermark: KV nobody else wants, which the victim order takes back first.
 """
 
 from __future__ import annotations
