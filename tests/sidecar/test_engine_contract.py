@@ -237,8 +237,10 @@ def test_concurrency_limit_is_429_while_a_stream_is_held(sidecar: Harness, keys:
 def test_block_quota_is_429_while_a_stream_is_held(sidecar: Harness, keys: Keys) -> None:
     # ceil((6 + 2000) / 32) = 63 blocks held; another 63 would exceed 100.
     # maxQueueSeconds 0: refused at once (see the concurrency test above).
+    # aboveMax Never: a hard ceiling (the engine's idle KV would take it otherwise).
     sidecar.apply(make_policy(tenant("acme", max_tokens=2000, max_blocks=100,
-                                     max_queue_seconds=0), reservation=FULL_RESERVATION))
+                                     max_queue_seconds=0, above_max="Never"),
+                              reservation=FULL_RESERVATION))
     token = keys.hs("acme")
     with _held_stream(sidecar, token, {"max_tokens": 2000}):
         held = _status(sidecar).tenants["acme"].usage
@@ -252,6 +254,23 @@ def test_block_quota_is_429_while_a_stream_is_held(sidecar: Harness, keys: Keys)
     _wait_ledger_empty(sidecar)
     status = _status(sidecar).tenants["acme"]
     assert status.counters.rejected_quota >= 1 and status.usage.reserved_blocks == 0
+
+
+def test_a_capped_tenant_runs_beyond_max_blocks_in_kv_nobody_else_wants(
+    sidecar: Harness, keys: Keys
+) -> None:
+    # The same two requests with aboveMax Reclaimable (the default): the engine's KV is
+    # idle and nobody else waits for it, so the second runs beyond maxBlocks and the
+    # status shows the blocks charged above it. A tenant of its own (see below).
+    sidecar.apply(make_policy(tenant("capped", max_tokens=2000, max_blocks=100,
+                                     max_queue_seconds=0), reservation=FULL_RESERVATION))
+    token = keys.hs("capped")
+    with _held_stream(sidecar, token, {"max_tokens": 2000}):
+        with _held_stream(sidecar, token, {"max_tokens": 2000}):
+            usage = _status(sidecar).tenants["capped"].usage
+    assert (usage.inflight, usage.charged_blocks, usage.above_max_blocks) == (2, 126, 26)
+    _wait_ledger_empty(sidecar)
+    assert _status(sidecar).tenants["capped"].usage.above_max_blocks == 0
 
 
 def test_an_estimated_reservation_admits_what_max_tokens_refused(

@@ -94,7 +94,8 @@ def test_a_response_reserves_its_blocks_and_over_quota_is_429(
     # of the same size would exceed 100. maxQueueSeconds 0: refused at once, no race
     # with the held stream's end.
     sidecar.apply(make_policy(tenant("acme", max_tokens=LONG, max_blocks=100,
-                                     max_queue_seconds=0), reservation=FULL_RESERVATION))
+                                     max_queue_seconds=0, above_max="Never"),
+                              reservation=FULL_RESERVATION))
     client = _client(sidecar, keys)
     held = _held_response(sidecar, keys, engine)
     try:
