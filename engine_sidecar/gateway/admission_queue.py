@@ -349,7 +349,9 @@ class AdmissionQueue:
                 continue
             while queue.tickets and (gone or queue.tickets[0].deadline <= now):
                 ticket = queue.tickets[0]
-                if not gone and self._try(tenant_id, queue, ticket, 0, now):
+                if not gone and (self._try(tenant_id, queue, ticket, 0, now) or (
+                        not self._capacity_wanted()
+                        and self._try(tenant_id, queue, ticket, 0, now, beyond_max=True))):
                     settled.append(ticket)
                     continue
                 queue.tickets.popleft()

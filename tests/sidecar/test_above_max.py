@@ -114,3 +114,16 @@ def test_with_never_the_same_blocks_are_a_higher_tiers_to_keep() -> None:
     big = _ask(queue, "cheap", prompt=32 * 149)
     assert not big.settled and big.verdict is not None
     assert big.verdict.decision is Decision.REJECTED_WATERMARK
+
+
+def test_a_request_that_may_not_wait_still_runs_into_idle_kv() -> None:
+    # maxQueueSeconds 0: settled the moment it arrives, at its deadline.
+    queue = _queue()
+    assert queue.policy is not None
+    acme = queue.policy.tenants["acme"].model_copy(update={"max_queue_seconds": 0})
+    queue.set_policy(queue.policy.model_copy(
+        update={"tenants": {**queue.policy.tenants, "acme": acme}}))
+    for _ in range(3):
+        assert _ask(queue).admitted
+    beyond = _ask(queue)
+    assert beyond.admitted and beyond.verdict is not None and beyond.verdict.above_max

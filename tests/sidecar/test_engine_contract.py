@@ -265,9 +265,9 @@ def test_a_capped_tenant_runs_beyond_max_blocks_in_kv_nobody_else_wants(
     sidecar.apply(make_policy(tenant("capped", max_tokens=2000, max_blocks=100,
                                      max_queue_seconds=0), reservation=FULL_RESERVATION))
     token = keys.hs("capped")
-    with _held_stream(sidecar, token, {"max_tokens": 2000}):
-        with _held_stream(sidecar, token, {"max_tokens": 2000}):
-            usage = _status(sidecar).tenants["capped"].usage
+    with (_held_stream(sidecar, token, {"max_tokens": 2000}),
+          _held_stream(sidecar, token, {"max_tokens": 2000})):
+        usage = _status(sidecar).tenants["capped"].usage
     assert (usage.inflight, usage.charged_blocks, usage.above_max_blocks) == (2, 126, 26)
     _wait_ledger_empty(sidecar)
     assert _status(sidecar).tenants["capped"].usage.above_max_blocks == 0
