@@ -180,14 +180,15 @@ class _Engine(TwinRun):
 
     def charged(self, tenant: str) -> int:
         """What this engine's admission charges `tenant` (`_TenantView.charged`): its
-        reservations, or the blocks its running requests hold where more (an Estimated
-        reservation can be outgrown), from the plugin's stats as the sidecar last read
-        them (not refreshed: measuring must not move what the sidecar sees)."""
+        ledger's count, or the blocks its running requests hold plus the joint bound on
+        what they will still grow where more, from the plugin's stats as the sidecar
+        last read them (not refreshed: measuring must not move what the sidecar sees)."""
         if self.gateway is None:
             return 0
-        reserved = self.gateway.ledger.reserved_blocks(tenant)
+        ledger = self.gateway.ledger
         seen = self._stats.tenants.get(tenant) if self._stats is not None else None
-        return max(reserved, seen.running_blocks if seen is not None else 0)
+        running = seen.running_blocks if seen is not None else 0
+        return max(ledger.reserved_blocks(tenant), running + ledger.growth(tenant).bound)
 
     def load(self, tier: Tier, signals: str) -> EngineLoad:
         """What the picker routing a request of `tier` scrapes from this engine now:
@@ -404,7 +405,7 @@ class PoolRun:
         enforced = gateway.queue.policy  # the engine's own (`for_engine`)
         assert enforced is not None
         own = enforced.tenants[ticket.tenant_id]
-        if calls_back(gateway.queue.view(), ticket.tenant_id, session, reservation.blocks,
+        if calls_back(gateway.queue.view(), ticket.tenant_id, session, reservation.turn_blocks,
                       own.max_blocks):
             self.token_engines[session] = engine.index
         else:
