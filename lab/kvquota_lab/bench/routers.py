@@ -3,26 +3,21 @@
 - `round-robin`: engines in turn (a plain Service).
 - `least-kv`: the engine with the lowest KV-cache utilization, then the fewest waiting
   requests (the inference extension's kv-cache-utilization scorer alone).
-- `prefix-affinity`: a model of the inference extension's prefix-cache scorer, with its
-  load scorers. The prompt is cut into blocks; block i's hash chains block i's content
-  with block i-1's hash, and the chain starts from the model and the request's cache
-  salt (so a tenant whose prefix cache is isolated never matches another tenant's
-  blocks, as on the engine). The router remembers, per engine, the hashes of requests
-  it sent there (an LRU the size of the engine's KV cache); an engine's prefix score
-  is the number of leading blocks it holds over the prompt's blocks. The picked engine
-  maximizes `prefix x 2 + (1 - kv utilization) + queue score`, queue score being
-  1 - waiting / max waiting (weights after the extension's sample configuration with a
-  load scorer at half the prefix scorer's weight). Blocks are tokens here (the twin's
-  prompts are token ids), `blockSize` tokens each, where the extension hashes 64
-  characters, about 16 tokens. A request that carries a session token
-  (`RouteRequest.token_engine`) also scores `SESSION_WEIGHT` (3) on the engine it
-  names: llm-d's session-affinity scorer, as the example picker configuration
-  (manifests/examples/picker/epp-config.yaml) enables it above the prefix scorer.
-  With `kv_filter` (`kvquota bench --picker-kv-filter`), engines whose KV series reads
-  at least that are left out before scoring (all of them stay when none is below it):
-  a filter with an absolute threshold on the KV series, which no shipped picker has
-  (the extension's `least-kv-cache-filter` keeps a band above the emptiest engine);
-  modelled to measure what one would give (#31).
+- `prefix-affinity`: the endpoint picker. Reading KVQuota's series, it is llm-d Router
+  running the shipped picker configuration (`picker_router.ConfiguredPicker`, built by
+  `make_router` from a `picker_config.PickerConfig`). Reading vLLM's series (stock
+  engines, or `--picker-signals vllm`), it is `PrefixAffinity`, a model of the
+  pickers' stock scorers: the prompt is cut into `blockSize`-token blocks; block i's
+  hash chains block i's content with block i-1's hash, and the chain starts from the
+  model and the request's cache salt (so a tenant whose prefix cache is isolated never
+  matches another tenant's blocks, as on the engine). The router remembers, per engine,
+  the hashes of requests it sent there (an LRU the size of the engine's KV cache); an
+  engine's prefix score is the number of leading blocks it holds over the prompt's
+  blocks. The picked engine maximizes `prefix x 2 + (1 - kv utilization) + queue
+  score`, queue score being 1 - waiting / max waiting. A request that carries a
+  session token (`RouteRequest.token_engine`) also scores `SESSION_WEIGHT` (3) on the
+  engine it names. With `kv_filter` (`--picker-kv-filter`), engines whose KV series
+  reads at least that are left out before scoring (all stay when none is below it).
 - `session-affinity`: a session's next turn goes to the engine that served its
   previous turn (the engine holding its lease, as the sidecar's hint header names it);
   a first turn goes by `least-kv`.
@@ -33,22 +28,14 @@ chosen by the pool's `signals` (`SIGNALS`, `kvquota bench --picker-signals`):
 - `vllm`: vLLM's own series, `vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc`
   (the pickers' defaults). A request held in the KVQuota sidecar's admission queue is
   in neither: an engine whose sidecar queues looks idle.
-- `kvquota`: KVQuota's per-tier series for the request's tier,
-  `kvquota:num_requests_waiting{tier}` and `kvquota:kv_cache_usage_perc{tier}` (engine
-  waiting plus sidecar queued, for T and the tiers served before it; how close a
-  request of T is to not fitting: 1 - the blocks it can still get, under the capacity
-  above the watermark or under its per-engine maxBlocks, whichever has fewer, over
-  those it could get on an empty engine), computed by the sidecar's own
-  `picker_signals.tier_signals`. A real pool gets this with one picker (InferencePool)
-  per tier, each configured to read its tier's series (manifests/examples/picker).
-  That configuration also enables the session-affinity scorer, which reads the session
-  token the sidecar writes on a leased session's admitted responses
-  (`gateway.affinity`): with these signals the pool hands the router, with each
-  follow-up turn, the engine that admitted the session's previous turn when its tenant
-  has leases and had room there for another turn of the session below its per-engine
-  maxBlocks (the sidecar clears the token otherwise, `affinity.calls_back`)
-  (`RouteRequest.token_engine`); with vLLM's series (the pickers' defaults, no session
-  scorer) it does not.
+- `kvquota`: KVQuota's per-tier series, `kvquota:num_requests_waiting{tier}` and
+  `kvquota:kv_cache_usage_perc{tier}` (engine waiting plus sidecar queued, for T and
+  the tiers served before it; how close a request of T is to not fitting), computed by
+  the sidecar's own `picker_signals.tier_signals`; `EngineLoad.series` carries every
+  tier's, which a configured picker maps to attributes. With these signals and a
+  router other than the configured picker, the pool hands the router the session token
+  the sidecar writes on a leased session's admitted responses
+  (`gateway.affinity.calls_back`; `RouteRequest.token_engine`).
 
 Ties go to the lowest engine index, so a run is deterministic.
 """
