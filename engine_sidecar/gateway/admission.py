@@ -9,13 +9,14 @@ higher one; a request that stays within its tenant's guarantee is never refused 
 
 What a request is charged (README: reservations): for a tier whose `reservation` is
 `Estimated`, its tenant is charged what its admitted requests take now (prompts and
-tokens decoded so far, `ledger`) plus ONE bound on what they will still grow together
-(`joint_charge`: the sum of each request's expected remainder, given what it decoded,
-plus Z = 2 standard deviations of the sum, at most the sum of their 90th percentiles);
-for `Full`, each request's remainder is max_tokens less what it decoded. The tenant's
-charge (`_TenantView.charged`) is the larger of what the ledger counts as taken and
-the blocks its running requests hold in the engine (the plugin's stats, which also
-cover responses the sidecar cannot follow token by token), plus that bound. A request
+tokens decoded so far, `ledger`) plus ONE bound on how far that will still grow
+together (`joint_charge`: the peak over the tokens ahead of their expected joint
+growth, finishers giving their own blocks back, plus Z = 2 standard deviations; with
+fewer than 4 in flight, their own 90th percentiles); for `Full`, each request's
+remainder is max_tokens less what it decoded, in full. The tenant's charge
+(`_TenantView.charged`) is the larger of what the ledger counts as taken and the
+blocks its running requests hold in the engine (the plugin's stats, which also cover
+responses the sidecar cannot follow token by token), plus that bound. A request
 admitted grows the charge by its prompt's new blocks and what the bound grows by.
 When its requests outgrow the charge, their growth draws on its tenant's headroom up
 to maxBlocks (new requests of the tenant wait), then on free blocks above the
@@ -101,6 +102,7 @@ class _TenantView:
     running: int = 0  # blocks its running requests hold in the engine (the plugin's stats)
     committed: int = 0  # blocks its requests take now, as the ledger counts them
     remainder: Remainder = NO_GROWTH  # its requests' summed growth still to come
+    bound: int = 0  # remainder.bound, computed once per view
 
     @property
     def charged(self) -> int:
@@ -108,7 +110,7 @@ class _TenantView:
         its requests take now (the ledger's count or the engine's, the larger: a request
         admitted but not scheduled yet, or one the sidecar cannot follow as it decodes)
         plus the joint bound on what they will still grow (`joint_charge`)."""
-        return max(self.reserved, self.running + self.remainder.bound)
+        return max(self.reserved, self.running + self.bound)
 
 
 _NO_TENANT = _TenantView(0, 0, 0, 0, 0, 0, 0, {}, frozenset())
@@ -207,7 +209,8 @@ def pool_view(
         sessions = ledger.sessions(tenant_id)
         pinned_in_use = sum(seen.leases.get(s, 0) for s in sessions)
         taken = max(committed, seen.running_blocks)
-        growth = max(0, taken - max(seen.running_blocks, pinned_in_use)) + remainder.bound
+        bound = remainder.bound
+        growth = max(0, taken - max(seen.running_blocks, pinned_in_use)) + bound
         growth_total += growth
         tenants[tenant_id] = _TenantView(
             reserved=reserved,
@@ -223,6 +226,7 @@ def pool_view(
             running=seen.running_blocks,
             committed=committed,
             remainder=remainder,
+            bound=bound,
         )
     total = override or engine_total
     if total is None:
@@ -286,7 +290,7 @@ class Verdict:
     borrowing: bool = False  # it would take its tenant beyond its guarantee
     new_blocks: int = 0  # what the engine must allocate (its session's leased prefix out)
     extra: int = 0  # the blocks beyond the prompt's full blocks (ledger.reserve)
-    output_tokens: int = 0  # per sequence: its share of its tenant's joint charge
+    output_tokens: int = 0  # per sequence: its 90th percentile (max_tokens if Full)
     remainder: Remainder = NO_GROWTH  # what it may still grow (ledger.reserve)
     above_max: bool = False  # admitted beyond its tenant's maxBlocks, into idle KV
 
@@ -321,16 +325,13 @@ def decide(
     longest = max(shape.prompt_tokens, default=0)
     load = view.tenant(tenant.tenant_id)
     ahead = Outlook.exactly(max_tokens) if outlook is None else outlook.capped(max_tokens)
-    own = in_blocks(ahead, shape.prompt_tokens, shape.n, 0, block_size)
-    after = load.remainder + own
-    # Its share of its tenant's joint bound, per sequence in tokens: its expected output
-    # plus its part of the margin (the plugin counts a victim past it as outgrown).
-    margin = (after.share(own) - own.mean) * block_size / sequences(shape)
-    reserved = min(max_tokens, math.ceil(ahead.mean + margin - 1e-9))
+    reserved = math.ceil(ahead.quantile - 1e-9)  # the plugin counts a victim past it
     extra = max(0, blocks_for(shape, 0, block_size) - len(shape.prefix))
+    own = in_blocks(ahead, shape.prompt_tokens, shape.n, 0, block_size, extra)
+    after = load.remainder + own
     held = load.held_prefix
     blocks = extra + sum(1 for fingerprint in shape.prefix if fingerprint not in held)
-    blocks += max(0, after.bound - load.remainder.bound)
+    blocks += max(0, after.bound - load.bound)
     session_pinned = load.leases.get(shape.session, 0) if shape.session else 0
     new_blocks = max(min(extra, blocks), blocks - session_pinned)
     pinned_in_use = load.pinned_in_use

@@ -1,37 +1,42 @@
-"""One charge per tenant for its requests together: what they hold plus a joint bound on
-what they will still grow (README: reservations).
+"""One charge per tenant for its requests together: what they take now plus a joint
+bound on how far they will still grow (README: reservations).
 
 Reserving each request's 90th-percentile output charges a tenant with n requests in
-flight n high quantiles, while together they grow by about n times the mean: with
-answers lognormal at sigma 0.8 the 90th percentile is twice the mean. Independent
-requests' remainders add up the way bursty flows share a link (effective bandwidth):
-the sum has mean sum(mu_i) and spread sqrt(sum(var_i)), so the bound that holds the
-tenant's joint growth at the stated confidence is
+flight n high quantiles, and counting every request's growth to its end (the sum of
+their remainders) still charges them as if none would ever finish: requests in flight
+are the long ones (a request is in flight in proportion to its length), so their
+summed remainders are about what they already hold, while the blocks they hold
+*together* hardly grow at all: as some grow, others finish and give theirs back.
 
-    bound = min( sum(mu_i) + Z * sqrt(sum(var_i) + sum(se_i)^2),  sum(q_i) )
+What must fit is the peak of their joint growth from now on. After each sequence
+decodes t more tokens, request i has grown by g_i(t) blocks if it is still decoding
+(chance s_i(t), from its tenant's learned lengths beyond what it has decoded) and has
+given back h_i, the blocks that are its own (its last prompt block and what it
+decoded; prompt blocks it may share are not counted as given back), if it finished:
 
-- mu_i, var_i, q_i: request i's remainder given what it has decoded (`Outlook`, from
-  its tenant's learned lengths beyond that point), its expected value, variance and
-  90th percentile, in blocks, capped by its max_tokens;
-- the window's own error: mu_i is a mean over the samples beyond that point, off by
-  about se_i = sqrt(var_i / count); every request of the tenant reads the same
-  window, so these errors add up linearly and join the variance as (sum se_i)^2 —
-  without this, 64 requests of a tenant outgrew the bound one time in eight (the
-  window's mean, wrong by 12%, moves all of them together);
-- Z = 2: the joint growth exceeds the bound about 2.3% of the time under the normal
-  approximation; the sum of a few skewed remainders has a heavier right tail, measured
-  on lognormal answers in tests/sidecar/test_joint_charge.py;
-- the sum of per-request quantiles caps it: with one or two requests in flight the
-  normal margin is wider than their own 90th percentiles (the rule before: about one
-  request in ten outgrows it), from about four on the joint bound is the smaller.
+    G(t) = sum_i ( g_i(t) if alive else -h_i )
+    bound = min( sum(q_i),  max over t of min( sum g_i(t), E[G(t)] + Z * sd(t) ) )
+    sd(t)^2 = sum_i (g_i + h_i)^2 s_i (1 - s_i)  +  ( sum_i (g_i + h_i) se_i )^2
 
-A request that outgrows the bound is charged what it really holds (admission's
-`charged` takes the larger of the ledger's count and the plugin's), draws on its
-tenant's headroom, then on free blocks above the watermark, then the victim order.
+- t runs over `HORIZON` (16 tokens to 32K, sqrt(2) apart): a handful of sums per
+  tenant, moved by each request's delta as it decodes, so admission reads the charge
+  in O(1) whatever the number of requests;
+- se_i = sqrt(s_i (1 - s_i) / samples): the window is a sample, read by every
+  request of the tenant, so its errors add up linearly;
+- Z = 2 (one-sided normal, ~97.7%); the sum of a few skewed terms has a heavier tail,
+  measured on lognormal answers in tests/sidecar/test_joint_charge.py;
+- q_i: request i's 90th-percentile remainder: with fewer than MIN_JOINT (4) requests
+  in flight their sum is the bound (the rule before this one: the normal margin over
+  one or two all-or-nothing finishes would hold only about 80% of the time), and it
+  caps the joint bound always;
+- a known remainder (`Full` tiers, or the tier default before enough answers
+  finished) counts in full, max_tokens less what it decoded, in whole blocks as
+  ceil((prompt + max_tokens) / blockSize) always did: Full means never outgrown.
 
-Sums are kept per tenant in the ledger and moved by each request's delta as it
-decodes, so admission reads the charge in O(1); each request's update is a binary
-search in its tenant's window (`OutputEstimates.outlook`).
+A tenant whose requests outgrow the bound is charged what they really hold
+(admission's `charged` takes the larger of the ledger's count and the plugin's), and
+their growth draws on its headroom, then on free blocks above the watermark, then the
+victim order.
 """
 
 from __future__ import annotations
@@ -40,49 +45,77 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine_sidecar.gateway.output_estimate import Outlook
+from engine_sidecar.gateway.output_estimate import HORIZON, Outlook
 
 Z = 2.0  # one-sided normal: ~97.7% confidence that the tenant's requests fit together
+
+# Below this many estimated requests in flight, their own 90th percentiles: a normal
+# margin over one or two all-or-nothing finishes holds only ~80% of the time.
+MIN_JOINT = 4
+
+_Points = tuple[float, ...]
+
+
+def _plus(a: _Points, b: _Points, sign: float = 1.0) -> _Points:
+    if not b:
+        return a
+    if not a:
+        return b if sign > 0 else tuple(-x for x in b)
+    return tuple(x + sign * y for x, y in zip(a, b, strict=True))
 
 
 @dataclass(frozen=True, slots=True)
 class Remainder:
-    """A request's (or a tenant's summed) growth still to come, in blocks; `error`: the
-    standard error of `mean` (summed linearly: one window's error is every request's)."""
+    """A request's (or a tenant's summed) growth still to come, in blocks: `known` in
+    full; for estimated ones, per point of `HORIZON`, the expected growth (`grown`,
+    finishers' blocks given back), its variance, the window's error on it, and the
+    most it can be (`most`: every one still decoding); `mean` and `quantile` sum their
+    expected and 90th-percentile remainders (known ones included in `quantile`)."""
 
+    known: float = 0.0
+    count: int = 0  # estimated requests summed
     mean: float = 0.0
-    var: float = 0.0
     quantile: float = 0.0
-    error: float = 0.0
+    grown: _Points = ()
+    var: _Points = ()
+    error: _Points = ()
+    most: _Points = ()
 
     def __add__(self, other: Remainder) -> Remainder:
-        return Remainder(self.mean + other.mean, self.var + other.var,
-                         self.quantile + other.quantile, self.error + other.error)
+        return Remainder(
+            self.known + other.known, self.count + other.count, self.mean + other.mean,
+            self.quantile + other.quantile,
+            _plus(self.grown, other.grown), _plus(self.var, other.var),
+            _plus(self.error, other.error), _plus(self.most, other.most))
 
     def __sub__(self, other: Remainder) -> Remainder:
-        return Remainder(self.mean - other.mean, self.var - other.var,
-                         self.quantile - other.quantile, self.error - other.error)
+        return Remainder(
+            self.known - other.known, self.count - other.count, self.mean - other.mean,
+            self.quantile - other.quantile,
+            _plus(self.grown, other.grown, -1), _plus(self.var, other.var, -1),
+            _plus(self.error, other.error, -1), _plus(self.most, other.most, -1))
 
     @property
-    def spread(self) -> float:
-        """The standard deviation of the summed growth, the estimate's error included."""
-        return math.sqrt(max(0.0, self.var + self.error * self.error))
+    def peak(self) -> float:
+        """The bound on the estimated requests' joint growth (blocks, fractional)."""
+        peak = 0.0
+        sqrt = math.sqrt
+        for grown, var, error, most in zip(self.grown, self.var, self.error, self.most,
+                                           strict=True):
+            spread = var + error * error  # may drift below 0 by rounding as sums move
+            top = grown + Z * sqrt(spread) if spread > 0 else grown
+            if top > most:
+                top = most
+            if top > peak:
+                peak = top
+        return peak
 
     @property
     def bound(self) -> int:
         """The joint bound in whole blocks (see the module docstring)."""
-        joint = self.mean + Z * self.spread
-        return max(0, math.ceil(min(joint, self.quantile) - 1e-9))
-
-    def share(self, own: Remainder) -> float:
-        """`own`'s part of this sum's bound (Euler allocation: its mean plus its part of
-        the margin), in blocks; the shares of all parts add up to the bound."""
-        spread = self.spread
-        if self.mean + Z * spread >= self.quantile:
-            return own.quantile
-        if spread <= 0:
-            return own.mean
-        return own.mean + Z * (own.var + own.error * self.error) / spread
+        if self.count < MIN_JOINT:
+            return max(0, math.ceil(self.quantile - 1e-9))
+        return max(0, math.ceil(min(self.quantile, self.known + self.peak) - 1e-9))
 
 
 NO_GROWTH = Remainder()
@@ -90,34 +123,43 @@ NO_GROWTH = Remainder()
 
 def in_blocks(
     outlook: Outlook, prompts: tuple[int, ...], n: int, decoded: int, block_size: int,
+    held: int = 0,
 ) -> Remainder:
     """The remainder of a request whose `n` sequences per prompt have each decoded
-    `decoded` tokens with this per-sequence outlook, in blocks: what fits in the free
-    slots of each sequence's last block is not new blocks. A known remainder (variance
-    0: `Full`, or the tier default) counts whole blocks per sequence, exactly as
-    ceil((prompt + max_tokens) / blockSize) does; an estimated one counts fractions, so
-    a tenant's many requests are not rounded up one by one."""
-    mean = var = quantile = error = 0.0
-    exact = outlook.var <= 0 and outlook.mean == outlook.quantile
-    for prompt in prompts or (0,):
-        slack = -(prompt + decoded) % block_size
-        if exact:
-            whole = float(-(-max(0.0, outlook.mean - slack) // block_size))
-            mean += n * whole
-            quantile += n * whole
+    `decoded` tokens with this per-sequence outlook, in blocks; `held`: the blocks it
+    gives back when it finishes. What fits in the free slots of each sequence's last
+    block is not new blocks."""
+    slacks = [-(prompt + decoded) % block_size for prompt in prompts or (0,)]
+    if outlook.known:
+        whole = sum(n * float(-(-max(0.0, outlook.mean - slack) // block_size))
+                    for slack in slacks)
+        return Remainder(known=whole, quantile=whole)
+    mean = sum(n * max(0.0, outlook.mean - slack) for slack in slacks) / block_size
+    quantile = sum(n * max(0.0, outlook.quantile - slack) for slack in slacks) / block_size
+    grown, var, error, most = [], [], [], []
+    samples = max(1, outlook.samples)
+    single = len(slacks) == 1
+    first = slacks[0]
+    for alive, ahead in zip(outlook.survival, HORIZON, strict=True):
+        if single:
+            growth = n * (ahead - first) / block_size if ahead > first else 0.0
         else:
-            mean += n * max(0.0, outlook.mean - slack) / block_size
-            quantile += n * max(0.0, outlook.quantile - slack) / block_size
-            var += n * outlook.var / (block_size * block_size)
-            error += n * outlook.error / block_size
-    return Remainder(mean, var, quantile, error)
+            growth = sum(n * max(0, ahead - slack) for slack in slacks) / block_size
+        swing = growth + held
+        spread = alive * (1.0 - alive)
+        grown.append(growth * alive - held * (1.0 - alive))
+        var.append(swing * swing * spread)
+        error.append(swing * math.sqrt(spread / samples))
+        most.append(growth if alive > 0 else -float(held))
+    return Remainder(0.0, 1, mean, quantile, tuple(grown), tuple(var), tuple(error),
+                     tuple(most))
 
 
 class RequestGrowth:
     """One admitted request as it decodes: the blocks beyond its prompt's full blocks it
-    takes now (prompt tail and decoded tokens, per sequence) and its remainder. The
-    outlook comes from its tenant's estimates at each update (`outlook(d)`: per
-    sequence, `d` tokens decoded, already capped by its max_tokens)."""
+    takes now (prompt tail and decoded tokens, per sequence: what it gives back when it
+    finishes) and its remainder. The outlook comes from its tenant's estimates at each
+    update (`outlook(d)`: per sequence, `d` tokens decoded, capped by its max_tokens)."""
 
     __slots__ = ("_outlook", "block_size", "full_blocks", "n", "prompts", "sequences", "step")
 
@@ -137,5 +179,7 @@ class RequestGrowth:
         per_sequence = max(0, decoded) // self.sequences
         size, n = self.block_size, self.n
         taken = sum(n * -(-(p + per_sequence) // size) for p in self.prompts or (0,))
-        remainder = in_blocks(self._outlook(per_sequence), self.prompts, n, per_sequence, size)
-        return max(0, taken - self.full_blocks), remainder
+        extra = max(0, taken - self.full_blocks)
+        remainder = in_blocks(self._outlook(per_sequence), self.prompts, n, per_sequence,
+                              size, extra)
+        return extra, remainder

@@ -5,8 +5,8 @@ of further blocks it takes now (`extra`: the partial last block, the tokens deco
 far, further sequences) and what it may still grow (`remainder`, `joint_charge`). A
 tenant's committed blocks are its *distinct* prefix blocks plus its extras, the way
 vLLM's prefix cache holds them: two requests that share a system prompt reserve it
-once. Its reserved blocks are those plus one joint bound on its requests' summed
-remainders (`Remainder.bound`), not a sum of per-request margins. As a request decodes
+once. Its reserved blocks are those plus one joint bound on how far its requests will
+still grow together (`Remainder.bound`), not a sum of per-request margins. As a request decodes
 (`Reservation.progress`), its extra grows and its remainder shrinks, moving its
 tenant's sums by the difference: O(1) per update, never a pass over the tenant.
 

@@ -80,7 +80,8 @@ class StateCollector(Collector):
         tenants = active.policy.tenants if active else {}
 
         reserved = GaugeMetricFamily("kvquota_tenant_blocks_reserved",
-                                     "KV blocks reserved by in-flight requests.",
+                                     "KV blocks charged for in-flight requests: what they "
+                                     "take now plus one bound on their joint growth.",
                                      labels=["tenant_id"])
         inflight = GaugeMetricFamily("kvquota_tenant_inflight_requests",
                                      "Requests admitted and not finished.", labels=["tenant_id"])
@@ -149,11 +150,11 @@ class StateCollector(Collector):
         charged = GaugeMetricFamily(
             "kvquota_tenant_blocks_charged",
             "KV blocks counted against the tenant's maxBlocks: what its running requests "
-            "hold plus what its requests reserved and have not allocated yet.",
+            "hold plus the bound on their joint growth and prompts not scheduled yet.",
             labels=["tenant_id"])
         pending = GaugeMetricFamily(
             "kvquota_tenant_blocks_pending",
-            "KV blocks reserved for the tenant's work not allocated yet.", labels=["tenant_id"])
+            "KV blocks charged for the tenant's work not allocated yet.", labels=["tenant_id"])
         above = GaugeMetricFamily(
             "kvquota_tenant_blocks_above_max",
             "KV blocks charged to the tenant beyond its maxBlocks: work run in KV no other "

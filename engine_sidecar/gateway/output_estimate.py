@@ -1,4 +1,10 @@
-"""How many output tokens an admitted request reserves: learned per tenant and route.
+"""What an admitted request will still decode: learned per tenant and route.
+
+`outlook(tenant, route, policy, decoded)` reads the window's lengths beyond what a
+request has decoded: its expected remainder, variance, 90th percentile and the chance
+it is still decoding at each point ahead (`HORIZON`), from which `joint_charge` bounds
+the growth of a tenant's requests together. What follows is the window and its 90th
+percentile, which a request alone (or one of fewer than four) is charged.
 
 Clients leave `max_tokens` generous (or unset, so the tier's default applies) while
 real answers are a few hundred tokens; reserving `max_tokens` held KV nobody used and
@@ -34,7 +40,6 @@ policy names (`retain`).
 
 from __future__ import annotations
 
-import math
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Container
@@ -49,24 +54,41 @@ ALL_ROUTES = ""  # the key of a tenant's samples over every route
 TAIL_MIN = 4  # fewer samples than this beyond a point: the tail's shape stands in
 
 
+# Points ahead (tokens each sequence may still decode) where a tenant's joint growth is
+# read (`joint_charge`): from one 16-token block on, sqrt(2) apart, to 32,768 tokens.
+HORIZON = tuple(round(16 * 2 ** (j / 2)) for j in range(22))
+
+
 @dataclass(frozen=True, slots=True)
 class Outlook:
-    """The output one sequence of a request still has to decode, in tokens: its
-    expected value, variance and 90th percentile, given what it has decoded so far, and
-    the standard error of that expected value (the window is a sample: every request
-    of the tenant shares its error, so errors add up linearly, not in quadrature)."""
+    """The output one sequence of a request still has to decode, in tokens, given what it
+    has decoded so far: its expected value, variance and 90th percentile; the chance
+    that it is still decoding `HORIZON[j]` tokens from now (`survival`) and the samples
+    that chance was read from (`samples`: its standard error is sqrt(s (1 - s) /
+    samples); the window is one sample for every request of the tenant, so errors add up
+    linearly, not in quadrature). `survival` empty: the remainder is known (`exactly`)."""
 
     mean: float
     var: float
     quantile: float
-    error: float = 0.0
+    survival: tuple[float, ...] = ()
+    samples: int = 0
+
+    @property
+    def known(self) -> bool:
+        return not self.survival
 
     def capped(self, room: int) -> Outlook:
         """Within the `room` its max_tokens leaves: the mean and quantile cut there, the
-        variance at most room^2 / 4 (the widest a variable within [0, room] can spread)."""
+        variance at most room^2 / 4 (the widest a variable within [0, room] can spread),
+        and no sequence decoding `room` tokens or more from now."""
         room = max(0, room)
+        if self.known:
+            return Outlook.exactly(min(int(self.mean), room))
+        survival = tuple(s if ahead < room else 0.0
+                         for s, ahead in zip(self.survival, HORIZON, strict=True))
         return Outlook(min(self.mean, room), min(self.var, room * room / 4),
-                       min(self.quantile, room), min(self.error, room / 2))
+                       min(self.quantile, room), survival, self.samples)
 
     @classmethod
     def exactly(cls, tokens: int) -> Outlook:
@@ -104,23 +126,31 @@ class _Window:
             self.above, self.above_sq = above[::-1], above_sq[::-1]
 
     def beyond(self, decoded: int) -> Outlook:
-        """L - d given L > d over the window's lengths L (d = `decoded`). Past the
-        longest few (fewer than TAIL_MIN longer), the last TAIL_MIN stand in, measured
-        from the length just below them: such a request is expected to grow as much
-        again as the longest answers grew past that point (a tail that does not thin)."""
+        """L - d given L > d over the window's lengths L (d = `decoded`), and the share of
+        those still decoding at each point of `HORIZON`. Past the longest few (fewer than
+        TAIL_MIN longer), the last TAIL_MIN stand in, measured from the length just below
+        them: such a request is expected to grow as much again as the longest answers
+        grew past that point (a tail that does not thin)."""
         ordered = self.ordered
         count = len(ordered)
         start = bisect_right(ordered, decoded)
-        origin = float(decoded)
+        origin = decoded
         if count - start < TAIL_MIN:
             start = max(0, count - TAIL_MIN)
-            origin = float(ordered[start - 1]) if start > 0 else 0.0
+            origin = ordered[start - 1] if start > 0 else 0
         tail = count - start
         mean_length = self.above[start] / tail
         var = max(0.0, self.above_sq[start] / tail - mean_length * mean_length)
         quantile = ordered[start + _rank(tail) - 1]
+        survival = []
+        for ahead in HORIZON:
+            alive = count - bisect_right(ordered, origin + ahead, start)
+            survival.append(alive / tail)
+            if not alive:
+                survival.extend([0.0] * (len(HORIZON) - len(survival)))
+                break
         return Outlook(mean_length - origin, var, max(0.0, quantile - origin),
-                       math.sqrt(var / tail))
+                       tuple(survival), tail)
 
 
 class OutputEstimates:

@@ -12,10 +12,12 @@ output tokens; on /v1/responses, the `response.output_text.delta` events.
 
 Exact where usage is present; otherwise a floor: a larger `--stream-interval`, or
 vLLM's server merging the deltas it has not sent yet into one event when it lags,
-makes it count low. It only feeds the learned estimate (`output_estimate`): what a request is
-charged once it runs comes from the blocks it holds, so a miscount moves what is
-reserved ahead, never what is accounted as held. Per chunk it costs one `count` and a
-bounded copy of the tail.
+makes it count low. It feeds the learned estimate (`output_estimate`) at the end, and
+while a response streams, the count so far (`decoded`) re-estimates the request's
+remainder (`Reservation.progress`): a count that runs low leaves more of the request
+charged as growth still to come, and what it holds is charged from the plugin's stats
+whatever the count, so a miscount moves what is reserved ahead, never what is
+accounted as held. Per chunk it costs one `count` and a bounded copy of the tail.
 """
 
 from __future__ import annotations
@@ -47,6 +49,13 @@ class OutputMeter:
         else:
             self.tail = self.tail[len(self.tail) + len(chunk) - TAIL_BYTES:] + chunk \
                 if len(self.tail) + len(chunk) > TAIL_BYTES else self.tail + chunk
+
+    def decoded(self, n: int = 1) -> int:
+        """The output tokens streamed so far over all `n` choices, by their token events
+        (0 for a response that is not streamed): what admission re-estimates a running
+        request's remainder from (`Reservation.progress`)."""
+        opening = n if self.route == "chat" else 0
+        return max(0, self.events - opening)
 
     def output_tokens(self, n: int = 1) -> int | None:
         """The response's output tokens over all its `n` choices (None: nothing seen)."""

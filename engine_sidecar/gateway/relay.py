@@ -6,7 +6,8 @@ streams back untouched (`forward.exchange`) with the time queued, and for a leas
 session the engine that will hold its KV (`affinity`), its session token only while
 a next turn of the session fits under its tenant's ceiling here. The reservation is
 released as soon as the engine is done, whatever happened; the output tokens counted
-on the way (`output_meter`) teach the tenant's output estimate.
+on the way (`output_meter`) move the request's charge as it decodes and, at the end,
+teach the tenant's output estimate.
 """
 
 from __future__ import annotations
@@ -87,12 +88,18 @@ class Relay:
             trace.upstream_opened()
             return response
 
+        sequences = admitted.sequences
+
+        def on_chunk(chunk: bytes) -> None:
+            meter.feed(chunk)
+            reservation.progress(meter.decoded(sequences))  # re-estimates once per block
+
         try:
             result = await exchange(
                 receive, send, upstream, open_engine,
                 on_done=reservation.release,
                 extra_headers=extra_headers,
-                on_chunk=meter.feed,
+                on_chunk=on_chunk,
             )
             outcome = result.outcome
             produced = meter.output_tokens(admitted.sequences)

@@ -338,14 +338,18 @@ class TierSpec(BaseModel):
     )
     reservation: ReservationMode | None = Field(
         None,
-        description="What a request of the tier reserves when the sidecar admits it. "
-        "Estimated (the default): its prompt plus the output its tenant's requests on "
-        "that route usually produce (the 90th percentile of the latest 64 the sidecar "
-        "relayed, at most max_tokens; defaultMaxTokens until 8 have finished); a request "
-        "that decodes past it is charged the blocks it really holds, drawing on its "
-        "tenant's headroom up to maxBlocks, then on free KV above the watermark, and when "
-        "both are gone the plugin's victim order decides. Full: its prompt plus "
-        "max_tokens, so no admitted request is ever preempted for growing, at the price "
+        description="What the sidecar charges a tenant of the tier for its requests' "
+        "output. Estimated (the default): one charge per tenant for its requests together "
+        "on each engine: what they take now (prompts and tokens decoded so far) plus a "
+        "bound on how far that will still grow, read from its tenant's latest 64 answer "
+        "lengths on the route beyond what each has decoded (the peak over the tokens "
+        "ahead of their expected joint growth, finished requests giving their blocks "
+        "back, plus two standard deviations; with fewer than 4 in flight, their own "
+        "90th percentiles; defaultMaxTokens until 8 have finished); requests that outgrow "
+        "it are charged the blocks they really hold, drawing on their tenant's headroom "
+        "up to maxBlocks, then on free KV above the watermark, and when both are gone the "
+        "plugin's victim order decides. Full: its prompt plus max_tokens, so no admitted "
+        "request is ever preempted for growing, at the price "
         "of KV reserved that requests with short answers never use.",
     )
 
@@ -760,18 +764,19 @@ class Usage(_WireView):
         "leases' (the sidecars' reservations where the scheduler's stats are missing).",
     )
     reserved_blocks: int = Field(
-        0, description="KV blocks the sidecars reserved for the tenant's requests in flight: "
-        "each its prompt plus its output estimate (plus max_tokens for a tier whose "
-        "reservation is Full), not max_tokens.",
+        0, description="KV blocks the sidecars charge the tenant's requests in flight: what "
+        "they take now (prompts and tokens decoded so far) plus one bound on how far that "
+        "will still grow together (max_tokens less what each decoded for a tier whose "
+        "reservation is Full).",
     )
     pending_blocks: int = Field(
-        0, description="KV blocks reserved for the tenant's work not allocated yet "
-        "(reservations beyond what its running requests hold).",
+        0, description="KV blocks charged for the tenant's work not allocated yet "
+        "(the bound on its requests' growth, and prompts not scheduled yet).",
     )
     charged_blocks: int = Field(
         0, description="KV blocks counted against maxBlocks: what the tenant's running "
-        "requests hold plus pendingBlocks. Above reservedBlocks when requests decoded past "
-        "their output estimates.",
+        "requests hold plus pendingBlocks; chargedBlocks / blocks is what admission charges "
+        "beyond what the tenant holds.",
     )
     output_estimate_tokens: int = Field(
         0, description="Output tokens a request of the tenant reserves now: the 90th "

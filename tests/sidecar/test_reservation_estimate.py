@@ -63,13 +63,13 @@ def test_generous_max_tokens_no_longer_queue_once_answer_lengths_are_learned() -
     estimated, full = _queue(), _queue(ReservationMode.FULL)
     _answers(estimated), _answers(full)
     admitted = [_ask(estimated) for _ in range(20)]
-    # Their prompts take 4 blocks each; their answers (10-200 tokens, mean 105, variance
-    # 3,325; 28 fit in each prompt's last block) grow by 20 * 77 / 32 = 48.1 blocks on
-    # average, plus two standard deviations of the sum (the window's error on the mean,
-    # 20 * sqrt(3325 / 20) / 32, with the answers' own spread): 71 for the 20
-    # together, where the sum of their 90th percentiles (180 tokens) would be 95.
+    # Their prompts take 4 blocks each; their answers (10-200 tokens, 28 of them fit in
+    # each prompt's last block) are charged one bound for the 20 together, the peak of
+    # what they will hold beyond this as some grow and others finish (giving back their
+    # 4 unshared prompt blocks): 24 blocks, where their 90th percentiles (180 tokens)
+    # would charge 20 * 152 / 32 = 95.
     assert all(t.admitted for t in admitted)
-    assert estimated.ledger.reserved_blocks("acme") == 20 * 4 + 71
+    assert estimated.ledger.reserved_blocks("acme") == 20 * 4 + 24
     verdict = admitted[0].verdict
     assert verdict is not None and verdict.output_tokens == 180  # alone: its p90
     assert verdict.max_tokens == GENEROUS  # the engine still may decode to max_tokens

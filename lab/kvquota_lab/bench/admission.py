@@ -16,7 +16,7 @@ outcome before it releases the reservation, so the release is where it is read.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from engine_sidecar.contract.names import RESERVED_BLOCKS_ARG
@@ -27,6 +27,7 @@ from engine_sidecar.gateway.admission_queue import AdmissionQueue, Ticket
 from engine_sidecar.gateway.ledger import Ledger, Reservation
 from engine_sidecar.gateway.openai_request import Kind
 from engine_sidecar.gateway.prefix import block_fingerprints
+from kvquota_lab.bench.charges import ChargeReading
 
 TWIN_ROUTE = Kind.CHAT.value
 
@@ -61,6 +62,7 @@ class TwinGateway:
         self._next_check = 0.0
         self._settled: list[Ticket] = []
         self._admitted: dict[Reservation, Ticket] = {}  # until released
+        self.admitted_blocks: dict[str, int] = {}  # per tenant, what admission added
 
     def set_policy(self, policy: EnginePolicy) -> None:
         """A new policy (the operator re-split the quotas): the queue is pumped at the
@@ -79,8 +81,23 @@ class TwinGateway:
                                          ticket.shape.n)
 
     def _track(self, ticket: Ticket) -> None:
-        if ticket.reservation is not None:
+        if ticket.reservation is not None and ticket.reservation not in self._admitted:
             self._admitted[ticket.reservation] = ticket
+            assert ticket.verdict is not None
+            self.admitted_blocks[ticket.tenant_id] = (
+                self.admitted_blocks.get(ticket.tenant_id, 0) + ticket.verdict.blocks)
+
+    def charge_readings(self, tenants: Iterable[str]) -> dict[str, ChargeReading]:
+        """What admission charges each tenant now beside what its requests hold
+        (`bench.charges`)."""
+        view = self.queue.view()
+        readings = {}
+        for tenant_id in tenants:
+            seen = view.tenant(tenant_id)
+            readings[tenant_id] = ChargeReading(
+                seen.charged, seen.running, seen.reserved,
+                self.admitted_blocks.get(tenant_id, 0), seen.inflight)
+        return readings
 
     def _on_settled(self, ticket: Ticket) -> None:
         self._track(ticket)

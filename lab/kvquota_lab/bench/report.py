@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kvquota_lab.bench.charges import charge_lines
 from kvquota_lab.bench.cost import CostProfile
 from kvquota_lab.bench.metrics import RunResult, summarize
 from kvquota_lab.bench.scenario import TIER_ORDER, Scenario
@@ -169,6 +170,7 @@ def format_table(document: dict[str, Any]) -> str:
         )
         lines.append(f"total throughput vs stock FCFS ({_n(stock, '{:.0f}')} tok/s): {ratios}")
     lines += kv_lines(document)
+    lines += charge_lines(document)
     for key, summary in document["policies"].items():
         for note in summary.get("notes", []):
             lines.append(f"note ({key}): {note}")

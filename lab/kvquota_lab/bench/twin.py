@@ -29,6 +29,7 @@ from engine_sidecar.contract.policy import EnginePolicy
 from engine_sidecar.gateway.admission import Decision
 from engine_sidecar.plugin.stats_publisher import STEP_INTERVAL_S
 from kvquota_lab.bench.admission import TwinGateway
+from kvquota_lab.bench.charges import ChargeLog
 from kvquota_lab.bench.cost import CostProfile
 from kvquota_lab.bench.metrics import Outcome, RunResult, Timeline
 from kvquota_lab.bench.occupancy import Occupancy
@@ -147,6 +148,9 @@ class TwinRun:
         self._prompts: dict[tuple[str, int], list[int]] = {}  # prompts of retries
         self._tier_of_req: dict[str, str] = {}
         self._stats: EngineStats | None = None
+        # What admission charged each tenant beside what it held, per stats reading.
+        self.charges = ChargeLog(scenario.duration)
+        self._charged_at: EngineStats | None = None
         self._stats_until = 0.0
         self._planned = sum(len(s.turns) for s in sessions)
         self._settled = 0
@@ -373,6 +377,9 @@ class TwinRun:
             return
         self._held = {t: s.running_blocks + s.leased_blocks for t, s in stats.tenants.items()}
         gateway = self.gateway
+        if gateway is not None and stats is not self._charged_at:
+            self._charged_at = stats
+            self.charges.read(harness.now, gateway.charge_readings(self.scenario.tenants))
         self._inflight = (
             {t: gateway.ledger.inflight(t) for t in self.scenario.tenants}
             if gateway is not None
@@ -470,6 +477,7 @@ class TwinRun:
             result.outgrown_by_tier = outgrown_by_tier(stats, tier_of)
             result.above_max_by_tier = above_max_by_tier(stats, tier_of)
             if self.gateway is not None:
+                result.extra["charges"] = self.charges.to_json()
                 waits: dict[str, float] = {}
                 for tenant_id, seconds in self.gateway.queue.idle_waits.items():
                     tier = tier_of.get(tenant_id)
