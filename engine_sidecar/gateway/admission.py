@@ -14,9 +14,9 @@ together (`joint_charge`: the peak over the tokens ahead of their expected joint
 growth, finishers giving their own blocks back, plus Z = 2 standard deviations; with
 fewer than 4 in flight, their own 90th percentiles); for `Full`, each request's
 remainder is max_tokens less what it decoded, in full. The tenant's charge
-(`_TenantView.charged`) is the larger of what the ledger counts as taken and the
-blocks its running requests hold in the engine (the plugin's stats, which also cover
-responses the sidecar cannot follow token by token), plus that bound. A request
+(`_TenantView.charged`) is that, or the blocks its running requests hold in the
+engine when more (the plugin's stats, which also cover responses the sidecar cannot
+follow token by token). A request
 admitted grows the charge by its prompt's new blocks and what the bound grows by.
 When its requests outgrow the charge, their growth draws on its tenant's headroom up
 to maxBlocks (new requests of the tenant wait), then on free blocks above the
@@ -106,11 +106,14 @@ class _TenantView:
 
     @property
     def charged(self) -> int:
-        """THE number admission compares with guaranteedBlocks and maxBlocks: the blocks
-        its requests take now (the ledger's count or the engine's, the larger: a request
-        admitted but not scheduled yet, or one the sidecar cannot follow as it decodes)
-        plus the joint bound on what they will still grow (`joint_charge`)."""
-        return max(self.reserved, self.running + self.bound)
+        """THE number admission compares with guaranteedBlocks and maxBlocks: what the
+        ledger charges its requests (what they take now plus the joint bound on how far
+        that will still grow, `joint_charge`), or what its running requests hold in the
+        engine (the plugin's stats) when that is more: requests that outgrew the bound,
+        or a response the sidecar cannot follow token by token, are charged the blocks
+        they really hold. Not held + bound: the sidecar's count of decoded tokens trails
+        the engine's, so the two sides would count the same tokens twice."""
+        return max(self.reserved, self.running)
 
 
 _NO_TENANT = _TenantView(0, 0, 0, 0, 0, 0, 0, {}, frozenset())
@@ -208,9 +211,7 @@ def pool_view(
         remainder = ledger.growth(tenant_id)
         sessions = ledger.sessions(tenant_id)
         pinned_in_use = sum(seen.leases.get(s, 0) for s in sessions)
-        taken = max(committed, seen.running_blocks)
-        bound = remainder.bound
-        growth = max(0, taken - max(seen.running_blocks, pinned_in_use)) + bound
+        growth = max(0, reserved - max(seen.running_blocks, pinned_in_use))
         growth_total += growth
         tenants[tenant_id] = _TenantView(
             reserved=reserved,
@@ -226,7 +227,7 @@ def pool_view(
             running=seen.running_blocks,
             committed=committed,
             remainder=remainder,
-            bound=bound,
+            bound=reserved - committed,
         )
     total = override or engine_total
     if total is None:

@@ -293,8 +293,10 @@ def test_an_estimated_reservation_admits_what_max_tokens_refused(
             assert second.status_code == 200
             assert next(second.iter_lines()).startswith("data: ")
     # The tier's default of 8 tokens, or shorter answers the session's sidecar learned
-    # from the tenant's earlier requests: one block either way.
-    assert (held.reserved_blocks, held.inflight) == (1, 1)
+    # from the tenant's earlier requests: one block either way, plus the blocks the
+    # tokens it has relayed so far fill (its charge follows what it decodes): far below
+    # the 63 its max_tokens would reserve.
+    assert held.inflight == 1 and 1 <= held.reserved_blocks < 63
     assert 1 <= held.output_estimate_tokens <= 8
     _wait_ledger_empty(sidecar)
 

@@ -138,9 +138,9 @@ def test_requests_that_decoded_past_their_estimates_are_charged_what_they_hold()
     # Alone, its answer is charged at its 90th percentile: 4 + ceil((180 - 28) / 32).
     assert first.admitted and queue.ledger.reserved_blocks("acme") == 9
     # It decodes far past its estimate (in a response the sidecar cannot follow): the
-    # plugin reports it holding 290 blocks. The tenant is charged those plus its
-    # remainder still, so it is at its maxBlocks and the next request waits.
-    seen.append(_engine(running_blocks=290))
+    # plugin reports it holding 295 blocks. The tenant is charged those, so it is at
+    # its maxBlocks and the next request waits.
+    seen.append(_engine(running_blocks=295))
     waiting = _ask(queue)
     assert not waiting.settled and waiting.verdict is not None
     assert waiting.verdict.decision is Decision.REJECTED_QUOTA
