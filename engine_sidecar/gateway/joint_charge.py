@@ -42,8 +42,10 @@ victim order.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 from engine_sidecar.gateway.output_estimate import HORIZON, Outlook
 
@@ -60,8 +62,8 @@ def _plus(a: _Points, b: _Points, sign: float = 1.0) -> _Points:
     if not b:
         return a
     if not a:
-        return b if sign > 0 else tuple(-x for x in b)
-    return tuple(x + sign * y for x, y in zip(a, b, strict=True))
+        return b if sign > 0 else tuple(map(operator.neg, b))
+    return tuple(map(operator.add if sign > 0 else operator.sub, a, b))
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +123,7 @@ class Remainder:
 NO_GROWTH = Remainder()
 
 
+@lru_cache(maxsize=4096)  # a queued request is decided again at every pump
 def in_blocks(
     outlook: Outlook, prompts: tuple[int, ...], n: int, decoded: int, block_size: int,
     held: int = 0,
@@ -136,11 +139,21 @@ def in_blocks(
         return Remainder(known=whole, quantile=whole)
     mean = sum(n * max(0.0, outlook.mean - slack) for slack in slacks) / block_size
     quantile = sum(n * max(0.0, outlook.quantile - slack) for slack in slacks) / block_size
-    grown, var, error, most = [], [], [], []
+    grown: list[float] = []
+    var: list[float] = []
+    error: list[float] = []
+    most: list[float] = []
     samples = max(1, outlook.samples)
     single = len(slacks) == 1
     first = slacks[0]
     for alive, ahead in zip(outlook.survival, HORIZON, strict=True):
+        if alive <= 0:  # done by then, and by every later point: it gave its blocks back
+            rest = len(HORIZON) - len(grown)
+            grown.extend([-float(held)] * rest)
+            var.extend([0.0] * rest)
+            error.extend([0.0] * rest)
+            most.extend([-float(held)] * rest)
+            break
         if single:
             growth = n * (ahead - first) / block_size if ahead > first else 0.0
         else:
@@ -150,7 +163,7 @@ def in_blocks(
         grown.append(growth * alive - held * (1.0 - alive))
         var.append(swing * swing * spread)
         error.append(swing * math.sqrt(spread / samples))
-        most.append(growth if alive > 0 else -float(held))
+        most.append(growth)
     return Remainder(0.0, 1, mean, quantile, tuple(grown), tuple(var), tuple(error),
                      tuple(most))
 

@@ -111,9 +111,11 @@ class _Window:
     ordered: list[int] = field(default_factory=list)
     above: list[float] = field(default_factory=list)  # above[j] = sum(ordered[j:])
     above_sq: list[float] = field(default_factory=list)  # of squares
+    fresh: Outlook | None = None  # beyond(0), until the window moves
 
     def add(self, tokens: int) -> None:
         self.lengths.append(tokens)
+        self.fresh = None
         if len(self.lengths) >= MIN_SAMPLES:
             ordered = self.ordered = sorted(self.lengths)
             self.quantile = ordered[_rank(len(ordered)) - 1]
@@ -190,7 +192,11 @@ class OutputEstimates:
         for key in ((tenant.tenant_id, route), (tenant.tenant_id, ALL_ROUTES)):
             window = self._windows.get(key)
             if window is not None and window.quantile is not None:
-                return window.beyond(decoded)
+                if decoded:
+                    return window.beyond(decoded)
+                if window.fresh is None:
+                    window.fresh = window.beyond(0)
+                return window.fresh
         return Outlook.exactly(tenant.default_max_tokens - decoded)
 
     def samples(self, tenant_id: str) -> int:
