@@ -36,6 +36,9 @@ SESSION_ARG = "kvq_session"
 # The blocks the sidecar reserved for one sequence of the request (prompt + its output
 # estimate, README: reservations): a victim holding more had outgrown its estimate.
 RESERVED_BLOCKS_ARG = "kvq_reserved_blocks"
+# Present (true) on a request admitted beyond its tenant's maxBlocks into idle KV
+# (aboveMax: Reclaimable): the plugin ranks it the first victim after unclassified work.
+ABOVE_MAX_ARG = "kvq_above_max"
 UNCLASSIFIED = "_unclassified"  # the stats key of traffic with no tenant the policy knows
 
 # -- the sidecar's admin port (operator -> sidecar) ---------------------------------------

@@ -37,7 +37,7 @@ class Holding:
     admitted requests may still allocate); `held` is what it holds now, running and
     pinned, i.e. what preemption and lease releases can actually free; `idle_leased`
     is the part of `held` pinned by leases of sessions with no request in flight;
-    `ceiling` is the usage beyond which its work is above-max work (None: it has none).
+    `above_max` is the part of `held` its requests admitted beyond its maxBlocks hold.
     """
 
     priority: int
@@ -45,7 +45,7 @@ class Holding:
     used: int
     held: int
     idle_leased: int
-    ceiling: int | None = None
+    above_max: int = 0
 
 
 def requester_band(used: int, blocks: int, guaranteed: int, ceiling: int | None = None) -> Band:
@@ -96,7 +96,7 @@ def _reclaimable_from(holding: Holding, request_key: tuple[int, int, int]) -> in
     # it. Each layer goes while its class ranks above the request: running work too if
     # the (band, tier) does, else only idle leases (they go before running work of the
     # same class); once a layer is given back, the tenant is in the next band.
-    above = 0 if holding.ceiling is None else min(held, max(0, holding.used - holding.ceiling))
+    above = min(held, holding.above_max)
     borrowed = min(held - above, max(0, holding.used - holding.guaranteed - above))
     taken = 0
     for band, layer in ((Band.ABOVE_MAX, above), (Band.BORROWER, borrowed),

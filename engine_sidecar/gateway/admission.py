@@ -103,6 +103,7 @@ class _TenantView:
     committed: int = 0  # blocks its requests take now, as the ledger counts them
     remainder: Remainder = NO_GROWTH  # its requests' summed growth still to come
     bound: int = 0  # remainder.bound, computed once per view
+    beyond_max: int = 0  # what its requests admitted beyond its maxBlocks take (ledger)
 
     @property
     def charged(self) -> int:
@@ -148,7 +149,7 @@ class PoolView:
             used=t.held + t.growth,
             held=t.held,
             idle_leased=min(t.lease_only, max(0, t.pinned - in_use)),
-            ceiling=policy.ceiling if policy else None,
+            above_max=min(t.running, t.beyond_max),
         )
 
     def reclaimable(self, tenant_id: str, band: Band, pinned_in_use: int) -> int:
@@ -228,6 +229,7 @@ def pool_view(
             committed=committed,
             remainder=remainder,
             bound=reserved - committed,
+            beyond_max=ledger.beyond_max_blocks(tenant_id),
         )
     total = override or engine_total
     if total is None:

@@ -332,6 +332,7 @@ class AdmissionQueue:
             ticket.reservation = self.ledger.reserve(
                 tenant_id, verdict.extra, shape.session, shape.prefix,
                 verdict.remainder, self._growth(tenant_id, shape, verdict.max_tokens),
+                verdict.above_max,
             )
         else:
             ticket.error = verdict.error

@@ -154,6 +154,7 @@ class Admitter:
                 cache_salt=active.cache_salts.get(tenant_id),
                 reserved_blocks=sequence_blocks(shape, verdict.output_tokens,
                                                 active.policy.block_size),
+                above_max=verdict.above_max,
             )
         except BaseException:
             reservation.release("error")

@@ -28,15 +28,16 @@ from engine_sidecar.gateway.joint_charge import NO_GROWTH, Remainder, RequestGro
 
 
 class Reservation:
-    __slots__ = ("_ledger", "decoded", "extra", "growth", "outcome", "prefix", "released",
-                 "remainder", "session", "tenant_id")
+    __slots__ = ("_ledger", "above_max", "decoded", "extra", "growth", "outcome", "prefix",
+                 "released", "remainder", "session", "tenant_id")
 
     def __init__(
         self, ledger: Ledger, tenant_id: str, extra: int, session: str | None,
         prefix: tuple[int, ...], remainder: Remainder = NO_GROWTH,
-        growth: RequestGrowth | None = None,
+        growth: RequestGrowth | None = None, above_max: bool = False,
     ) -> None:
         self._ledger = ledger
+        self.above_max = above_max  # admitted beyond its tenant's maxBlocks
         self.tenant_id = tenant_id
         self.extra = extra
         self.prefix = prefix
@@ -92,9 +93,10 @@ class Reservation:
 
 
 class _Tenant:
-    __slots__ = ("extra", "growth", "inflight", "prefix", "sessions")
+    __slots__ = ("beyond", "extra", "growth", "inflight", "prefix", "sessions")
 
     def __init__(self) -> None:
+        self.beyond = 0  # the footprint of its requests admitted beyond its maxBlocks
         self.prefix: Counter[int] = Counter()  # fingerprint -> reservations holding it
         self.extra = 0
         self.growth = NO_GROWTH  # the sum of its requests' remainders
@@ -121,7 +123,7 @@ class Ledger:
     def reserve(
         self, tenant_id: str, extra: int, session: str | None = None,
         prefix: tuple[int, ...] = (), remainder: Remainder = NO_GROWTH,
-        growth: RequestGrowth | None = None,
+        growth: RequestGrowth | None = None, above_max: bool = False,
     ) -> Reservation:
         """`remainder`: what it may still grow (none: `extra` is all it will take);
         `growth`: how `progress` re-estimates both as it decodes."""
@@ -135,10 +137,14 @@ class Ledger:
         tenant.inflight += 1
         if session is not None:
             tenant.sessions[session] += 1
+        reservation = Reservation(self, tenant_id, extra, session, prefix, remainder, growth,
+                                  above_max)
+        if above_max:
+            tenant.beyond += reservation.blocks
         self.total_blocks += tenant.blocks - before
         self.total_inflight += 1
         self.version += 1
-        return Reservation(self, tenant_id, extra, session, prefix, remainder, growth)
+        return reservation
 
     def _move(self, reservation: Reservation, extra: int, remainder: Remainder) -> None:
         if extra == reservation.extra and remainder == reservation.remainder:
@@ -146,6 +152,8 @@ class Ledger:
         tenant = self._tenants[reservation.tenant_id]
         before = tenant.blocks
         tenant.extra += extra - reservation.extra
+        if reservation.above_max:
+            tenant.beyond += extra - reservation.extra
         tenant.growth = tenant.growth + remainder - reservation.remainder
         reservation.extra, reservation.remainder = extra, remainder
         self.total_blocks += tenant.blocks - before
@@ -162,6 +170,8 @@ class Ledger:
             else:
                 held.pop(fingerprint, None)
         tenant.extra -= reservation.extra
+        if reservation.above_max:
+            tenant.beyond -= reservation.blocks
         tenant.growth = tenant.growth - reservation.remainder
         tenant.inflight -= 1
         if reservation.session is not None:
@@ -190,6 +200,11 @@ class Ledger:
         """The sum of its requests' remainders (its `bound` is what they are charged)."""
         tenant = self._tenants.get(tenant_id)
         return tenant.growth if tenant else NO_GROWTH
+
+    def beyond_max_blocks(self, tenant_id: str) -> int:
+        """The footprint of the tenant's requests admitted beyond its maxBlocks."""
+        tenant = self._tenants.get(tenant_id)
+        return tenant.beyond if tenant else 0
 
     def inflight(self, tenant_id: str) -> int:
         tenant = self._tenants.get(tenant_id)

@@ -22,7 +22,12 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from engine_sidecar.contract.names import RESERVED_BLOCKS_ARG, SESSION_ARG, TENANT_ARG
+from engine_sidecar.contract.names import (
+    ABOVE_MAX_ARG,
+    RESERVED_BLOCKS_ARG,
+    SESSION_ARG,
+    TENANT_ARG,
+)
 from engine_sidecar.gateway import chat_messages, json_codec
 from engine_sidecar.gateway.body_checks import (
     INT64,
@@ -284,6 +289,7 @@ def rewrite(
     session: str | None,
     cache_salt: str | None,
     reserved_blocks: int | None = None,
+    above_max: bool = False,
 ) -> bytes:
     body = request.body
     if request.kind is Kind.CHAT:
@@ -294,20 +300,24 @@ def rewrite(
         body["max_tokens"] = max_tokens
     return tagged(body, priority=priority, tenant_id=tenant_id, session=session,
                   cache_salt=cache_salt, strict=request.strict,
-                  reserved_blocks=reserved_blocks)
+                  reserved_blocks=reserved_blocks, above_max=above_max)
 
 
 def tagged(body: dict[str, Any], *, priority: int, tenant_id: str, session: str | None,
-           cache_salt: str | None, strict: bool, reserved_blocks: int | None = None) -> bytes:
+           cache_salt: str | None, strict: bool, reserved_blocks: int | None = None,
+           above_max: bool = False) -> bytes:
     """`body` with the fields only the sidecar sets, encoded for the engine (`strict`:
     it was parsed as standard JSON, see `json_codec.dumps`). `reserved_blocks`: what
-    admission reserved per sequence, so the plugin can tell a victim that outgrew it."""
+    admission reserved per sequence, so the plugin can tell a victim that outgrew it;
+    `above_max`: admitted beyond its tenant's maxBlocks, the plugin's first victim."""
     body["priority"] = priority
-    xargs: dict[str, str | int] = {TENANT_ARG: tenant_id}
+    xargs: dict[str, str | int | bool] = {TENANT_ARG: tenant_id}
     if session:
         xargs[SESSION_ARG] = session
     if reserved_blocks is not None:
         xargs[RESERVED_BLOCKS_ARG] = reserved_blocks
+    if above_max:
+        xargs[ABOVE_MAX_ARG] = True
     body["vllm_xargs"] = xargs
     if cache_salt is not None:
         body["cache_salt"] = cache_salt

@@ -446,15 +446,17 @@ class TenantAwareScheduler(compat.Scheduler):
         mark = self._kvq_marked.get(req_id)
         if mark is not None:
             priority = mark[1]
-        tenant = self._kvq_ids.get(req_id, NO_IDENTITY).tenant
-        return ranker.running_key(tenant, priority, num_computed_tokens, arrival_time)
+        identity = self._kvq_ids.get(req_id, NO_IDENTITY)
+        return ranker.running_key(identity.tenant, priority, num_computed_tokens, arrival_time,
+                                  identity.above_max)
 
     def _kvq_waiting_key(self, view: _StepView, request: Request, need: int) -> RankKey:
         """The key a waiting request ranks with: as a running request that has computed
         nothing, in the band its tenant would be in once it holds the `need` blocks
         (its own idle leases left out: they yield to it)."""
         req_id, priority, _, arrival_time = compat.rank_inputs(request)
-        tenant = self._kvq_ids.get(req_id, NO_IDENTITY).tenant
+        identity = self._kvq_ids.get(req_id, NO_IDENTITY)
+        tenant = identity.tenant
         ranker = view.ranker
         tenant_policy = ranker.tenant_policy(tenant)
         if tenant_policy is None:
@@ -465,7 +467,7 @@ class TenantAwareScheduler(compat.Scheduler):
         )
         used = max(0, ranker.usage.get(tenant_policy.tenant_id, 0) - idle)
         band = requester_band(used, need, tenant_policy.guaranteed_blocks,
-                              tenant_policy.ceiling)
+                              tenant_policy.ceiling if identity.above_max else None)
         return (band, tenant_policy.priority, 0, 0, arrival_time)
 
     def _kvq_ranks_above(self, view: _StepView, bound: RankKey) -> bool:
@@ -534,9 +536,11 @@ class TenantAwareScheduler(compat.Scheduler):
             return running[-1], self._kvq_running_key(view.ranker, running[-1])
         if view.order is None:
             running_key = view.ranker.running_key
+            ids = self._kvq_ids
             keys = view.keys = [
-                running_key(tenant, priority, computed, arrival)
-                for _, tenant, priority, computed, arrival in view.entries
+                running_key(tenant, priority, computed, arrival,
+                            ids.get(compat.rank_inputs(request)[0], NO_IDENTITY).above_max)
+                for request, tenant, priority, computed, arrival in view.entries
             ]
             # Largest key first. The sort is stable (also reversed), so among equal keys
             # the first in `running` goes first, as with vLLM's max().

@@ -10,9 +10,10 @@ candidate with the largest key goes first:
 1. expired leases, always first: they are released at the start of every step and
    before anything else when an allocation fails;
 2. band: unclassified traffic (no tenant, or a tenant the policy does not know), then
-   above-max work (tenants with `aboveMax: Reclaimable` whose usage, running + pinned
-   blocks, is above `maxBlocks`: KV they took because nobody else wanted it), then
-   borrowers (usage above `guaranteedBlocks`), then tenants within their guarantee;
+   above-max work (requests the sidecar admitted beyond their tenant's `maxBlocks`, into
+   KV nobody else wanted, `aboveMax: Reclaimable`; never leases), then borrowers
+   (tenants whose usage, running + pinned blocks, is above `guaranteedBlocks`), then
+   tenants within their guarantee;
 3. tier: within a band, lower tier (larger `priority` number) first;
 4. within a band and tier: live leases before running requests (an idle session's
    cache before work in flight), leases with the oldest activity first; then the
@@ -71,9 +72,15 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Generic, TypeVar
 
-from engine_sidecar.contract.names import RESERVED_BLOCKS_ARG, SESSION_ARG, TENANT_ARG, UNCLASSIFIED
+from engine_sidecar.contract.names import (
+    ABOVE_MAX_ARG,
+    RESERVED_BLOCKS_ARG,
+    SESSION_ARG,
+    TENANT_ARG,
+    UNCLASSIFIED,
+)
 from engine_sidecar.contract.policy import EnginePolicy, TenantPolicy
-from engine_sidecar.contract.reclaim import Band, requester_band
+from engine_sidecar.contract.reclaim import Band
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +123,7 @@ class Identity:
     tenant: str | None
     session: str | None
     reserved_blocks: int | None = None  # per sequence, as admitted (None: not told)
+    above_max: bool = False  # admitted beyond its tenant's maxBlocks, into idle KV
 
     @property
     def session_key(self) -> tuple[str, str] | None:
@@ -141,7 +149,7 @@ def identity_from_extra_args(extra_args: Mapping[str, Any] | None) -> Identity:
     reserved = extra_args.get(RESERVED_BLOCKS_ARG)
     if not isinstance(reserved, int) or isinstance(reserved, bool) or reserved < 1:
         reserved = None
-    return Identity(tenant, session, reserved)
+    return Identity(tenant, session, reserved, extra_args.get(ABOVE_MAX_ARG) is True)
 
 
 def outgrew(identity: Identity, num_blocks: int) -> bool:
@@ -547,8 +555,8 @@ class VictimRanker:
         return self.policy.tenants.get(tenant)
 
     def band(self, tenant_policy: TenantPolicy) -> Band:
-        return requester_band(self.usage.get(tenant_policy.tenant_id, 0), 0,
-                              tenant_policy.guaranteed_blocks, tenant_policy.ceiling)
+        used = self.usage.get(tenant_policy.tenant_id, 0)
+        return Band.BORROWER if used > tenant_policy.guaranteed_blocks else Band.GUARANTEED
 
     def running_key(
         self,
@@ -556,6 +564,7 @@ class VictimRanker:
         priority: int,
         num_computed_tokens: int,
         arrival_time: float,
+        above_max: bool = False,
     ) -> RankKey:
         # Called for every running request when memory runs out: the class cache is
         # read inline, tenant_class() only fills it.
@@ -565,7 +574,16 @@ class VictimRanker:
         if cls is None:
             # vLLM's own priority-policy victim order.
             return (Band.UNCLASSIFIED, priority, 0, 0, arrival_time)
-        return (cls[0], cls[1], 0, -num_computed_tokens, arrival_time)
+        band = cls[0]
+        if above_max and self._reclaimable_beyond_max(tenant):
+            band = Band.ABOVE_MAX
+        return (band, cls[1], 0, -num_computed_tokens, arrival_time)
+
+    def _reclaimable_beyond_max(self, tenant: str | None) -> bool:
+        """Its tenant still lets its work run beyond maxBlocks (a policy change to Never
+        makes it ordinary work again)."""
+        tenant_policy = self.tenant_policy(tenant)
+        return tenant_policy is not None and tenant_policy.ceiling is not None
 
     def lease_key(self, lease: Lease[Any]) -> RankKey:
         tenant_policy = self.tenant_policy(lease.tenant)

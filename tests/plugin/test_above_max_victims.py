@@ -7,7 +7,10 @@ from __future__ import annotations
 import pytest
 from plugin_policies import engine_policy, tenant, write_policy
 
+from engine_sidecar.contract.names import ABOVE_MAX_ARG
+
 BLOCK = 16
+BEYOND = {ABOVE_MAX_ARG: True}  # what the sidecar sends with work it admitted beyond maxBlocks
 
 
 def _preempted(harness) -> list[str]:
@@ -30,7 +33,7 @@ def test_work_beyond_max_blocks_goes_before_a_lower_tiers_borrowing(
     ))
     # 10-block prompts decoding 60 tokens each into 20 blocks: one must give way.
     harness = make_harness(num_blocks=21, block_size=BLOCK, policy_path=policy_path)
-    harness.add_request("gold", tokens(160), 60, priority=0, tenant="gold")
+    harness.add_request("gold", tokens(160), 60, priority=0, tenant="gold", extra_args=BEYOND)
     harness.add_request("bronze", tokens(160), 60, priority=2, tenant="bronze")
     harness.run_until_done()
 
@@ -49,8 +52,9 @@ def test_a_tenant_within_its_guarantee_is_never_preempted_for_work_beyond_max_bl
     harness = make_harness(num_blocks=41, block_size=BLOCK, policy_path=policy_path)
     for i in range(2):  # bronze: 2 x (10 + 4) blocks, within its 100
         harness.add_request(f"bronze-{i}", tokens(160), 60, priority=2, tenant="bronze")
-    for i in range(3):  # gold: all of it beyond its 5
-        harness.add_request(f"gold-{i}", tokens(160), 60, priority=0, tenant="gold")
+    for i in range(3):  # gold: all of it admitted beyond its 5
+        harness.add_request(f"gold-{i}", tokens(160), 60, priority=0, tenant="gold",
+                            extra_args=BEYOND)
     harness.run_until_done()
 
     preempted = _preempted(harness)
@@ -58,3 +62,18 @@ def test_a_tenant_within_its_guarantee_is_never_preempted_for_work_beyond_max_bl
     assert all(r.startswith("gold") for r in preempted), preempted
     for i in range(2):
         assert harness.requests[f"bronze-{i}"].num_preemptions == 0
+
+
+def test_only_work_admitted_beyond_max_blocks_ranks_first(make_harness, policy_path, tokens):
+    # The same premium request, not flagged by the sidecar: ordinary borrowing (its
+    # leases and its work within the ceiling are never above-max work).
+    write_policy(policy_path, engine_policy(
+        tenant("gold", "premium", max_blocks=5),
+        tenant("bronze", "free"),
+    ))
+    harness = make_harness(num_blocks=21, block_size=BLOCK, policy_path=policy_path)
+    harness.add_request("gold", tokens(160), 60, priority=0, tenant="gold")
+    harness.add_request("bronze", tokens(160), 60, priority=2, tenant="bronze")
+    harness.run_until_done()
+
+    assert _preempted(harness)[0] == "bronze"

@@ -19,7 +19,7 @@ import random
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from engine_sidecar.contract.names import RESERVED_BLOCKS_ARG
+from engine_sidecar.contract.names import ABOVE_MAX_ARG, RESERVED_BLOCKS_ARG
 from engine_sidecar.contract.policy import EnginePolicy
 from engine_sidecar.contract.stats import EngineStats
 from engine_sidecar.gateway.admission import RequestShape, sequence_blocks
@@ -120,13 +120,17 @@ class TwinGateway:
         self._track(ticket)
         return ticket
 
-    def plugin_args(self, ticket: Ticket) -> dict[str, int]:
+    def plugin_args(self, ticket: Ticket) -> dict[str, int | bool]:
         """The `vllm_xargs` the sidecar adds for an admitted turn beyond tenant and
         session: the blocks reserved per sequence, so the plugin counts a victim that
-        outgrew its estimate (`outgrownPreemptions`) as it does behind a real sidecar."""
+        outgrew its estimate (`outgrownPreemptions`) as it does behind a real sidecar,
+        and whether it runs beyond its tenant's maxBlocks."""
         assert self.queue.policy is not None and ticket.verdict is not None
-        return {RESERVED_BLOCKS_ARG: sequence_blocks(
+        args: dict[str, int | bool] = {RESERVED_BLOCKS_ARG: sequence_blocks(
             ticket.shape, ticket.verdict.output_tokens, self.queue.policy.block_size)}
+        if ticket.verdict.above_max:
+            args[ABOVE_MAX_ARG] = True
+        return args
 
     def poll(self) -> list[Ticket]:
         """The queued turns settled since the last call. The queue is pumped as the

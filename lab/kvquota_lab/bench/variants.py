@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 
 class TierFirstRanker(VictimRanker):
     def running_key(
-        self, tenant: str | None, priority: int, num_computed_tokens: int, arrival_time: float
+        self, tenant: str | None, priority: int, num_computed_tokens: int, arrival_time: float,
+        above_max: bool = False,
     ) -> RankKey:
         tenant_policy = self.tenant_policy(tenant)
         if tenant_policy is None:
@@ -56,9 +57,11 @@ class TierFirstRanker(VictimRanker):
 
 class RunningBeforeLeasesRanker(VictimRanker):
     def running_key(
-        self, tenant: str | None, priority: int, num_computed_tokens: int, arrival_time: float
+        self, tenant: str | None, priority: int, num_computed_tokens: int, arrival_time: float,
+        above_max: bool = False,
     ) -> RankKey:
-        key = super().running_key(tenant, priority, num_computed_tokens, arrival_time)
+        key = super().running_key(tenant, priority, num_computed_tokens, arrival_time,
+                                  above_max)
         return (*key[:2], 1, *key[3:])
 
     def lease_key(self, lease: Lease[Any]) -> RankKey:
@@ -68,9 +71,11 @@ class RunningBeforeLeasesRanker(VictimRanker):
 
 class NewestFirstRanker(VictimRanker):
     def running_key(
-        self, tenant: str | None, priority: int, num_computed_tokens: int, arrival_time: float
+        self, tenant: str | None, priority: int, num_computed_tokens: int, arrival_time: float,
+        above_max: bool = False,
     ) -> RankKey:
-        key = super().running_key(tenant, priority, num_computed_tokens, arrival_time)
+        key = super().running_key(tenant, priority, num_computed_tokens, arrival_time,
+                                  above_max)
         return (*key[:3], arrival_time, key[3])
 
 
