@@ -77,6 +77,11 @@ DOCUMENTED: dict[str, dict[str, Any]] = {
                    "algorithm.threshold.operator": {
                        "LessThan", "LessThanOrEqual", "GreaterThan", "GreaterThanOrEqual",
                        "Equal", "NotEqual"}}},
+    "queue-scorer": {
+        "doc": "scheduling/scorer/queuedepth/README.md", "alpha": False, "params": set()},
+    "kv-cache-utilization-scorer": {
+        "doc": "scheduling/scorer/kvcacheutilization/README.md", "alpha": False,
+        "params": set()},
     "endpoint-attribute-scorer": {
         "doc": "scheduling/scorer/endpointattribute/README.md", "alpha": True,
         "params": {"attributeKey", "algorithm.type", "algorithm.normalization.adaptiveRange",
@@ -174,6 +179,16 @@ def test_the_documented_list_is_complete_enough_to_catch_a_typo() -> None:
     assert "fallbackOnEmty" not in DOCUMENTED["endpoint-attribute-filter"]["params"]
     assert _paths({"algorithm": {"threshold": {"operator": "LessThan", "value": 0.8}}}) == {
         "algorithm.threshold.operator": "LessThan", "algorithm.threshold.value": 0.8}
+
+
+def test_the_twin_models_only_what_the_release_documents() -> None:
+    """The pool twin's router (lab/kvquota_lab/bench/picker_config.py) refuses a config
+    naming anything outside its list; its list is the release's, or a part of it."""
+    from kvquota_lab.bench.picker_config import MODELLED
+
+    assert set(MODELLED) <= set(DOCUMENTED)
+    for kind, params in MODELLED.items():
+        assert params <= DOCUMENTED[kind]["params"], kind
 
 
 def test_every_profile_and_data_source_refers_to_a_declared_plugin() -> None:
