@@ -7,6 +7,12 @@ it, at 1, 16, 64 and 256 concurrent streams, and prints p50/p99 of time to first
 Upstreams:
 - a local streaming stub (always): fixed TTFT, fixed chunk cadence, ~vLLM-sized SSE
   chunks. Its latency is constant, so the difference isolates the sidecar's cost.
+  `--pace fast` (default) answers as fast as the flags say (20 ms TTFT, a chunk every
+  2 ms): 256 streams then offer several times what one engine serves. `--pace engine`
+  sets, before each row, the TTFT and inter-token time an engine of the twin's
+  profile (`--profile`, default a100-llama3-8b) has at that row's concurrency
+  (`engine_pace`), then adds a saturation row with the fast stub: requests/s per
+  sidecar core.
 - a real vLLM engine (`--engine-url URL`, or `--model PATH` to start a CPU one):
   shows the overhead against real engine variance.
 
@@ -31,6 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,15 +58,39 @@ CONCURRENCY = (1, 16, 64, 256)
 
 # ---------------------------------------------------------------- stub engine
 
+@dataclass(frozen=True)
+class Pace:
+    """The stub's delays, ms: before the first chunk, then between chunks."""
+
+    ttft_ms: float
+    interval_ms: float
+
+
+def engine_pace(profile: Any, streams: int, prompt_tokens: int, chunks: int) -> Pace:
+    """The twin's step cost (`bench.cost.CostProfile`) at `streams` concurrent requests.
+
+    Inter-token time: one decode step of every stream, each attending its prompt and
+    half its output on average. TTFT: the step that prefills the prompt beside the
+    other streams' decodes (no queueing before it: the bench's streams all fit)."""
+    context = streams * (prompt_tokens + chunks // 2)
+    interval = profile.step_seconds(0, streams, context)
+    ttft = profile.step_seconds(prompt_tokens, max(0, streams - 1), context)
+    return Pace(ttft * 1000, interval * 1000)
+
+
 def stub_app(ttft_ms: float, chunks: int, interval_ms: float, jitter: float = 0.0,
              tokenizer: str | None = None, memo: bool = False) -> Any:
     """A raw ASGI app answering like vLLM's streaming completions.
+
+    POST /bench/pace {"ttft_ms", "interval_ms"} changes its delays (`--pace engine`
+    sets them before each row).
 
     With `jitter`, each delay is drawn from [1 - jitter, 1 + jitter] x its mean (seeded).
     The default is fixed delays, so the upstream's own latency is a constant and the
     difference between direct and proxied runs is the sidecar's; the load generator's
     think time keeps streams out of lockstep."""
     rng = random.Random(0)
+    pace = Pace(ttft_ms, interval_ms)
     tokenize = _stub_tokenizer(tokenizer, memo)
     chunk = json.dumps({"id": "cmpl-bench", "object": "text_completion", "created": 0,
                         "model": "stub", "choices": [{"index": 0, "text": " token",
@@ -70,6 +101,7 @@ def stub_app(ttft_ms: float, chunks: int, interval_ms: float, jitter: float = 0.
         {"id": "stub", "root": "stub", "max_model_len": 4096}]}).encode()
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        nonlocal pace
         if scope["type"] == "lifespan":
             while (await receive())["type"] != "lifespan.shutdown":
                 await send({"type": "lifespan.startup.complete"})
@@ -82,6 +114,9 @@ def stub_app(ttft_ms: float, chunks: int, interval_ms: float, jitter: float = 0.
             if not message.get("more_body"):
                 break
         path = scope["path"]
+        if path == "/bench/pace":
+            pace = Pace(**json.loads(body))
+            path = "/health"
         if path in ("/health", "/v1/models", "/tokenize"):
             payload = models if path == "/v1/models" else (
                 tokenize(body) if path == "/tokenize" else b"{}")
@@ -89,12 +124,13 @@ def stub_app(ttft_ms: float, chunks: int, interval_ms: float, jitter: float = 0.
                         "headers": [(b"content-type", b"application/json")]})
             await send({"type": "http.response.body", "body": payload})
             return
-        await asyncio.sleep(ttft_ms / 1000 * rng.uniform(1 - jitter, 1 + jitter))
+        await asyncio.sleep(pace.ttft_ms / 1000 * rng.uniform(1 - jitter, 1 + jitter))
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
         for i in range(chunks):
             if i:
-                await asyncio.sleep(interval_ms / 1000 * rng.uniform(1 - jitter, 1 + jitter))
+                await asyncio.sleep(pace.interval_ms / 1000
+                                    * rng.uniform(1 - jitter, 1 + jitter))
             await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
@@ -453,6 +489,12 @@ class Row:
     proxied: list[Sample]
     cpu_us: float | None = None  # sidecar CPU (user + system, with workers) per request
     busy: float | None = None  # sidecar CPU seconds per second of the run: 1.0 = one core
+    pace: Pace | None = None  # the stub's delays in this row (`--pace engine`)
+    wall: float = 0.0  # seconds the measured run took (both targets)
+
+    def rate(self) -> float:
+        """Requests/s through the sidecar in this row."""
+        return len(self.proxied) / self.wall if self.wall else 0.0
 
     def refused(self, target: str) -> int:
         """Answers other than 200 (not in the times: a fast refusal is no latency)."""
@@ -478,7 +520,10 @@ class Row:
 
 async def _measure(direct_url: str, sidecar_url: str, body: bytes, token: str,
                    concurrency: int, requests: int, think_ms: float,
-                   sidecar_pid: int | None = None, path: str = "/v1/completions") -> Row:
+                   sidecar_pid: int | None = None, path: str = "/v1/completions",
+                   pace: Pace | None = None) -> Row:
+    if pace is not None:
+        await _set_pace(direct_url, pace)
     targets = [Target(direct_url, {}), Target(sidecar_url, {"Authorization": f"Bearer {token}"})]
     await run_load(targets, body, concurrency, max(concurrency, 8), think_ms, path)  # warm up
     before = cpu_seconds(with_children(sidecar_pid)) if sidecar_pid else 0.0
@@ -486,9 +531,20 @@ async def _measure(direct_url: str, sidecar_url: str, body: bytes, token: str,
     direct, proxied = await run_load(targets, body, concurrency, requests, think_ms, path)
     wall = time.perf_counter() - started
     if not sidecar_pid:
-        return Row(concurrency, direct, proxied)
+        return Row(concurrency, direct, proxied, pace=pace, wall=wall)
     used = cpu_seconds(with_children(sidecar_pid)) - before
-    return Row(concurrency, direct, proxied, used / len(proxied) * 1e6, used / wall)
+    return Row(concurrency, direct, proxied, used / len(proxied) * 1e6, used / wall, pace,
+               wall)
+
+
+async def _set_pace(stub_url: str, pace: Pace) -> None:
+    parts = urlsplit(stub_url)
+    connection = Connection(parts.hostname or "127.0.0.1", parts.port or 80)
+    try:
+        await connection.request("/bench/pace", json.dumps(
+            {"ttft_ms": pace.ttft_ms, "interval_ms": pace.interval_ms}).encode(), {})
+    finally:
+        connection.close()
 
 
 def _print_table(title: str, rows: list[Row]) -> None:
@@ -509,16 +565,34 @@ def _print_table(title: str, rows: list[Row]) -> None:
                and row.busy is not None else "        -")
         counts = {t: row.refused(t) for t in ("direct", "sidecar")}
         refused = "".join(f"  {n} {t} answers not 200" for t, n in counts.items() if n)
+        pace = (f"  (stub: TTFT {row.pace.ttft_ms:.1f} ms, a token every "
+                f"{row.pace.interval_ms:.1f} ms)" if row.pace else "")
         print(f"{row.concurrency:>7} {len(row.proxied):>5} | {cells[0]} | {cells[1]} | {cpu}"
-              f"{refused}")
+              f"{refused}{pace}")
+
+
+def saturation(rows: list[Row], limit_ms: float = 1.0) -> str:
+    """The fast stub's rows read as capacity: requests/s one sidecar core serves (its CPU
+    per request) in the busiest row whose added TTFT p50 stays within `limit_ms`."""
+    within = [r for r in rows if r.cpu_us and r.stats()["added_ttft_p50"] <= limit_ms]
+    if not within:
+        return f"saturation: no row kept added TTFT p50 within {limit_ms:g} ms"
+    row = max(within, key=Row.rate)
+    assert row.cpu_us is not None
+    return (f"saturation: {1e6 / row.cpu_us:,.0f} requests/s per sidecar core "
+            f"({row.cpu_us:.0f} us CPU each) at {row.concurrency} streams, "
+            f"{row.rate():,.0f} requests/s through the sidecar, added TTFT p50 "
+            f"{row.stats()['added_ttft_p50']:+.2f} ms (<= {limit_ms:g} ms)")
 
 
 def _bench(label: str, direct_url: str, sidecar_url: str, body: dict[str, Any], token: str,
            args: argparse.Namespace, sidecar_pid: int | None = None,
-           path: str = "/v1/completions") -> list[Row]:
+           path: str = "/v1/completions", pace: Callable[[int], Pace] | None = None
+           ) -> list[Row]:
     raw = json.dumps(body).encode()
     rows = [asyncio.run(_measure(direct_url, sidecar_url, raw, token, c,
-                                 max(args.requests, 4 * c), args.think_ms, sidecar_pid, path))
+                                 max(args.requests, 4 * c), args.think_ms, sidecar_pid, path,
+                                 pace(c) if pace else None))
             for c in args.concurrency]
     _print_table(label, rows)
     return rows
@@ -550,17 +624,33 @@ def _run(args: argparse.Namespace) -> int:
             else:
                 body = {"model": "stub", "prompt": args.prompt, "max_tokens": 16,
                         "stream": True}
-            rows = _bench(
-                f"stub upstream (TTFT {args.stub_ttft_ms:g} ms, {args.stub_chunks} chunks "
-                f"every {args.stub_interval_ms:g} ms); tokenizer: "
-                f"{args.tokenizer or 'engine /tokenize'}; "
+            fast = Pace(args.stub_ttft_ms, args.stub_interval_ms)
+            details = (
+                f"; tokenizer: {args.tokenizer or 'engine /tokenize'}; "
                 + (f"chat of {args.chat_tokens} tokens (each unique; stub /tokenize "
                    f"{args.stub_tokenize})" if args.chat_tokens
                    else f"prompt {args.prompt[:30]!r}")
                 + (f"; sidecar on CPU {args.sidecar_cpu}, the rest on {args.others_cpu}"
-                   if args.pin else "") + (f"; sidecar code {args.code}" if args.code else ""),
-                stub, sidecar, body, token, args, proc.pid or 0, path)
-            results["stub"] = [r.stats() for r in rows]
+                   if args.pin else "") + (f"; sidecar code {args.code}" if args.code else ""))
+            if args.pace == "engine":
+                from kvquota_lab.bench.cost import load_profile
+
+                profile = load_profile(args.profile)
+                prompt_tokens = args.chat_tokens or max(1, len(args.prompt) // 4)
+                rows = _bench(
+                    f"stub upstream at the pace of {profile.name} ({prompt_tokens} prompt "
+                    f"tokens, {args.stub_chunks} chunks){details}",
+                    stub, sidecar, body, token, args, proc.pid or 0, path,
+                    lambda c: engine_pace(profile, c, prompt_tokens, args.stub_chunks))
+                results["stub_engine_pace"] = [r.stats() for r in rows]
+            saturation_rows = _bench(
+                ("saturation row: fast " if args.pace == "engine" else "")
+                + f"stub upstream (TTFT {args.stub_ttft_ms:g} ms, {args.stub_chunks} chunks "
+                f"every {args.stub_interval_ms:g} ms){details}",
+                stub, sidecar, body, token, args, proc.pid or 0, path,
+                (lambda c: fast) if args.pace == "engine" else None)
+            print(saturation(saturation_rows))
+            results["stub"] = [r.stats() for r in saturation_rows]
         engine = args.engine_url
         if engine is None and args.model:
             engine = _start_engine(setup, args.model)
@@ -636,6 +726,14 @@ def build_parser() -> argparse.ArgumentParser:
                              "(2.2 ms of its CPU per 2k-token chat, on the others' core); "
                              "memo: answers each body as the first of its shape, so only "
                              "the sidecar's cost remains (default: %(default)s)")
+    parser.add_argument("--pace", choices=("fast", "engine"), default="fast",
+                        help="fast: the stub's fixed delays (--stub-ttft-ms, "
+                             "--stub-interval-ms); engine: per row, the delays the twin's "
+                             "--profile has at that concurrency, then the fast rows as a "
+                             "saturation row (default: %(default)s)")
+    parser.add_argument("--profile", default="a100-llama3-8b",
+                        help="the twin's cost profile for --pace engine (default: "
+                             "%(default)s)")
     parser.add_argument("--code", type=Path, help="run the sidecar from this source tree")
     parser.add_argument("--sidecar-arg", action="append", default=[], metavar="ARG",
                         help="one more argument for the sidecar, e.g. "
