@@ -107,3 +107,90 @@ class PromptLimit:
                             "including the completion. Shorten the prompt.",
                             param=request.prompt_param)
         return None
+
+
+# ---------------------------------------------------------------- the ceiling
+
+# The most UTF-8 bytes one input byte can become under each normalizer (ASCII stays
+# ASCII, one byte, under all of them): NFC/NFD decompose a character into at most three
+# times its bytes (Hangul syllables, composition exclusions), NFKC/NFKD into at most 18
+# (U+FDFA), lowercasing grows a character by at most half ('İ' -> 'i̇').
+NORMALIZER_GROWTH = {"NFC": 3, "NFD": 3, "NFKC": 18, "NFKD": 18, "Lowercase": 3}
+# Pre-tokenizers that only split text (no byte is added): a token still covers at least
+# one byte of the text they were given.
+SPLITTING_PRE_TOKENIZERS = frozenset({
+    "Split", "Digits", "Punctuation", "Whitespace", "WhitespaceSplit", "UnicodeScripts"})
+
+
+@dataclass(frozen=True)
+class TokenCeiling:
+    """The most tokens a text can encode to, from its size.
+
+    Every token of a byte-level vocabulary covers at least one byte of the text it was
+    given (a byte no merge covers is a token of its own; an added token in the text
+    covers its whole spelling), so a text of B bytes encodes to at most B tokens, plus
+    what the post-processor adds (`specials`, with add_special_tokens). A normalizer
+    that can grow non-ASCII text multiplies those bytes by `growth`."""
+
+    growth: int = 1
+    specials: int = 0
+
+    def of(self, text: str, special: bool) -> int:
+        added = self.specials if special else 0
+        if text.isascii():
+            return len(text) + added
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if self.growth == 1:
+            return size + added
+        ascii_bytes = sum(1 for c in text if c < "\x80")
+        return ascii_bytes + self.growth * (size - ascii_bytes) + added
+
+
+def _growth(normalizer: dict[str, Any] | None) -> int | None:
+    if normalizer is None:
+        return 1
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        growth = 1
+        for step in normalizer.get("normalizers", ()):
+            factor = _growth(step)
+            if factor is None:
+                return None
+            growth *= factor
+        return growth
+    return NORMALIZER_GROWTH.get(str(kind))
+
+
+def _byte_level(pre_tokenizer: dict[str, Any] | None) -> bool | None:
+    """True: byte-level (every byte a symbol of its own, no prefix space); False: it
+    only splits; None: it adds text (a prefix space, Metaspace's '▁'), which no size
+    bound here covers."""
+    if pre_tokenizer is None:
+        return False
+    kind = pre_tokenizer.get("type")
+    if kind == "Sequence":
+        steps = [_byte_level(p) for p in pre_tokenizer.get("pretokenizers", ())]
+        return None if None in steps else any(steps)
+    if kind == "ByteLevel":
+        return None if pre_tokenizer.get("add_prefix_space") else True
+    return False if kind in SPLITTING_PRE_TOKENIZERS else None
+
+
+def token_ceiling(backend: Any) -> TokenCeiling | None:
+    """The ceiling of a `tokenizers.Tokenizer`, or None when this module cannot bound
+    its count from the text's size (a model other than BPE; a pre-tokenizer or
+    normalizer that adds text, e.g. Metaspace's '▁'): such a tokenizer's prompts are
+    counted before they are admitted.
+
+    A BPE token covers at least one symbol: a byte (byte-level), a character, or one
+    byte of a character spelled by byte fallback; an unknown token, fused or not, covers
+    at least one character. So no token covers less than one byte."""
+    import json
+
+    spec = json.loads(backend.to_str())
+    model = spec.get("model") or {}
+    byte_level = _byte_level(spec.get("pre_tokenizer"))
+    growth = _growth(spec.get("normalizer"))
+    if byte_level is None or growth is None or model.get("type") != "BPE":
+        return None
+    return TokenCeiling(growth, backend.num_special_tokens_to_add(False))
