@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvquota-installed
 
-.PHONY: test demo lint typecheck crds install clean cross-version
+.PHONY: test demo lint typecheck crds install clean cross-version redis-server
 
 $(STAMP): pyproject.toml
 	@echo "Setting up $(VENV): kvquota with all its extras (vLLM's CPU build,"
@@ -38,7 +38,16 @@ crds: $(STAMP)
 cross-version: $(STAMP)
 	$(PY) tests/conformance/prepare.py
 
-test: $(STAMP) lint typecheck cross-version
+# The pool-wide ledger's tests run a real redis-server (Debian's package). As root (CI on
+# a fresh clone) this installs it; otherwise install it yourself, or those tests skip.
+redis-server:
+	@if ! command -v redis-server >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; \
+	  else echo "redis-server missing (apt-get install -y redis-server as root):" \
+	    "the pool-store tests will skip"; fi; fi
+
+test: $(STAMP) lint typecheck cross-version redis-server
 	$(VENV)/bin/kvquota crds --check
 	$(PY) -m pytest
 

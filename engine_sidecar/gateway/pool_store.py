@@ -1,0 +1,296 @@
+"""The pool-wide ledger on a shared store (Redis or Valkey): what every engine's sidecar
+has claimed of each tenant's pool-wide maxBlocks and maxConcurrentRequests.
+
+Each sidecar writes only its own hash, with a TTL it refreshes, so a sidecar that dies
+frees its charges when the key expires; the pool total is the sum over live sidecars.
+A sidecar's claim on a tenant is the more of what its requests hold (`b`, `r`) and its
+allowance (`ab`, `ar`): what it may still admit locally, with no round trip. The
+allowance is at most its per-engine ceiling, and only a checked script grows it, so
+local admissions never take what another sidecar was granted; an idle sidecar lowers
+its allowance to its charge plus a margin, which frees the rest of its share for the
+engines that routing concentrates the tenant on.
+
+Every change that raises a claim is one Lua script (EVALSHA): it sums the other live
+sidecars' claims and writes the new value only if the pool-wide limit allows, so two
+sidecars can never both take the last blocks. Releases write the lower value.
+
+A store that restarts comes back empty. Its first script writes an epoch; for one TTL
+after it (a grace every live sidecar's refresh falls in) nothing grows: each sidecar
+republishes what it holds from its own mirror, so no charge is lost and nothing is
+granted against a total not yet rebuilt. A store that does not answer within
+`timeout_s` (a few ms) is treated as down: the caller keeps to what it had claimed.
+Keys share one hash tag (`{pool}`), so a cluster keeps them on one slot.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import redis
+
+# KEYS: live zset, my hash, epoch. ARGV: me, key prefix, ttl ms, grace ms, tenant,
+# new b, new r, max b (-1: none), max r (-1: none).
+# Returns {status, others' b claims, others' r claims}: 1 granted, 0 refused,
+# -1 warming (grace after an empty store), -2 my hash is gone (republish first).
+_PRELUDE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local epoch = redis.call('GET', KEYS[3])
+if not epoch then
+  redis.call('SET', KEYS[3], now)
+  epoch = now
+end
+local warming = (now - tonumber(epoch)) < tonumber(ARGV[4])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local live = redis.call('ZRANGE', KEYS[1], 0, -1)
+local function others(tenant)
+  local b, r = 0, 0
+  for _, s in ipairs(live) do
+    if s ~= ARGV[1] then
+      local v = redis.call('HMGET', ARGV[2] .. s, 'b:' .. tenant, 'r:' .. tenant,
+                           'ab:' .. tenant, 'ar:' .. tenant)
+      b = b + math.max(tonumber(v[1]) or 0, tonumber(v[3]) or 0)
+      r = r + math.max(tonumber(v[2]) or 0, tonumber(v[4]) or 0)
+    end
+  end
+  return b, r
+end
+local function keep_alive()
+  redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[3]))
+  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
+end
+"""
+
+_CHARGE = _PRELUDE + """
+if redis.call('EXISTS', KEYS[2]) == 0 then return {-2, 0, 0} end
+local tenant = ARGV[5]
+local b, r = others(tenant)
+if warming then return {-1, b, r} end
+local nb, nr = tonumber(ARGV[6]), tonumber(ARGV[7])
+local mb, mr = tonumber(ARGV[8]), tonumber(ARGV[9])
+if (mb >= 0 and b + nb > mb) or (mr >= 0 and r + nr > mr) then return {0, b, r} end
+redis.call('HSET', KEYS[2], 'b:' .. tenant, nb, 'r:' .. tenant, nr)
+keep_alive()
+return {1, b, r}
+"""
+
+# ARGV from 5 on, per tenant (9 each): tenant, b, r, held ab, held ar, wanted ab,
+# wanted ar (the caller caps them at its per-engine ceiling), max b, max r. An allowance that
+# grows is granted only outside the grace and within what the others leave.
+# Returns the granted allowances, ab then ar, per tenant in order; then the warming flag.
+_PUBLISH = _PRELUDE + """
+local fields = {'_', 1}
+local granted = {}
+local i = 5
+while i + 8 <= #ARGV do
+  local tenant = ARGV[i]
+  local b, r = tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+  local hab, har = tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4])
+  local wab, war = tonumber(ARGV[i + 5]), tonumber(ARGV[i + 6])
+  local mb, mr = tonumber(ARGV[i + 7]), tonumber(ARGV[i + 8])
+  local ob, orq = others(tenant)
+  local ab, ar = math.min(hab, wab), math.min(har, war)
+  if not warming then
+    if wab > ab then
+      local room = wab
+      if mb >= 0 then room = math.min(wab, mb - ob) end
+      ab = math.max(ab, room)
+    end
+    if war > ar then
+      local room = war
+      if mr >= 0 then room = math.min(war, mr - orq) end
+      ar = math.max(ar, room)
+    end
+  end
+  table.insert(fields, 'b:' .. tenant); table.insert(fields, b)
+  table.insert(fields, 'r:' .. tenant); table.insert(fields, r)
+  table.insert(fields, 'ab:' .. tenant); table.insert(fields, ab)
+  table.insert(fields, 'ar:' .. tenant); table.insert(fields, ar)
+  table.insert(granted, ab); table.insert(granted, ar)
+  i = i + 9
+end
+redis.call('DEL', KEYS[2])
+redis.call('HSET', KEYS[2], unpack(fields))
+keep_alive()
+if warming then table.insert(granted, 1) else table.insert(granted, 0) end
+return granted
+"""
+
+# ARGV: me, prefix, ttl ms, grace ms, tenant, b, r. A release: never checked.
+_RELEASE = _PRELUDE + """
+if redis.call('EXISTS', KEYS[2]) == 0 then return -2 end
+redis.call('HSET', KEYS[2], 'b:' .. ARGV[5], tonumber(ARGV[6]), 'r:' .. ARGV[5],
+           tonumber(ARGV[7]))
+keep_alive()
+return 1
+"""
+
+NO_LIMIT = -1
+
+
+class Outcome(StrEnum):
+    LOCAL = "local"  # within this sidecar's allowance: no round trip
+    POOL = "pool"  # granted by the store
+    REFUSED = "refused"  # the pool-wide total does not allow it
+    FALLBACK = "fallback"  # store down or rebuilding: beyond what this sidecar claimed
+
+
+@dataclass(frozen=True)
+class Limits:
+    """One tenant's limits: pool-wide (the store checks them) and this engine's share
+    (the most this sidecar's allowance may grow to). None: no limit."""
+
+    max_blocks: int
+    ceiling_blocks: int
+    max_requests: int | None = None
+    ceiling_requests: int | None = None
+
+
+@dataclass
+class _Claim:
+    blocks: int = 0
+    requests: int = 0
+    allow_blocks: int = 0
+    allow_requests: int = 0
+
+
+class PoolStore:
+    """One sidecar's side of the pool-wide ledger. Thread-safe (one lock): the
+    sidecar calls it from its event loop, tests from several threads."""
+
+    def __init__(self, client: redis.Redis, pool: str, sidecar: str, *,
+                 ttl_s: float = 10.0, margin_blocks: int = 16, margin_requests: int = 1,
+                 ) -> None:
+        self._client = client
+        self._prefix = f"kvq:{{{pool}}}:c:"
+        self._keys = [f"kvq:{{{pool}}}:live", self._prefix + sidecar, f"kvq:{{{pool}}}:epoch"]
+        self._me = sidecar
+        self._ttl_ms = max(1, int(ttl_s * 1000))
+        self._margin = (margin_blocks, margin_requests)
+        self._claims: dict[str, _Claim] = {}
+        self._limits: dict[str, Limits] = {}
+        self._lock = threading.Lock()
+        self._charge = client.register_script(_CHARGE)
+        self._publish = client.register_script(_PUBLISH)
+        self._release = client.register_script(_RELEASE)
+        self.reachable = False  # the last round trip succeeded (the sidecar's status)
+        self.warming = False
+        self.round_trips = 0
+
+    @property
+    def ttl_s(self) -> float:
+        return self._ttl_ms / 1000
+
+    def _argv(self) -> list[Any]:
+        return [self._me, self._prefix, self._ttl_ms, self._ttl_ms]
+
+    def held(self, tenant: str) -> tuple[int, int]:
+        """What this sidecar's admitted requests of `tenant` hold: blocks, requests."""
+        claim = self._claims.get(tenant)
+        return (claim.blocks, claim.requests) if claim else (0, 0)
+
+    def charge(self, tenant: str, blocks: int, limits: Limits, requests: int = 1) -> Outcome:
+        """Admit `blocks` and `requests` more for `tenant` if the pool-wide ledger allows:
+        locally within the allowance, else one check-and-charge on the store."""
+        with self._lock:
+            self._limits[tenant] = limits
+            claim = self._claims.setdefault(tenant, _Claim())
+            nb, nr = claim.blocks + blocks, claim.requests + requests
+            if nb <= claim.allow_blocks and (
+                    limits.max_requests is None or nr <= claim.allow_requests):
+                claim.blocks, claim.requests = nb, nr
+                return Outcome.LOCAL
+            status = self._eval_charge(tenant, nb, nr, limits)
+            if status == -2:  # the store lost my hash (restarted): republish, then retry
+                self._publish_locked()
+                status = self._eval_charge(tenant, nb, nr, limits)
+            if status == 1:
+                claim.blocks, claim.requests = nb, nr
+                return Outcome.POOL
+            if status == 0:
+                return Outcome.REFUSED
+            return Outcome.FALLBACK
+
+    def release(self, tenant: str, blocks: int, requests: int = 1) -> None:
+        """The request ended. Written through only when the claim was above the
+        allowance (a store-granted charge others wait on); else at the next refresh."""
+        with self._lock:
+            claim = self._claims.setdefault(tenant, _Claim())
+            above = claim.blocks > claim.allow_blocks or claim.requests > claim.allow_requests
+            claim.blocks = max(0, claim.blocks - blocks)
+            claim.requests = max(0, claim.requests - requests)
+            if above:
+                try:
+                    self._release(keys=self._keys, args=[
+                        *self._argv(), tenant, claim.blocks, claim.requests])
+                    self.round_trips += 1
+                    self.reachable = True
+                except Exception:  # the next refresh writes it
+                    self.reachable = False
+
+    def refresh(self, limits: Mapping[str, Limits] | None = None) -> bool:
+        """Republish every claim and keep this sidecar's key alive (call it at least
+        three times per TTL). Allowances move toward charge + margin, capped at each
+        tenant's per-engine ceiling and at what the other sidecars leave. False: the
+        store did not answer (allowances unchanged)."""
+        with self._lock:
+            if limits:
+                self._limits.update(limits)
+            return self._publish_locked()
+
+    def _publish_locked(self) -> bool:
+        order = list(self._limits)
+        args: list[Any] = self._argv()
+        for tenant in order:
+            claim = self._claims.setdefault(tenant, _Claim())
+            lim = self._limits[tenant]
+            wb = min(lim.ceiling_blocks, claim.blocks + self._margin[0])
+            cr = lim.ceiling_requests if lim.ceiling_requests is not None else 0
+            wr = min(cr, claim.requests + self._margin[1]) if lim.max_requests else 0
+            args += [tenant, claim.blocks, claim.requests, claim.allow_blocks,
+                     claim.allow_requests, wb, wr,
+                     lim.max_blocks, NO_LIMIT if lim.max_requests is None else lim.max_requests]
+        try:
+            granted = self._publish(keys=self._keys, args=args)
+        except Exception:  # any store failure: keep what was claimed
+            self.reachable = False
+            return False
+        self.round_trips += 1
+        self.reachable = True
+        self.warming = bool(granted[-1])
+        for n, tenant in enumerate(order):
+            claim = self._claims[tenant]
+            claim.allow_blocks, claim.allow_requests = int(granted[2 * n]), int(granted[2 * n + 1])
+        return True
+
+    def _eval_charge(self, tenant: str, nb: int, nr: int, limits: Limits) -> int:
+        try:
+            status, _b, _r = self._charge(keys=self._keys, args=[
+                *self._argv(), tenant, nb, nr, limits.max_blocks,
+                NO_LIMIT if limits.max_requests is None else limits.max_requests])
+        except Exception:  # down or slower than the timeout: fall back
+            self.reachable = False
+            return -1
+        self.round_trips += 1
+        self.reachable = True
+        self.warming = status == -1
+        return int(status)
+
+
+def connect(address: str, password: str | None, timeout_s: float = 0.005) -> redis.Redis:
+    """A client whose every call gives up after `timeout_s` (connect included): a slow
+    store costs a request that much, then admission falls back."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    host, _, port = address.rpartition(":")
+    return redis.Redis(host=host or address, port=int(port) if host else 6379,
+                       password=password, socket_timeout=timeout_s,
+                       socket_connect_timeout=timeout_s, retry_on_timeout=False,
+                       retry=Retry(NoBackoff(), 0))

@@ -1,0 +1,173 @@
+"""The pool-wide ledger against a real Redis: two sidecars (each its own connection)
+keep a tenant within its pool-wide maxBlocks under concurrent bursts, a store restart
+mid-burst loses no charge and grants nothing above maxBlocks, and a sidecar that dies
+frees its charges within its TTL."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from engine_sidecar.gateway.pool_store import Limits, Outcome, PoolStore, connect
+from tests.support.redis_server import RedisServer
+
+TTL_S = 0.6  # the test's own: refresh three times per TTL, as the sidecar does
+LIMITS = Limits(max_blocks=100, ceiling_blocks=50, max_requests=40, ceiling_requests=20)
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[RedisServer]:
+    srv = RedisServer(tmp_path)
+    srv.start()
+    yield srv
+    srv.kill()
+
+
+def _sidecar(server: RedisServer, name: str) -> PoolStore:
+    return PoolStore(connect(server.address, None, timeout_s=0.05), "ns/pool", name,
+                     ttl_s=TTL_S, margin_blocks=4)
+
+
+class _Pool:
+    """What the sidecars' admitted requests hold together, as the engines would see it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.blocks = self.requests = self.peak_blocks = self.peak_requests = 0
+        self.outcomes: dict[Outcome, int] = dict.fromkeys(Outcome, 0)
+
+    def burst(self, store: PoolStore, rng: random.Random, n: int,
+              sizes: tuple[int, ...] = (3, 5, 8), release: float = 0.4) -> None:
+        held: list[int] = []
+        for _ in range(n):
+            if held and rng.random() < release:
+                size = held.pop(rng.randrange(len(held)))
+                with self.lock:
+                    self.blocks -= size
+                    self.requests -= 1
+                store.release("acme", size)
+                continue
+            size = rng.choice(sizes)
+            outcome = store.charge("acme", size, LIMITS)
+            with self.lock:
+                self.outcomes[outcome] += 1
+                if outcome in (Outcome.LOCAL, Outcome.POOL):
+                    held.append(size)
+                    self.blocks += size
+                    self.requests += 1
+                    self.peak_blocks = max(self.peak_blocks, self.blocks)
+                    self.peak_requests = max(self.peak_requests, self.requests)
+        for size in held:
+            with self.lock:
+                self.blocks -= size
+                self.requests -= 1
+            store.release("acme", size)
+
+
+def _run(threads: list[threading.Thread]) -> None:
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+
+
+def test_two_sidecars_keep_a_tenant_within_its_pool_wide_max(server: RedisServer) -> None:
+    # Routing sends nearly all of the tenant to sidecar a: it borrows b's idle share
+    # through the store, and the two together never pass maxBlocks nor maxRequests.
+    a, b = _sidecar(server, "engine-a"), _sidecar(server, "engine-b")
+    for s in (a, b):
+        assert s.refresh({"acme": LIMITS})
+    time.sleep(TTL_S)  # the first contact's grace
+    pool = _Pool()
+    _run([threading.Thread(target=pool.burst, args=(a, random.Random(seed), 300, (3, 5, 8), 0.2))
+          for seed in range(3)]
+         + [threading.Thread(target=pool.burst, args=(b, random.Random(10), 60, (2,)))])
+    assert pool.peak_blocks <= LIMITS.max_blocks
+    assert pool.peak_requests <= LIMITS.max_requests
+    assert pool.peak_blocks > LIMITS.ceiling_blocks  # a used b's idle share
+    assert pool.outcomes[Outcome.POOL] > 0 and pool.outcomes[Outcome.REFUSED] > 0
+    assert a.held("acme") == (0, 0) == b.held("acme")
+
+
+def test_a_store_restart_mid_burst_loses_no_charge(server: RedisServer) -> None:
+    a, b = _sidecar(server, "engine-a"), _sidecar(server, "engine-b")
+    for s in (a, b):
+        s.refresh({"acme": LIMITS})
+    time.sleep(TTL_S)
+    # a borrows beyond its ceiling: 70 blocks, held across the restart.
+    assert [a.charge("acme", 10, LIMITS) for _ in range(7)].count(Outcome.POOL) >= 1
+    assert a.held("acme") == (70, 7)
+    server.kill()
+    # Down: b keeps to what it had claimed (its ceiling less a's borrowing, at most),
+    # and nothing beyond a's claim is admitted.
+    assert a.charge("acme", 10, LIMITS) is Outcome.FALLBACK
+    down = [b.charge("acme", 10, LIMITS) for _ in range(5)]
+    assert Outcome.POOL not in down
+    b_down = b.held("acme")[0]
+    assert 70 + b_down <= LIMITS.max_blocks
+    server.start()
+    # Back, empty: the first scripts open a grace in which claims are republished and
+    # nothing grows; after it, the store knows a's 70 and b's share again.
+    assert a.refresh() and b.refresh()
+    assert b.charge("acme", 40, LIMITS) in (Outcome.FALLBACK, Outcome.REFUSED)
+    time.sleep(TTL_S)
+    assert a.refresh() and b.refresh()
+    assert b.charge("acme", LIMITS.max_blocks - 70 - b_down + 1, LIMITS) is Outcome.REFUSED
+    assert a.charge("acme", LIMITS.max_blocks - 70 - b_down + 1, LIMITS) is Outcome.REFUSED
+    a.release("acme", 70, 7)
+    a.refresh()
+    assert b.charge("acme", 30, LIMITS) is Outcome.POOL
+
+
+def test_a_dead_sidecars_charges_expire_within_its_ttl(server: RedisServer) -> None:
+    a, b = _sidecar(server, "engine-a"), _sidecar(server, "engine-b")
+    for s in (a, b):
+        s.refresh({"acme": LIMITS})
+    time.sleep(TTL_S)
+    for _ in range(9):
+        a.charge("acme", 10, LIMITS)
+    assert a.held("acme")[0] == 90
+    assert b.charge("acme", 20, LIMITS) is Outcome.REFUSED
+    del a  # killed: it never refreshes nor releases again
+    time.sleep(TTL_S + 0.1)
+    assert b.charge("acme", 20, LIMITS) is Outcome.POOL
+
+
+def test_a_store_killed_and_restarted_during_concurrent_bursts(server: RedisServer) -> None:
+    # Bursts on both sidecars while each refreshes every third of its TTL, the store
+    # killed and restarted empty in the middle: the tenant never passes maxBlocks.
+    a, b = _sidecar(server, "engine-a"), _sidecar(server, "engine-b")
+    for s in (a, b):
+        s.refresh({"acme": LIMITS})
+    time.sleep(TTL_S)
+    pool, stop = _Pool(), threading.Event()
+
+    def refresh(store: PoolStore) -> None:
+        while not stop.wait(TTL_S / 3):
+            store.refresh()
+
+    def bursts(store: PoolStore, seed: int) -> None:
+        rng = random.Random(seed)
+        while not stop.is_set():
+            pool.burst(store, rng, 40)
+
+    threads = [threading.Thread(target=refresh, args=(s,)) for s in (a, b)]
+    threads += [threading.Thread(target=bursts, args=(s, n)) for n, s in enumerate((a, a, b))]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    server.kill()
+    time.sleep(0.3)
+    server.start()
+    time.sleep(TTL_S + 0.4)
+    stop.set()
+    for t in threads:
+        t.join(30)
+    assert pool.peak_blocks <= LIMITS.max_blocks
+    assert pool.outcomes[Outcome.FALLBACK] > 0 and pool.outcomes[Outcome.POOL] > 0
+    assert a.held("acme") == (0, 0) == b.held("acme")
