@@ -92,6 +92,29 @@ class LeasePolicy(_Model):
     max_blocks: int = Field(0, ge=0, description="Leased blocks per engine (0: no cap).")
 
 
+class PoolLimits(_Model):
+    """A tenant's pool-wide quota, which the shared ledger (`EnginePolicy.poolStore`)
+    holds every engine's charges to. Rendered only for pools that name a store."""
+
+    guaranteed_blocks: int = Field(ge=0)
+    max_blocks: int = Field(ge=0)
+    max_concurrent_requests: int | None = Field(None, ge=1)
+
+
+class PoolStorePolicy(_Model):
+    """The pool-wide ledger's store (Redis or Valkey); its password is a file in the
+    sidecar's mounted secrets directory, never in the policy."""
+
+    address: str = Field(min_length=1, max_length=253, pattern=r"^[-.a-zA-Z0-9\[\]:]+$",
+                         description="host:port of the store.")
+    password_file: str | None = Field(None, min_length=1, max_length=253,
+                                      pattern=r"^[-._a-zA-Z0-9]+$")
+    ttl_seconds: float = Field(10.0, ge=0.5, le=300, description="How long a sidecar's "
+                               "charges outlive its last refresh (it refreshes 3x per TTL).")
+    timeout_ms: float = Field(5.0, gt=0, le=1000, description="The bounded wait for the "
+                              "store; past it admission keeps to what it had claimed.")
+
+
 class TenantPolicy(_Model):
     tenant_id: TenantId
     tier: Tier
@@ -115,6 +138,18 @@ class TenantPolicy(_Model):
         256, ge=0, description="Requests of the tenant that may wait at once per engine."
     )
     prefix_cache_isolation: Isolation = Isolation.TENANT
+    pool_wide: PoolLimits | None = Field(
+        None, description="The pool-wide quota, when the pool has a shared ledger; left "
+        "out of the JSON otherwise."
+    )
+
+    @model_serializer(mode="wrap")
+    def _omit_no_pool_wide(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if self.pool_wide is None:
+            data.pop("poolWide", None)
+            data.pop("pool_wide", None)
+        return data
 
     @model_validator(mode="after")
     def _check_bounds(self) -> TenantPolicy:
@@ -220,6 +255,10 @@ class EnginePolicy(_Model):
         "there (the even split). Left out of the JSON when empty, so a policy without "
         "overrides reads as before.",
     )
+    pool_store: PoolStorePolicy | None = Field(
+        None, description="The pool-wide ledger's store; none: each engine admits on its "
+        "own split of the quotas. Left out of the JSON when unset."
+    )
     version: str = Field("", description="Content hash; set by with_version().")
 
     @model_validator(mode="after")
@@ -243,6 +282,9 @@ class EnginePolicy(_Model):
             data.pop("engines", None)
         if not self.reservation:
             data.pop("reservation", None)
+        if self.pool_store is None:
+            data.pop("poolStore", None)
+            data.pop("pool_store", None)
         return data
 
     def reservation_for(self, tier: Tier) -> ReservationMode:

@@ -47,7 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from engine_sidecar.contract.policy import EnginePolicy
+from engine_sidecar.contract.policy import EnginePolicy, TenantPolicy
 from engine_sidecar.contract.reclaim import watermark_floor
 from engine_sidecar.contract.stats import EngineStats
 from engine_sidecar.gateway import errors
@@ -67,6 +67,7 @@ from engine_sidecar.gateway.errors import ApiError
 from engine_sidecar.gateway.joint_charge import RequestGrowth
 from engine_sidecar.gateway.ledger import Ledger, Reservation
 from engine_sidecar.gateway.output_estimate import Outlook, OutputEstimates
+from engine_sidecar.gateway.pool_admission import PoolAdmission
 
 RATE_SAMPLES = 32  # admissions per tenant the drain rate is measured over
 RATE_WINDOW_S = 60.0  # older admissions say nothing about the current drain rate
@@ -149,6 +150,8 @@ class AdmissionQueue:
         # Seconds each tenant's queued requests waited on its maxBlocks beside idle KV.
         self.idle_waits: dict[str, float] = {}
         self._last_pump: float | None = None
+        # The pool-wide ledger on a shared store, when the pool names one.
+        self.pool: PoolAdmission | None = None
 
     # -- the caller's side ----------------------------------------------------------
 
@@ -392,11 +395,16 @@ class AdmissionQueue:
             error = ApiError(403, errors.UNKNOWN_TENANT,
                              f"tenant {ticket.tenant_id!r} is no longer in the pool's policy")
             return Verdict(Decision.REJECTED_AUTH, 0, 0, error)
-        return decide(tenant, ticket.shape, block_size=self.policy.block_size,
-                      watermark=self.policy.watermark, view=self.view(),
-                      max_model_len=self.max_model_len(),
-                      outlook=self.estimates.outlook(tenant, ticket.shape.route, self.policy),
-                      beyond_max=beyond_max)
+        policy, view = self.policy, self.view()
+
+        def run(tenant: TenantPolicy) -> Verdict:
+            return decide(tenant, ticket.shape, block_size=policy.block_size,
+                          watermark=policy.watermark, view=view,
+                          max_model_len=self.max_model_len(),
+                          outlook=self.estimates.outlook(tenant, ticket.shape.route, policy),
+                          beyond_max=beyond_max)
+
+        return self.pool.decide(tenant, view, run) if self.pool is not None else run(tenant)
 
     def _growth(self, tenant_id: str, shape: RequestShape, max_tokens: int) -> RequestGrowth:
         """How an admitted request's take and remainder follow what it decodes (its

@@ -194,6 +194,19 @@ class PoolStore:
         claim = self._claims.get(tenant)
         return (claim.blocks, claim.requests) if claim else (0, 0)
 
+    @property
+    def ever_reached(self) -> bool:
+        """Whether any round trip ever succeeded (before that nothing was claimed)."""
+        return self.round_trips > 0
+
+    def sync(self, tenant: str, blocks: int, requests: int) -> None:
+        """Set what this sidecar's requests of `tenant` hold, as its own ledger counts
+        them now (it moves as requests decode and finish); no round trip: the next
+        charge or refresh writes it."""
+        with self._lock:
+            claim = self._claims.setdefault(tenant, _Claim())
+            claim.blocks, claim.requests = max(0, blocks), max(0, requests)
+
     def charge(self, tenant: str, blocks: int, limits: Limits, requests: int = 1) -> Outcome:
         """Admit `blocks` and `requests` more for `tenant` if the pool-wide ledger allows:
         locally within the allowance, else one check-and-charge on the store."""

@@ -1,0 +1,104 @@
+"""Pool-wide admission on a real Redis: a tenant that routing sends to one engine gets
+its idle share from the other through the shared ledger, never more than its pool-wide
+maxBlocks; with the store down each engine keeps to what it had claimed."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from engine_sidecar.contract.policy import PoolLimits
+from engine_sidecar.gateway.admission import RequestShape
+from engine_sidecar.gateway.admission_queue import AdmissionQueue, Ticket
+from engine_sidecar.gateway.ledger import Ledger
+from engine_sidecar.gateway.pool_admission import PoolAdmission
+from engine_sidecar.gateway.pool_store import Outcome, PoolStore, connect
+from tests.support.redis_server import RedisServer
+
+from .helpers import make_policy, tenant
+
+BLOCK = 32
+TTL_S = 0.6
+POLICY = make_policy(tenant(
+    "acme", guaranteed_blocks=5, max_blocks=10, max_tokens=4096, max_queue_seconds=30,
+    max_queued_requests=100,
+    pool_wide=PoolLimits(guaranteed_blocks=10, max_blocks=20)))
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[RedisServer]:
+    srv = RedisServer(tmp_path)
+    srv.start()
+    yield srv
+    srv.kill()
+
+
+def _engine(server: RedisServer | None, name: str) -> AdmissionQueue:
+    queue = AdmissionQueue(Ledger(), clock=lambda: 0.0, rng=random.Random(1),
+                           max_model_len=lambda: None)
+    queue.set_policy(POLICY)
+    if server is not None:
+        store = PoolStore(connect(server.address, None, timeout_s=0.05), "ns/pool", name,
+                          ttl_s=TTL_S, margin_blocks=2)
+        queue.pool = PoolAdmission(store)
+    return queue
+
+
+def _one_block() -> RequestShape:
+    return RequestShape((BLOCK - 1,), 1)
+
+
+def _refresh(*queues: AdmissionQueue) -> None:
+    for q in queues:
+        assert q.pool is not None and q.policy is not None
+        assert q.pool.refresh(q.policy, q.view())
+
+
+def _admitted(tickets: list[Ticket]) -> int:
+    return sum(t.admitted for t in tickets)
+
+
+def test_without_a_store_one_engine_admits_its_split_only() -> None:
+    a = _engine(None, "a")
+    assert _admitted([a.submit("acme", _one_block()) for _ in range(20)]) == 10
+
+
+def test_a_tenant_routed_to_one_engine_gets_the_other_engines_idle_share(
+        server: RedisServer) -> None:
+    a, b = _engine(server, "a"), _engine(server, "b")
+    _refresh(a, b)
+    time.sleep(TTL_S)  # the new store's grace
+    _refresh(a, b)  # b idle: its allowance shrinks to the margin (2 blocks)
+    on_a = [a.submit("acme", _one_block()) for _ in range(25)]
+    assert _admitted(on_a) == 18  # 20 pool-wide less b's 2
+    on_b = [b.submit("acme", _one_block()) for _ in range(3)]
+    assert _admitted(on_b) == 2 and not on_b[2].settled  # waits: the pool is full
+    assert a.pool is not None and a.pool.charges[Outcome.POOL] > 0
+    for ticket in on_a[:5]:
+        assert ticket.reservation is not None
+        ticket.reservation.release()
+    _refresh(a)  # a's releases reach the store
+    b.pump()
+    assert on_b[2].admitted
+
+
+def test_store_down_keeps_each_engine_to_what_it_claimed(server: RedisServer) -> None:
+    a, b = _engine(server, "a"), _engine(server, "b")
+    _refresh(a, b)
+    time.sleep(TTL_S)
+    _refresh(a, b)
+    assert _admitted([a.submit("acme", _one_block()) for _ in range(15)]) == 15
+    server.kill()
+    # a holds 15 (granted); b may use only its 2 claimed blocks, not its split of 10.
+    assert not a.submit("acme", _one_block()).admitted
+    assert _admitted([b.submit("acme", _one_block()) for _ in range(5)]) == 2
+    assert not _refresh_ok(a)
+
+
+def _refresh_ok(q: AdmissionQueue) -> bool:
+    assert q.pool is not None and q.policy is not None
+    return q.pool.refresh(q.policy, q.view())
