@@ -111,7 +111,7 @@ class PoolStorePolicy(_Model):
                                       pattern=r"^[-._a-zA-Z0-9]+$")
     ttl_seconds: float = Field(10.0, ge=0.5, le=300, description="How long a sidecar's "
                                "charges outlive its last refresh (it refreshes 3x per TTL).")
-    timeout_ms: float = Field(5.0, gt=0, le=1000, description="The bounded wait for the "
+    timeout_ms: float = Field(5.0, ge=0.1, le=1000, description="The bounded wait for the "
                               "store; past it admission keeps to what it had claimed.")
 
 

@@ -32,6 +32,7 @@ from engine_sidecar.gateway.model_names import engine_name
 from engine_sidecar.gateway.observer import NO_TRACE, RequestTrace
 from engine_sidecar.gateway.openai_request import Kind, rewrite, session_id
 from engine_sidecar.gateway.output_estimate import OutputEstimates
+from engine_sidecar.gateway.pool_link import PoolLink
 from engine_sidecar.gateway.prefix import prompt_fingerprints
 from engine_sidecar.gateway.prompt_bounds import PromptLimit
 from engine_sidecar.gateway.prompt_count import PromptCounting
@@ -74,6 +75,7 @@ class Admitter:
             max_model_len=lambda: monitor.max_model_len, estimates=estimates,
         )
         self._changed = asyncio.Event()
+        self.pool_link: PoolLink | None = None  # the pool-wide ledger, when the app sets it
 
     def wake(self) -> None:
         """Capacity may have freed (a reservation was released): re-run the queue."""
@@ -211,6 +213,8 @@ class Admitter:
     def sync_policy(self, active: ActivePolicy) -> None:
         if self.queue.policy is not active.policy:
             self.queue.set_policy(active.policy)
+        if self.pool_link is not None:
+            self.queue.pool = self.pool_link.for_policy(active.policy)
 
     async def pump(self) -> None:
         """Admit queued requests as capacity frees: at once on every release, and every

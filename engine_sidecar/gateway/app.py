@@ -55,6 +55,7 @@ from engine_sidecar.gateway.output_estimate import OutputEstimates
 from engine_sidecar.gateway.passthrough import Passthrough, supported_routes
 from engine_sidecar.gateway.picker_signals import PickerSignals, SignalSources
 from engine_sidecar.gateway.policy_source import PolicySource
+from engine_sidecar.gateway.pool_link import PoolLink
 from engine_sidecar.gateway.relay import Relay
 from engine_sidecar.gateway.request_body import closing, unread
 from engine_sidecar.gateway.status import build_status, hide_paths
@@ -106,6 +107,8 @@ class Gateway:
             stats=self.stats.current, monitor=self.monitor, estimates=self.estimates,
             tokenizers=self.tokenizers, retry_after=config.retry_after_seconds,
         )
+        self.pool_link = PoolLink(config.secrets_dir, config.engine_id)
+        self.admitter.pool_link = self.pool_link
         self.relay = Relay(config, self.upstream, self.holder, self.metrics, self.estimates,
                            self.admitter.capacity)
         self.queue = self.admitter.queue
@@ -215,7 +218,9 @@ class Gateway:
     @contextlib.asynccontextmanager
     async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:
         tasks = [asyncio.create_task(self.monitor.run(self.upstream.client), name="engine"),
-                 asyncio.create_task(self.admitter.pump(), name="admission-queue")]
+                 asyncio.create_task(self.admitter.pump(), name="admission-queue"),
+                 asyncio.create_task(self.pool_link.run(
+                     lambda: self.queue.policy, self.admitter.capacity), name="pool-ledger")]
         if self.policy_source is not None:
             tasks.append(asyncio.create_task(self.policy_source.run(self.holder), name="policy"))
             logger.info("policy from %s", self.policy_source.description)

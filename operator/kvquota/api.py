@@ -463,6 +463,29 @@ class QuotaSplit(StrEnum):
     DEMAND = "Demand"
 
 
+class PoolStoreSpec(_Model):
+    """A Redis or Valkey the pool's sidecars share for pool-wide admission."""
+
+    address: str = Field(
+        min_length=1, max_length=253, pattern=r"^[-.a-zA-Z0-9\[\]:]+:[0-9]{1,5}$",
+        description="host:port of the store (the one Envoy's global rate limiting uses "
+        "will do).",
+    )
+    password_secret_ref: SecretKeyRef | None = Field(
+        None, description="The store's password: a key of a Secret the engine pods mount "
+        "in the sidecar's secrets directory (never logged).",
+    )
+    ttl_seconds: float = Field(
+        10.0, ge=0.5, le=300, description="How long a sidecar's pool-wide charges outlive "
+        "it: a sidecar that dies frees them within this.",
+    )
+    timeout_ms: float = Field(
+        5.0, ge=0.1, le=1000, description="The most a request waits for the store; past it "
+        "the engine keeps to what it had claimed of its split, never above the pool-wide "
+        "maxBlocks.",
+    )
+
+
 class InferencePoolSpec(BaseModel):
     model_config = _rules(
         (
@@ -495,6 +518,12 @@ class InferencePoolSpec(BaseModel):
         "kept, at most half an even share per engine per poll, never below what an "
         "engine's running work holds; shown in TenantQuota status.engines), for routers "
         "that keep a tenant's sessions on a few engines (prefix- or session-affine).",
+    )
+    pool_store: PoolStoreSpec | None = Field(
+        None, description="A shared store (Redis or Valkey) for pool-wide admission: a "
+        "request its engine's split would refuse is admitted if the tenant's pool-wide "
+        "quota allows, checked and charged atomically on the store. Unset: each engine "
+        "admits on its split alone.",
     )
 
 

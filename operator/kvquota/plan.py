@@ -436,7 +436,7 @@ def _derive(pool: InferencePoolSpec, quota: _Quota, replicas: int, granted: int)
         guaranteed_blocks=granted,
     )
     try:
-        entry = tenant_policy(effective)
+        entry = tenant_policy(effective, pool_wide=pool.pool_store is not None)
     except ValidationError as error:
         return error
     return effective, render_tenant(entry)

@@ -28,6 +28,7 @@ from engine_sidecar.contract.policy import (
     EnginePolicy,
     EngineShare,
     JwtPolicy,
+    PoolStorePolicy,
     ReservationMode,
     TenantPolicy,
     Tier,
@@ -165,8 +166,20 @@ def compose_policy(
         replicas=max(replicas, 1),
         auth=render_auth(spec.auth),
         reservation=render_reservation(spec),
+        pool_store=render_pool_store(spec),
     )
     return compose(head, tenants, engines)
+
+
+def render_pool_store(spec: InferencePoolSpec) -> PoolStorePolicy | None:
+    """The store's address and where its password is mounted (the Secret's key)."""
+    store = spec.pool_store
+    if store is None:
+        return None
+    secret = store.password_secret_ref
+    return PoolStorePolicy(address=store.address,
+                           password_file=secret.key if secret is not None else None,
+                           ttl_seconds=store.ttl_seconds, timeout_ms=store.timeout_ms)
 
 
 def render_reservation(spec: InferencePoolSpec) -> dict[Tier, ReservationMode]:

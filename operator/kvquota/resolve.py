@@ -9,7 +9,13 @@ a default above it (the engine would refuse the policy).
 
 from __future__ import annotations
 
-from engine_sidecar.contract.policy import DEFAULT_ABOVE_MAX, LeasePolicy, TenantPolicy, Tier
+from engine_sidecar.contract.policy import (
+    DEFAULT_ABOVE_MAX,
+    LeasePolicy,
+    PoolLimits,
+    TenantPolicy,
+    Tier,
+)
 from kvquota.api import (
     TIER_DEFAULTS,
     EffectiveSettings,
@@ -73,8 +79,9 @@ def effective_settings(
     )
 
 
-def tenant_policy(effective: EffectiveSettings) -> TenantPolicy:
-    """The per-engine entry for the EnginePolicy (pool-wide caps split per replica)."""
+def tenant_policy(effective: EffectiveSettings, *, pool_wide: bool = False) -> TenantPolicy:
+    """The per-engine entry for the EnginePolicy (pool-wide caps split per replica);
+    `pool_wide`: the pool has a shared store, so the entry carries the pool-wide quota."""
     replicas = effective.replicas or 1
     assert effective.tenant_id is not None and effective.tier is not None
     assert effective.priority is not None and effective.max_tokens is not None
@@ -98,4 +105,9 @@ def tenant_policy(effective: EffectiveSettings) -> TenantPolicy:
         max_queued_requests=split_ceiling(effective.max_queued_requests, replicas) or 0,
         prefix_cache_isolation=effective.prefix_cache_isolation or "Tenant",
         above_max=effective.above_max or DEFAULT_ABOVE_MAX,
+        pool_wide=PoolLimits(
+            guaranteed_blocks=effective.guaranteed_blocks or 0,
+            max_blocks=effective.max_blocks or 0,
+            max_concurrent_requests=effective.max_concurrent_requests or None,
+        ) if pool_wide else None,
     )

@@ -149,3 +149,28 @@ def test_a_memo_kept_across_edits_plans_exactly_what_a_fresh_plan_does() -> None
     # c's maxBlocks (600) is above the shrunk pool's 500 blocks, which it is told.
     assert _accepted(kept, "c") == ("True", "MaxBlocksAboveCapacity")
     assert _accepted(kept, "d") == ("False", "Oversubscribed")
+
+
+def test_a_pool_store_renders_its_address_and_each_tenants_pool_wide_quota() -> None:
+    # A pool that names a store: its sidecars get the address, the password's key in
+    # their secrets dir (never the password), and each tenant's pool-wide quota beside
+    # its split, so they can admit beyond the split when the pool-wide total allows.
+    store = {"address": "redis.infra:6379",
+             "passwordSecretRef": {"name": "kvquota-store", "key": "redis-password"}}
+    tenants = [quota("acme", guaranteed=400, maximum=800,
+                     limits={"maxConcurrentRequests": 16})]
+    plan = _plan(pool(capacity=1000, poolStore=store), tenants, replicas=8)
+    assert plan.policy is not None and plan.policy.pool_store is not None
+    assert plan.policy.pool_store.address == "redis.infra:6379"
+    assert plan.policy.pool_store.password_file == "redis-password"
+    acme = plan.policy.tenants["acme"]
+    assert (acme.max_blocks, acme.max_concurrent_requests) == (100, 2)
+    assert acme.pool_wide is not None
+    assert (acme.pool_wide.guaranteed_blocks, acme.pool_wide.max_blocks,
+            acme.pool_wide.max_concurrent_requests) == (400, 800, 16)
+    # Without a store the policy reads as before: neither field is in its JSON.
+    plain = _plan(pool(capacity=1000), tenants, replicas=8).policy
+    assert plain is not None
+    text = plain.to_json()
+    assert "poolStore" not in text and "poolWide" not in text
+    assert '"poolWide"' in plan.policy.to_json()

@@ -4,6 +4,7 @@ maxBlocks; with the store down each engine keeps to what it had claimed."""
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Iterator
@@ -11,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from engine_sidecar.contract.policy import PoolLimits
-from engine_sidecar.gateway.admission import RequestShape
+from engine_sidecar.contract.policy import PoolLimits, PoolStorePolicy
+from engine_sidecar.gateway.admission import UNKNOWN_CAPACITY, RequestShape
 from engine_sidecar.gateway.admission_queue import AdmissionQueue, Ticket
 from engine_sidecar.gateway.ledger import Ledger
 from engine_sidecar.gateway.pool_admission import PoolAdmission
+from engine_sidecar.gateway.pool_link import PoolLink
 from engine_sidecar.gateway.pool_store import Outcome, PoolStore, connect
 from tests.support.redis_server import RedisServer
 
@@ -102,3 +104,30 @@ def test_store_down_keeps_each_engine_to_what_it_claimed(server: RedisServer) ->
 def _refresh_ok(q: AdmissionQueue) -> bool:
     assert q.pool is not None and q.policy is not None
     return q.pool.refresh(q.policy, q.view())
+
+
+def test_the_sidecar_reads_the_store_password_from_its_secrets_dir_and_never_logs_it(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    secret = "s3cret-for-the-pool-store"
+    srv = RedisServer(tmp_path, password=secret)
+    srv.start()
+    try:
+        secrets = tmp_path / "secrets"
+        secrets.mkdir()
+        (secrets / "redis-password").write_text(secret + "\n")
+        store = PoolStorePolicy(address=srv.address, password_file="redis-password",
+                                ttl_seconds=1, timeout_ms=50)
+        policy = POLICY.model_copy(update={"pool_store": store})
+        caplog.set_level(logging.DEBUG)
+        admission = PoolLink(secrets, "engine-a").for_policy(policy)
+        assert admission is not None
+        assert admission.refresh(policy, UNKNOWN_CAPACITY)  # authenticated
+        # Without the file the link stays off (today's behaviour), saying why.
+        missing = store.model_copy(update={"password_file": "absent"})
+        assert PoolLink(secrets, "engine-b").for_policy(
+            POLICY.model_copy(update={"pool_store": missing})) is None
+        assert secret not in caplog.text and "absent" in caplog.text
+        # A policy without a store: no pool-wide admission.
+        assert PoolLink(secrets, "engine-c").for_policy(POLICY) is None
+    finally:
+        srv.kill()

@@ -19,7 +19,7 @@ def _free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, password: str | None = None) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             pytest.skip("redis-server not found: `apt-get install -y redis-server` "
@@ -29,6 +29,7 @@ class RedisServer:
         self.port = _free_port()
         self.workdir = workdir
         self.proc: subprocess.Popen[bytes] | None = None
+        self.password = password
 
     @property
     def address(self) -> str:
@@ -37,7 +38,8 @@ class RedisServer:
     def start(self) -> None:
         self.proc = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.workdir)],
+             "--appendonly", "no", "--dir", str(self.workdir),
+             *(["--requirepass", self.password] if self.password else [])],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
