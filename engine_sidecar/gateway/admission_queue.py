@@ -334,7 +334,7 @@ class AdmissionQueue:
             shape = ticket.shape
             ticket.reservation = self.ledger.reserve(
                 tenant_id, verdict.extra, shape.session, shape.prefix,
-                verdict.remainder, self._growth(tenant_id, shape, verdict.max_tokens),
+                verdict.remainder, self.growth(tenant_id, shape, verdict.max_tokens),
                 verdict.above_max,
             )
         else:
@@ -406,7 +406,7 @@ class AdmissionQueue:
 
         return self.pool.decide(tenant, view, run) if self.pool is not None else run(tenant)
 
-    def _growth(self, tenant_id: str, shape: RequestShape, max_tokens: int) -> RequestGrowth:
+    def growth(self, tenant_id: str, shape: RequestShape, max_tokens: int) -> RequestGrowth:
         """How an admitted request's take and remainder follow what it decodes (its
         tenant's learned lengths beyond that point, as they stand at each update)."""
         assert self.policy is not None

@@ -5,15 +5,25 @@ tokenizer, `prompt_count`), its shape goes to its tenant's queue (`admission_que
 and it waits there until the queue admits it (a reservation in the ledger) or refuses
 it, or the client leaves. An admitted body is rewritten for the engine with what the
 decision granted. `pump` re-runs the queue as capacity frees.
+
+Counting only when it decides: where the tokenizer bounds a prompt's count by its size
+(`prompt_bounds.TokenCeiling`), a request whose tenant has nothing queued is first
+decided at that ceiling. Admitted there, it goes on at once, and its exact count, taken
+off its path (`_recount`), shrinks its reservation to what the engine processes (the
+ceiling is never below the count, so a bound never puts a tenant over its maxBlocks).
+Otherwise (it would wait or be refused at the ceiling, or its default max_tokens would
+depend on the count) it is counted first and decided as before. Its prompt blocks are
+then all its own (no prefix shared with its tenant's other requests is credited).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from starlette.types import Receive
 
@@ -30,7 +40,7 @@ from engine_sidecar.gateway.ledger import Ledger, Reservation
 from engine_sidecar.gateway.metrics import GatewayMetrics
 from engine_sidecar.gateway.model_names import engine_name
 from engine_sidecar.gateway.observer import NO_TRACE, RequestTrace
-from engine_sidecar.gateway.openai_request import Kind, rewrite, session_id
+from engine_sidecar.gateway.openai_request import Kind, ParsedRequest, rewrite, session_id
 from engine_sidecar.gateway.output_estimate import OutputEstimates
 from engine_sidecar.gateway.pool_link import PoolLink
 from engine_sidecar.gateway.prefix import prompt_fingerprints
@@ -39,6 +49,9 @@ from engine_sidecar.gateway.prompt_count import PromptCounting
 from engine_sidecar.gateway.responses_request import rewrite_responses
 from engine_sidecar.gateway.status import DecisionCounters
 from engine_sidecar.gateway.tokenizer_setup import TokenizerSetup
+from engine_sidecar.gateway.tokens import TokenCounter, TokenIds
+
+logger = logging.getLogger(__name__)
 
 PUMP_INTERVAL_S = 0.05  # while requests queue: re-check capacity (new stats) and deadlines
 
@@ -76,6 +89,8 @@ class Admitter:
         )
         self._changed = asyncio.Event()
         self.pool_link: PoolLink | None = None  # the pool-wide ledger, when the app sets it
+        self.recounts: set[asyncio.Task[None]] = set()
+        self.ceiling_admissions = 0  # admitted on a ceiling, counted afterwards (tests)
 
     def wake(self) -> None:
         """Capacity may have freed (a reservation was released): re-run the queue."""
@@ -112,28 +127,25 @@ class Admitter:
         try:  # cheap checks first, then the cache, then tokenizing (`prompt_count`)
             request = await self.prompts.parse(kind, raw, counter, PromptLimit(
                 tenant_id, tenant.max_prompt_tokens, self.monitor.max_model_len))
-            if "model" in request.body:  # the public name /v1/models shows -> the engine's
-                request.body["model"] = engine_name(request.body["model"], self.monitor.model,
-                                                    active.policy.model)
-            prompts = await self.prompts.count(counter, request, self.monitor.model)
         except ApiError as error:
-            if error.code == errors.PROMPT_TOO_LONG:
-                self.count_decision(tenant_id, tenant.tier.value, Decision.REJECTED_PROMPT)
-            raise reject(error, "tokenizer_busy" if error.code == errors.TOKENIZER_BUSY
-                         else "invalid_request") from None
-        active = self.holder.active or active  # a policy swap during counting wins
-        if tenant_id not in active.policy.tenants:
-            raise reject(ApiError(
-                403, errors.UNKNOWN_TENANT,
-                f"tenant {tenant_id!r} is no longer in the pool's policy"), "unknown_tenant")
-        self.sync_policy(active)
+            raise self._count_error(error, tenant_id, tenant.tier.value) from None
+        if "model" in request.body:  # the public name /v1/models shows -> the engine's
+            request.body["model"] = engine_name(request.body["model"], self.monitor.model,
+                                                active.policy.model)
         session = session_id(dict(raw_headers), request.body)
-        shape = RequestShape(
-            tuple(len(p) for p in prompts), request.requested_max_tokens, request.n,
-            request.prompt_param, request.max_tokens_param, session,
-            prompt_fingerprints(prompts, active.policy.block_size), kind.value,
-        )
-        ticket = self.queue.submit(tenant_id, shape)
+        ticket = self._admit_at_ceiling(counter, request, tenant_id, session, kind)
+        if ticket is None:
+            prompts = await self._count(counter, request, tenant_id, tenant.tier.value)
+            active = self._still_known(active, tenant_id)  # a swap during counting wins
+            shape = RequestShape(
+                tuple(len(p) for p in prompts), request.requested_max_tokens, request.n,
+                request.prompt_param, request.max_tokens_param, session,
+                prompt_fingerprints(prompts, active.policy.block_size), kind.value,
+            )
+            ticket = self.queue.submit(tenant_id, shape)
+        else:  # decided now on the policy in force (`_admit_at_ceiling`)
+            active = self.holder.active or active
+            shape = ticket.shape
         trace.queued(ticket)
         if not ticket.settled and not await self._wait_in_queue(ticket, receive, trace):
             return None
@@ -163,7 +175,85 @@ class Admitter:
             raise
         self.metrics.tier(tier).reserved_blocks.inc(verdict.blocks)
         return Admitted(reservation, body, tier, ticket.waited,
-                        request.n * max(1, len(prompts)))
+                        request.n * max(1, len(shape.prompt_tokens)))
+
+    def _count_error(self, error: ApiError, tenant_id: str, tier: str) -> ApiError:
+        if error.code == errors.PROMPT_TOO_LONG:
+            self.count_decision(tenant_id, tier, Decision.REJECTED_PROMPT)
+        return self.intake.reject(error, "tokenizer_busy" if error.code == errors.TOKENIZER_BUSY
+                                  else "invalid_request")
+
+    async def _count(self, counter: TokenCounter, request: ParsedRequest, tenant_id: str,
+                     tier: str) -> tuple[TokenIds, ...]:
+        try:
+            return await self.prompts.count(counter, request, self.monitor.model)
+        except ApiError as error:
+            raise self._count_error(error, tenant_id, tier) from None
+
+    def _still_known(self, active: ActivePolicy, tenant_id: str) -> ActivePolicy:
+        """The policy in force now; 403 if it no longer has the tenant."""
+        active = self.holder.active or active
+        if tenant_id not in active.policy.tenants:
+            raise self.intake.reject(ApiError(
+                403, errors.UNKNOWN_TENANT,
+                f"tenant {tenant_id!r} is no longer in the pool's policy"), "unknown_tenant")
+        self.sync_policy(active)
+        return active
+
+    def _admit_at_ceiling(self, counter: TokenCounter, request: ParsedRequest,
+                          tenant_id: str, session: str | None, kind: Kind) -> Ticket | None:
+        """The ticket admitted at its prompts' ceiling, its exact count started off the
+        request's path; None when the ceiling does not settle it (nothing is kept: the
+        request is counted and decided as before)."""
+        active = self.holder.active
+        if active is None or tenant_id not in active.policy.tenants:
+            return None
+        self.sync_policy(active)
+        if self.queue.depth(tenant_id):
+            return None  # it would queue behind them anyway: its place needs its count
+        if self.queue.pool is not None:
+            return None  # a pool-wide charge on the store is taken on the count only
+        ceilings = self.prompts.ceilings(counter, request)
+        if ceilings is None:
+            return None
+        tenant = active.policy.tenants[tenant_id]
+        max_model_len = self.monitor.max_model_len
+        if (request.requested_max_tokens is None and max_model_len
+                and max_model_len - max(ceilings, default=0) < tenant.default_max_tokens):
+            return None  # its default max_tokens would follow its count
+        shape = RequestShape(ceilings, request.requested_max_tokens, request.n,
+                             request.prompt_param, request.max_tokens_param, session, (),
+                             kind.value)
+        ticket = self.queue.submit(tenant_id, shape)
+        if not ticket.admitted:
+            if not ticket.settled:
+                self.queue.cancel(ticket)
+            return None
+        reservation, verdict = ticket.reservation, ticket.verdict
+        assert reservation is not None and verdict is not None
+        self.ceiling_admissions += 1
+        task = asyncio.ensure_future(self._recount(
+            reservation, counter, request, tenant_id, shape, verdict.max_tokens))
+        self.recounts.add(task)
+        task.add_done_callback(self.recounts.discard)
+        return ticket
+
+    async def _recount(self, reservation: Reservation, counter: TokenCounter,
+                       request: ParsedRequest, tenant_id: str, shape: RequestShape,
+                       max_tokens: int) -> None:
+        """Off the request's path: its exact count replaces its ceiling's reservation
+        (kept if counting fails: the ceiling is never less)."""
+        try:
+            prompts = await self.prompts.count(counter, request, self.monitor.model)
+        except Exception as exc:  # a busy pool, an engine that refuses: keep the bound
+            logger.debug("prompt not counted after admission: %s", type(exc).__name__)
+            return
+        if reservation.released or tenant_id not in (
+                self.queue.policy.tenants if self.queue.policy else {}):
+            return
+        exact = replace(shape, prompt_tokens=tuple(len(p) for p in prompts))
+        reservation.regrow(self.queue.growth(tenant_id, exact, max_tokens))
+        self.wake()  # what it gave back may admit a queued request
 
     def count_decision(self, tenant_id: str, tier: str, decision: Decision) -> None:
         self.metrics.admissions.labels(self.tenant_label(tenant_id), tier, decision).inc()

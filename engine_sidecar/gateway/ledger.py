@@ -71,6 +71,15 @@ class Reservation:
         extra, remainder = growth.at(decoded)
         self._ledger._move(self, extra, remainder)
 
+    def regrow(self, growth: RequestGrowth) -> None:
+        """Its prompts were counted after it was admitted on a ceiling of their size: its
+        take and remainder follow `growth` (the exact counts) from here on."""
+        if self.released:
+            return
+        self.growth = growth
+        extra, remainder = growth.at(self.decoded)
+        self._ledger._move(self, extra, remainder)
+
     def release(self, outcome: str = "completed") -> bool:
         """Give the blocks back; True the first time, False on every later call."""
         if self.released:

@@ -12,6 +12,10 @@
 5. Tokenize: short prompts inline, long ones in the worker pool; chat prompts rendered
    with the model's chat template first (`chat_render`), or, where that does not cover
    them, by the engine's /tokenize (an HTTP call, off the loop; `tokens.py`).
+
+`ceilings` is the cheap alternative to steps 4 and 5: each prompt's most tokens, from
+its size (`prompt_bounds.TokenCeiling`; chat: the rendered text's), which admission
+decides on when that settles it, counting afterwards (`admitter`).
 """
 
 from __future__ import annotations
@@ -21,7 +25,12 @@ from engine_sidecar.gateway.openai_request import Kind, ParsedRequest, parse
 from engine_sidecar.gateway.prompt_bounds import PromptLimit
 from engine_sidecar.gateway.responses_request import parse_responses
 from engine_sidecar.gateway.token_cache import TokenCache, digest
-from engine_sidecar.gateway.tokens import TokenCounter, TokenIds, chat_tokenize_body
+from engine_sidecar.gateway.tokens import (
+    TokenCounter,
+    TokenIds,
+    chat_tokenize_body,
+    chat_tokenize_payload,
+)
 
 SCREEN_BYTES = 256 * 1024  # json.loads of this much: ~0.3 ms on the test machine
 
@@ -46,6 +55,25 @@ class PromptCounting:
         if pool is not None and len(raw) > SCREEN_BYTES:
             return await pool.run(screen, kind, raw, limit, longest)
         return screen(kind, raw, limit, longest)
+
+    def ceilings(self, counter: TokenCounter, request: ParsedRequest) -> tuple[int, ...] | None:
+        """Each prompt's most tokens, or None when there is no bound to decide on: a
+        tokenizer without a ceiling, a chat prompt not rendered here (or not yet checked
+        against the engine's rendering: `tokens.VERIFY_CHATS`)."""
+        ceiling = getattr(counter, "ceiling", None)
+        if ceiling is None:
+            return None
+        if request.kind is Kind.CHAT:
+            renderer = getattr(counter, "renderer", None)
+            if renderer is None or getattr(counter, "unverified_chats", 1) > 0:
+                return None
+            text = renderer.render_text(chat_tokenize_payload(request.body))
+            if text is None:
+                return None
+            return (ceiling.of(text, request.body.get("add_special_tokens", False) is True),)
+        special = request.body.get("add_special_tokens", True) is not False
+        return tuple(len(p) if isinstance(p, list) else ceiling.of(p, special)
+                     for p in request.prompts)
 
     async def count(self, counter: TokenCounter, request: ParsedRequest, engine_model: str | None
                     ) -> tuple[TokenIds, ...]:

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from engine_sidecar.gateway import errors, json_codec
 from engine_sidecar.gateway.errors import ApiError
 from engine_sidecar.gateway.openai_request import Kind, ParsedRequest
-from engine_sidecar.gateway.prompt_bounds import longest_token_bytes
+from engine_sidecar.gateway.prompt_bounds import TokenCeiling, longest_token_bytes, token_ceiling
 from engine_sidecar.gateway.token_pool import TokenizerPool, encode
 
 if TYPE_CHECKING:
@@ -136,6 +136,9 @@ class HfTokenCounter:
         self.description = f"local tokenizer {name} (chat: {rendering}{chat.description})"
         self.longest_token_bytes = (longest_token_bytes(self._backend)
                                     if self._backend is not None else None)
+        # The most tokens a text can have (`prompt_bounds`): admission may decide on it.
+        self.ceiling: TokenCeiling | None = (token_ceiling(self._backend)
+                                             if self._backend is not None else None)
         if pool is None and self._backend is not None:
             pool = TokenizerPool.for_tokenizer(self._backend)
         self.pool = pool

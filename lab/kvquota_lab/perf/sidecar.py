@@ -79,7 +79,8 @@ def engine_pace(profile: Any, streams: int, prompt_tokens: int, chunks: int) -> 
 
 
 def stub_app(ttft_ms: float, chunks: int, interval_ms: float, jitter: float = 0.0,
-             tokenizer: str | None = None, memo: bool = False) -> Any:
+             tokenizer: str | None = None, memo: bool = False,
+             max_model_len: int = 4096) -> Any:
     """A raw ASGI app answering like vLLM's streaming completions.
 
     POST /bench/pace {"ttft_ms", "interval_ms"} changes its delays (`--pace engine`
@@ -98,7 +99,7 @@ def stub_app(ttft_ms: float, chunks: int, interval_ms: float, jitter: float = 0.
                                                       "finish_reason": None}]})
     event = b"data: " + chunk.encode() + b"\n\n"
     models = json.dumps({"object": "list", "data": [
-        {"id": "stub", "root": "stub", "max_model_len": 4096}]}).encode()
+        {"id": "stub", "root": "stub", "max_model_len": max_model_len}]}).encode()
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         nonlocal pace
@@ -192,7 +193,7 @@ def _serve_stub(args: argparse.Namespace) -> int:
     import uvicorn
 
     uvicorn.run(stub_app(args.ttft_ms, args.chunks, args.interval_ms, args.jitter,
-                         args.tokenizer, args.memo),
+                         args.tokenizer, args.memo, args.max_model_len),
                 host="127.0.0.1",
                 port=args.port, log_level="warning", access_log=False)
     return 0
@@ -460,7 +461,8 @@ def _start_stub(setup: Setup, args: argparse.Namespace) -> str:
             "kvquota_lab.perf.sidecar", "serve-stub",
             "--port", str(port), "--ttft-ms", str(args.stub_ttft_ms),
             "--chunks", str(args.stub_chunks), "--interval-ms", str(args.stub_interval_ms),
-            "--jitter", str(args.stub_jitter)]
+            "--jitter", str(args.stub_jitter),
+            "--max-model-len", str(getattr(args, "stub_max_model_len", 4096))]
     if getattr(args, "stub_tokenizer", None):
         argv += ["--tokenizer", args.stub_tokenizer]
         if getattr(args, "stub_tokenize", "live") == "memo":
@@ -685,6 +687,7 @@ def build_parser() -> argparse.ArgumentParser:
     stub.add_argument("--interval-ms", type=float, default=2.0)
     stub.add_argument("--jitter", type=float, default=0.0)
     stub.add_argument("--tokenizer", help="answer /tokenize with this tokenizer's ids")
+    stub.add_argument("--max-model-len", type=int, default=4096)
     stub.add_argument("--memo", action="store_true",
                       help="answer each body as the first of its shape (`_stub_tokenizer`)")
     stub.set_defaults(func=_serve_stub)
@@ -731,6 +734,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "--stub-interval-ms); engine: per row, the delays the twin's "
                              "--profile has at that concurrency, then the fast rows as a "
                              "saturation row (default: %(default)s)")
+    parser.add_argument("--stub-max-model-len", type=int, default=8192,
+                        help="the context the stub reports (default: %(default)s, "
+                             "Llama-3-8B's)")
     parser.add_argument("--profile", default="a100-llama3-8b",
                         help="the twin's cost profile for --pace engine (default: "
                              "%(default)s)")

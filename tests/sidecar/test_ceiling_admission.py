@@ -1,0 +1,121 @@
+"""Admission on a prompt's token ceiling, over HTTP against a stub engine.
+
+A request that fits at its ceiling is admitted without being counted first; its exact
+count, taken afterwards, leaves its tenant's reservation where counting first would
+have put it. A request that only fits at its exact count is counted first and admitted
+on it: a tenant is never let past its maxBlocks by a bound.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from engine_sidecar.gateway.app import GatewayConfig
+from engine_sidecar.gateway.token_pool import TokenizerPool
+from engine_sidecar.gateway.tokens import EngineTokenCounter, HfTokenCounter
+
+from .conftest import Harness, start_harness
+from .helpers import WAIT, Keys, ServerThread, http_post, make_policy, tenant, wait_for
+from .stub_engine import StubEngine
+
+PROMPT = "Grüße 日本語 🙂 def f(x): return {'quota': x}  " * 12
+CHAT = [{"role": "system", "content": "You count KV blocks. " * 20},
+        {"role": "user", "content": [{"type": "text", "text": PROMPT},
+                                     {"type": "text", "text": "[image: cat.png]"}]}]
+
+
+@pytest.fixture
+def bounded(keys: Keys, tiny_model: Path, tiny_tokenizer: Any,
+            tokenizer_pool: TokenizerPool, tmp_path: Path
+            ) -> Iterator[tuple[Harness, StubEngine, HfTokenCounter]]:
+    """A sidecar counting with the tiny model's tokenizer (its ceiling on), in front of a
+    stub engine whose streams wait for `stub.release()`."""
+    stub = StubEngine(chunks=2, hold=threading.Event())
+    stub_server = ServerThread(stub).start()
+    counters: list[HfTokenCounter] = []
+
+    def counter(gateway: Any) -> HfTokenCounter:
+        counters.append(HfTokenCounter(
+            tiny_tokenizer, str(tiny_model), EngineTokenCounter(gateway.upstream, None),
+            tokenizer_pool, verify_chats=0))
+        return counters[0]
+
+    harness = start_harness(tmp_path, GatewayConfig(
+        upstream=stub_server.url, secrets_dir=keys.dir,
+        plugin_policy_path=tmp_path / "plugin-policy.json", engine_probe_interval=0.2),
+        counter)
+    try:
+        wait_for(lambda: harness.gateway.monitor.up, WAIT, "stub engine not seen up")
+        yield harness, stub, counters[0]
+    finally:
+        for server in (harness.admin, harness.server, stub_server):
+            server.stop()
+
+
+def _send(harness: Harness, token: str, body: dict[str, Any]) -> tuple[threading.Thread,
+                                                                        list[httpx.Response]]:
+    route = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    out: list[httpx.Response] = []
+    thread = threading.Thread(target=lambda: out.append(http_post(
+        harness.url + route, json={**body, "max_tokens": 4, "stream": True},
+        headers={"Authorization": f"Bearer {token}"}, timeout=30)), daemon=True)
+    thread.start()
+    return thread, out
+
+
+def _held(harness: Harness, stub: StubEngine, token: str, body: dict[str, Any]) -> int:
+    """The tenant's reserved blocks while one request of `body` streams, once its count
+    (if taken after admission) is in; the request then finishes."""
+    stub.hold = threading.Event()
+    thread, out = _send(harness, token, body)
+    wait_for(lambda: stub.active == 1, WAIT, "the request never reached the engine")
+    wait_for(lambda: not harness.gateway.admitter.recounts, WAIT, "count never taken")
+    reserved = harness.gateway.ledger.reserved_blocks("acme")
+    stub.release()
+    thread.join(30)
+    assert out and out[0].status_code == 200
+    harness.wait_ledger_empty()
+    harness.gateway.prompts.cache.clear()
+    return reserved
+
+
+@pytest.mark.parametrize("body", [{"prompt": PROMPT}, {"messages": CHAT}],
+                         ids=["completion", "chat"])
+def test_admitted_on_its_ceiling_then_charged_its_count(
+    bounded: tuple[Harness, StubEngine, HfTokenCounter], keys: Keys, body: dict[str, Any]
+) -> None:
+    harness, stub, counter = bounded
+    harness.apply(make_policy(tenant("acme")))
+    token = keys.hs("acme")
+    on_ceiling = _held(harness, stub, token, body)
+    assert harness.gateway.admitter.ceiling_admissions == 1
+    ceiling, counter.ceiling = counter.ceiling, None  # the old path: count, then decide
+    counted_first = _held(harness, stub, token, body)
+    assert harness.gateway.admitter.ceiling_admissions == 1
+    assert on_ceiling == counted_first > 0
+    assert ceiling is not None
+
+
+def test_a_request_that_fits_only_at_its_count_is_counted_first(
+    bounded: tuple[Harness, StubEngine, HfTokenCounter], keys: Keys, tiny_tokenizer: Any
+) -> None:
+    """maxBlocks below what the ceiling needs, at or above what the count needs: the
+    request is admitted, on its count, and its tenant never holds more than maxBlocks."""
+    harness, stub, counter = bounded
+    exact = len(tiny_tokenizer.backend_tokenizer.encode(PROMPT).ids)
+    assert counter.ceiling is not None
+    ceiling = counter.ceiling.of(PROMPT, True)
+    block = make_policy(tenant("acme")).block_size
+    needs = math.ceil((exact + 4) / block)
+    assert math.ceil((ceiling + 4) / block) > needs  # the bound alone would not fit
+    harness.apply(make_policy(tenant("acme", max_blocks=needs, max_queue_seconds=0)))
+    reserved = _held(harness, stub, keys.hs("acme"), {"prompt": PROMPT})
+    assert harness.gateway.admitter.ceiling_admissions == 0
+    assert 0 < reserved <= needs
