@@ -16,13 +16,28 @@ without one.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Protocol
 
 from engine_sidecar.contract.policy import EnginePolicy, TenantPolicy
 from engine_sidecar.gateway import errors
 from engine_sidecar.gateway.admission import Decision, PoolView, Verdict
 from engine_sidecar.gateway.errors import ApiError
-from engine_sidecar.gateway.pool_store import Limits, Outcome, PoolStore
+from engine_sidecar.gateway.pool_store import Limits, Outcome
+
+
+class ClaimStore(Protocol):
+    """What admission needs of the ledger (`pool_store.PoolStore`; the twin's model)."""
+
+    @property
+    def ttl_s(self) -> float: ...
+    @property
+    def ever_reached(self) -> bool: ...
+    def sync(self, tenant: str, blocks: int, requests: int) -> None: ...
+    def charge(self, tenant: str, blocks: int, limits: Limits,
+               requests: int = 1) -> Outcome: ...
+    def refresh(self, limits: Mapping[str, Limits] | None = None) -> bool: ...
+
 
 _SPLIT_REFUSALS = (Decision.REJECTED_QUOTA, Decision.REJECTED_CONCURRENCY)
 
@@ -50,9 +65,12 @@ def pool_wide(tenant: TenantPolicy) -> TenantPolicy:
 class PoolAdmission:
     """Wraps one sidecar's decisions with the pool-wide ledger."""
 
-    def __init__(self, store: PoolStore) -> None:
+    def __init__(self, store: ClaimStore) -> None:
         self.store = store
         self.charges = {outcome: 0 for outcome in Outcome}  # what decisions needed
+        # Tenants the store refused since the last refresh: their queued requests do not
+        # ask again at every pump, only once the claims have moved.
+        self._refused: set[str] = set()
 
     def decide(self, tenant: TenantPolicy, view: PoolView,
                run: Callable[[TenantPolicy], Verdict]) -> Verdict:
@@ -65,11 +83,16 @@ class PoolAdmission:
         if verdict.admitted and not verdict.above_max:
             return self._charge(tenant, load.charged, load.inflight, verdict, limits)
         # Refused by the split (or admitted only into idle KV beyond it): try the pool.
+        if tenant.tenant_id in self._refused:
+            return verdict
         wide = run(pool_wide(tenant))
         if not wide.admitted or wide.above_max:
             return verdict
         granted = self._charge(tenant, load.charged, load.inflight, wide, limits)
-        return granted if granted.admitted else verdict
+        if not granted.admitted:
+            self._refused.add(tenant.tenant_id)
+            return verdict
+        return granted
 
     def _charge(self, tenant: TenantPolicy, charged: int, inflight: int, verdict: Verdict,
                 limits: Limits) -> Verdict:
@@ -86,6 +109,7 @@ class PoolAdmission:
 
     def refresh(self, policy: EnginePolicy, view: PoolView) -> bool:
         """Republish what this sidecar's requests hold (call 3x per TTL)."""
+        self._refused.clear()
         limits: dict[str, Limits] = {}
         for tenant_id, tenant in policy.tenants.items():
             lim = limits_of(tenant)

@@ -5,10 +5,12 @@ Each sidecar writes only its own hash, with a TTL it refreshes, so a sidecar tha
 frees its charges when the key expires; the pool total is the sum over live sidecars.
 A sidecar's claim on a tenant is the more of what its requests hold (`b`, `r`) and its
 allowance (`ab`, `ar`): what it may still admit locally, with no round trip. The
-allowance is at most its per-engine ceiling, and only a checked script grows it, so
-local admissions never take what another sidecar was granted; an idle sidecar lowers
-its allowance to its charge plus a margin, which frees the rest of its share for the
-engines that routing concentrates the tenant on.
+allowance is its per-engine ceiling, and only a checked script grows it, so local
+admissions never take what another sidecar was granted. When a sidecar is refused for a
+tenant, the store marks the tenant for one TTL; meanwhile every sidecar's refresh lowers
+its allowance to what it holds plus a margin, which frees the rest of its share for
+the engines that routing concentrates the tenant on. Without such a refusal the store
+sees no round trip below the ceilings.
 
 Every change that raises a claim is one Lua script (EVALSHA): it sums the other live
 sidecars' claims and writes the new value only if the pool-wide limit allows, so two
@@ -46,6 +48,7 @@ if not epoch then
   epoch = now
 end
 local warming = (now - tonumber(epoch)) < tonumber(ARGV[4])
+local pressure = string.sub(ARGV[2], 1, -3) .. 'p:'
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local live = redis.call('ZRANGE', KEYS[1], 0, -1)
 local function others(tenant)
@@ -73,26 +76,35 @@ local b, r = others(tenant)
 if warming then return {-1, b, r} end
 local nb, nr = tonumber(ARGV[6]), tonumber(ARGV[7])
 local mb, mr = tonumber(ARGV[8]), tonumber(ARGV[9])
-if (mb >= 0 and b + nb > mb) or (mr >= 0 and r + nr > mr) then return {0, b, r} end
+if (mb >= 0 and b + nb > mb) or (mr >= 0 and r + nr > mr) then
+  redis.call('SET', pressure .. tenant, 1, 'PX', tonumber(ARGV[3]))
+  return {0, b, r}
+end
 redis.call('HSET', KEYS[2], 'b:' .. tenant, nb, 'r:' .. tenant, nr)
 keep_alive()
 return {1, b, r}
 """
 
-# ARGV from 5 on, per tenant (9 each): tenant, b, r, held ab, held ar, wanted ab,
-# wanted ar (the caller caps them at its per-engine ceiling), max b, max r. An allowance that
-# grows is granted only outside the grace and within what the others leave.
+# ARGV from 5 on, per tenant (11 each): tenant, b, r, held ab, held ar, wanted ab,
+# wanted ar (its per-engine ceiling), max b, max r, then the lean allowances wanted
+# while a sidecar of the pool was refused for the tenant within the last TTL (what it
+# holds plus a margin): an allowance shrinks only when another engine needs the room.
+# An allowance that grows is granted only outside the grace and within what the others
+# leave.
 # Returns the granted allowances, ab then ar, per tenant in order; then the warming flag.
 _PUBLISH = _PRELUDE + """
 local fields = {'_', 1}
 local granted = {}
 local i = 5
-while i + 8 <= #ARGV do
+while i + 10 <= #ARGV do
   local tenant = ARGV[i]
   local b, r = tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
   local hab, har = tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4])
   local wab, war = tonumber(ARGV[i + 5]), tonumber(ARGV[i + 6])
   local mb, mr = tonumber(ARGV[i + 7]), tonumber(ARGV[i + 8])
+  if redis.call('EXISTS', pressure .. tenant) == 1 then
+    wab, war = tonumber(ARGV[i + 9]), tonumber(ARGV[i + 10])
+  end
   local ob, orq = others(tenant)
   local ab, ar = math.min(hab, wab), math.min(har, war)
   if not warming then
@@ -112,7 +124,7 @@ while i + 8 <= #ARGV do
   table.insert(fields, 'ab:' .. tenant); table.insert(fields, ab)
   table.insert(fields, 'ar:' .. tenant); table.insert(fields, ar)
   table.insert(granted, ab); table.insert(granted, ar)
-  i = i + 9
+  i = i + 11
 end
 redis.call('DEL', KEYS[2])
 redis.call('HSET', KEYS[2], unpack(fields))
@@ -262,12 +274,13 @@ class PoolStore:
         for tenant in order:
             claim = self._claims.setdefault(tenant, _Claim())
             lim = self._limits[tenant]
-            wb = min(lim.ceiling_blocks, claim.blocks + self._margin[0])
             cr = lim.ceiling_requests if lim.ceiling_requests is not None else 0
-            wr = min(cr, claim.requests + self._margin[1]) if lim.max_requests else 0
+            cr = cr if lim.max_requests else 0
             args += [tenant, claim.blocks, claim.requests, claim.allow_blocks,
-                     claim.allow_requests, wb, wr,
-                     lim.max_blocks, NO_LIMIT if lim.max_requests is None else lim.max_requests]
+                     claim.allow_requests, lim.ceiling_blocks, cr,
+                     lim.max_blocks, NO_LIMIT if lim.max_requests is None else lim.max_requests,
+                     min(lim.ceiling_blocks, claim.blocks + self._margin[0]),
+                     min(cr, claim.requests + self._margin[1])]
         try:
             granted = self._publish(keys=self._keys, args=args)
         except Exception:  # any store failure: keep what was claimed

@@ -50,6 +50,14 @@ def _engine(server: RedisServer | None, name: str) -> AdmissionQueue:
     return queue
 
 
+def _started(server: RedisServer) -> tuple[AdmissionQueue, AdmissionQueue]:
+    a, b = _engine(server, "a"), _engine(server, "b")
+    _refresh(a, b)
+    time.sleep(TTL_S)  # the new store's grace
+    _refresh(a, b)
+    return a, b
+
+
 def _one_block() -> RequestShape:
     return RequestShape((BLOCK - 1,), 1)
 
@@ -71,11 +79,11 @@ def test_without_a_store_one_engine_admits_its_split_only() -> None:
 
 def test_a_tenant_routed_to_one_engine_gets_the_other_engines_idle_share(
         server: RedisServer) -> None:
-    a, b = _engine(server, "a"), _engine(server, "b")
-    _refresh(a, b)
-    time.sleep(TTL_S)  # the new store's grace
-    _refresh(a, b)  # b idle: its allowance shrinks to the margin (2 blocks)
+    a, b = _started(server)
     on_a = [a.submit("acme", _one_block()) for _ in range(25)]
+    assert _admitted(on_a) == 10  # its split; the store refuses more: b claims its 10
+    _refresh(b, a)  # b idle: after that refusal its allowance shrinks to its margin (2)
+    a.pump()
     assert _admitted(on_a) == 18  # 20 pool-wide less b's 2
     on_b = [b.submit("acme", _one_block()) for _ in range(3)]
     assert _admitted(on_b) == 2 and not on_b[2].settled  # waits: the pool is full
@@ -89,11 +97,11 @@ def test_a_tenant_routed_to_one_engine_gets_the_other_engines_idle_share(
 
 
 def test_store_down_keeps_each_engine_to_what_it_claimed(server: RedisServer) -> None:
-    a, b = _engine(server, "a"), _engine(server, "b")
-    _refresh(a, b)
-    time.sleep(TTL_S)
-    _refresh(a, b)
-    assert _admitted([a.submit("acme", _one_block()) for _ in range(15)]) == 15
+    a, b = _started(server)
+    on_a = [a.submit("acme", _one_block()) for _ in range(15)]
+    _refresh(b, a)
+    a.pump()
+    assert _admitted(on_a) == 15
     server.kill()
     # a holds 15 (granted); b may use only its 2 claimed blocks, not its split of 10.
     assert not a.submit("acme", _one_block()).admitted

@@ -42,9 +42,12 @@ class _Pool:
         self.outcomes: dict[Outcome, int] = dict.fromkeys(Outcome, 0)
 
     def burst(self, store: PoolStore, rng: random.Random, n: int,
-              sizes: tuple[int, ...] = (3, 5, 8), release: float = 0.4) -> None:
+              sizes: tuple[int, ...] = (3, 5, 8), release: float = 0.4,
+              refresh_every: int = 0) -> None:
         held: list[int] = []
-        for _ in range(n):
+        for step in range(n):
+            if refresh_every and step % refresh_every == 0:
+                store.refresh()
             if held and rng.random() < release:
                 size = held.pop(rng.randrange(len(held)))
                 with self.lock:
@@ -69,6 +72,36 @@ class _Pool:
             store.release("acme", size)
 
 
+def _started(server: RedisServer) -> tuple[PoolStore, PoolStore]:
+    """Two sidecars past the new store's grace, each allowed its split (50)."""
+    a, b = _sidecar(server, "engine-a"), _sidecar(server, "engine-b")
+    for s in (a, b):
+        assert s.refresh({"acme": LIMITS})
+    time.sleep(TTL_S)  # the first contact's grace
+    for s in (a, b):
+        assert s.refresh()
+    return a, b
+
+
+def _borrow(a: PoolStore, b: PoolStore, blocks: int) -> None:
+    """a fills its split, is refused once (b claims its own split), b's refresh then
+    lowers b's allowance to its margin, and a borrows the rest: `blocks` in all."""
+    outcomes = [a.charge("acme", 10, LIMITS) for _ in range(6)]
+    assert outcomes == [Outcome.LOCAL] * 5 + [Outcome.REFUSED]
+    assert b.refresh()
+    assert [a.charge("acme", 10, LIMITS) for _ in range(blocks // 10 - 5)] == [
+        Outcome.POOL] * (blocks // 10 - 5)
+    assert a.held("acme") == (blocks, blocks // 10)
+
+
+def _refreshing(stores: tuple[PoolStore, ...], stop: threading.Event) -> list[threading.Thread]:
+    def refresh(store: PoolStore) -> None:
+        while not stop.wait(TTL_S / 3):
+            store.refresh()
+
+    return [threading.Thread(target=refresh, args=(s,)) for s in stores]
+
+
 def _run(threads: list[threading.Thread]) -> None:
     for t in threads:
         t.start()
@@ -79,14 +112,12 @@ def _run(threads: list[threading.Thread]) -> None:
 def test_two_sidecars_keep_a_tenant_within_its_pool_wide_max(server: RedisServer) -> None:
     # Routing sends nearly all of the tenant to sidecar a: it borrows b's idle share
     # through the store, and the two together never pass maxBlocks nor maxRequests.
-    a, b = _sidecar(server, "engine-a"), _sidecar(server, "engine-b")
-    for s in (a, b):
-        assert s.refresh({"acme": LIMITS})
-    time.sleep(TTL_S)  # the first contact's grace
+    a, b = _started(server)
     pool = _Pool()
-    _run([threading.Thread(target=pool.burst, args=(a, random.Random(seed), 300, (3, 5, 8), 0.2))
-          for seed in range(3)]
-         + [threading.Thread(target=pool.burst, args=(b, random.Random(10), 60, (2,)))])
+    _run([threading.Thread(target=pool.burst, args=(a, random.Random(seed), 300, (3, 5, 8),
+                                                    0.2, 20)) for seed in range(3)]
+         + [threading.Thread(target=pool.burst, args=(b, random.Random(10), 300, (2,), 0.6,
+                                                      20))])
     assert pool.peak_blocks <= LIMITS.max_blocks
     assert pool.peak_requests <= LIMITS.max_requests
     assert pool.peak_blocks > LIMITS.ceiling_blocks  # a used b's idle share
@@ -95,13 +126,8 @@ def test_two_sidecars_keep_a_tenant_within_its_pool_wide_max(server: RedisServer
 
 
 def test_a_store_restart_mid_burst_loses_no_charge(server: RedisServer) -> None:
-    a, b = _sidecar(server, "engine-a"), _sidecar(server, "engine-b")
-    for s in (a, b):
-        s.refresh({"acme": LIMITS})
-    time.sleep(TTL_S)
-    # a borrows beyond its ceiling: 70 blocks, held across the restart.
-    assert [a.charge("acme", 10, LIMITS) for _ in range(7)].count(Outcome.POOL) >= 1
-    assert a.held("acme") == (70, 7)
+    a, b = _started(server)
+    _borrow(a, b, 70)  # a borrows beyond its split: 70 blocks, held across the restart
     server.kill()
     # Down: b keeps to what it had claimed (its ceiling less a's borrowing, at most),
     # and nothing beyond a's claim is admitted.
@@ -121,17 +147,12 @@ def test_a_store_restart_mid_burst_loses_no_charge(server: RedisServer) -> None:
     assert a.charge("acme", LIMITS.max_blocks - 70 - b_down + 1, LIMITS) is Outcome.REFUSED
     a.release("acme", 70, 7)
     a.refresh()
-    assert b.charge("acme", 30, LIMITS) is Outcome.POOL
+    assert b.charge("acme", 45, LIMITS) is Outcome.POOL  # a's 70 gone, its split left
 
 
 def test_a_dead_sidecars_charges_expire_within_its_ttl(server: RedisServer) -> None:
-    a, b = _sidecar(server, "engine-a"), _sidecar(server, "engine-b")
-    for s in (a, b):
-        s.refresh({"acme": LIMITS})
-    time.sleep(TTL_S)
-    for _ in range(9):
-        a.charge("acme", 10, LIMITS)
-    assert a.held("acme")[0] == 90
+    a, b = _started(server)
+    _borrow(a, b, 90)
     assert b.charge("acme", 20, LIMITS) is Outcome.REFUSED
     del a  # killed: it never refreshes nor releases again
     time.sleep(TTL_S + 0.1)
@@ -141,22 +162,15 @@ def test_a_dead_sidecars_charges_expire_within_its_ttl(server: RedisServer) -> N
 def test_a_store_killed_and_restarted_during_concurrent_bursts(server: RedisServer) -> None:
     # Bursts on both sidecars while each refreshes every third of its TTL, the store
     # killed and restarted empty in the middle: the tenant never passes maxBlocks.
-    a, b = _sidecar(server, "engine-a"), _sidecar(server, "engine-b")
-    for s in (a, b):
-        s.refresh({"acme": LIMITS})
-    time.sleep(TTL_S)
+    a, b = _started(server)
     pool, stop = _Pool(), threading.Event()
-
-    def refresh(store: PoolStore) -> None:
-        while not stop.wait(TTL_S / 3):
-            store.refresh()
 
     def bursts(store: PoolStore, seed: int) -> None:
         rng = random.Random(seed)
         while not stop.is_set():
             pool.burst(store, rng, 40)
 
-    threads = [threading.Thread(target=refresh, args=(s,)) for s in (a, b)]
+    threads = _refreshing((a, b), stop)
     threads += [threading.Thread(target=bursts, args=(s, n)) for n, s in enumerate((a, a, b))]
     for t in threads:
         t.start()

@@ -69,6 +69,11 @@ def register(subparsers: Any) -> None:
                         help="pool, prefix-affinity: set every KV filter's threshold to T "
                         "(the configuration's endpoint-attribute-filter; with vLLM's "
                         "series, leave out engines whose KV reads T or more)")
+    parser.add_argument("--pool-ledger", action="store_true",
+                        help="pool: KVQuota's engines share the pool-wide ledger "
+                        "(InferencePool spec.poolStore), modelled in memory with a 1 ms "
+                        "round trip; the report gives the share of admissions that needed "
+                        "it")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="PATH=VALUE", help="override a scenario setting, e.g. "
                         "pool.tiers.premium.reservation=Full (repeatable; suite: every "
@@ -168,6 +173,7 @@ def _bench(args: argparse.Namespace) -> int:
         picker_signals=tuple(s.strip() for s in args.picker_signals.split(",") if s.strip()),
         picker_kv_filter=args.picker_kv_filter,
         picker_config=args.picker_config,
+        pool_ledger=args.pool_ledger,
         overrides=parse_overrides(args.overrides),
     )
     document = run_bench(options, out=sys.stdout)

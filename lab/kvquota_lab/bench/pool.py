@@ -43,19 +43,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine_sidecar.contract.files import write_atomically
-from engine_sidecar.contract.policy import EnginePolicy, Isolation, Tier
+from engine_sidecar.contract.policy import EnginePolicy, Isolation, PoolLimits, Tier
 from engine_sidecar.contract.stats import SidecarStatus
 from engine_sidecar.gateway.active_policy import ActivePolicy
 from engine_sidecar.gateway.admission import Decision
 from engine_sidecar.gateway.affinity import calls_back
 from engine_sidecar.gateway.auth import Authenticator
 from engine_sidecar.gateway.picker_signals import KV_USAGE, TIER_LABEL, WAITING, tier_signals
+from engine_sidecar.gateway.pool_admission import PoolAdmission
 from engine_sidecar.gateway.status import DecisionCounters, build_status
 from kvquota.demand_split import PoolSplit, SplitInputs, engine_overrides
 from kvquota.rebalance import TenantTotals
 from kvquota.runtime import OperatorConfig
 from kvquota_lab.bench.metrics import Outcome, RunResult, Timeline
 from kvquota_lab.bench.picker_config import PickerConfig, load_picker_config
+from kvquota_lab.bench.pool_ledger import TwinLedger, TwinPoolStore
 from kvquota_lab.bench.routers import (
     KVQUOTA_SIGNALS,
     SIGNALS,
@@ -100,6 +102,9 @@ class PoolSpec:
     # prefix-affinity on KVQuota's signals: the picker configuration it runs (None: the
     # shipped one, `picker_config.SHIPPED_CONFIG`).
     picker_config: Path | None = None
+    # The pool-wide ledger on a shared store (`spec.poolStore`), modelled in memory
+    # with a round-trip cost (`pool_ledger`).
+    ledger: bool = False
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -344,8 +349,17 @@ class PoolRun:
             capacity_blocks=engine.capacity_blocks, model="bench", kv_filter=pool.kv_filter,
             config=self.picker_config,
         )
-        policy = self.scenario.engine_policy().model_copy(
-            update={"replicas": pool.replicas}).with_version()
+        policy = self.scenario.engine_policy().model_copy(update={"replicas": pool.replicas})
+        self.ledger = TwinLedger() if pool.ledger and spec.admission else None
+        if self.ledger is not None:
+            policy = policy.model_copy(update={"tenants": {
+                tid: t.model_copy(update={"pool_wide": PoolLimits(
+                    guaranteed_blocks=t.guaranteed_blocks * pool.replicas,
+                    max_blocks=t.max_blocks * pool.replicas,
+                    max_concurrent_requests=(t.max_concurrent_requests * pool.replicas
+                                             if t.max_concurrent_requests else None))})
+                for tid, t in policy.tenants.items()}})
+        policy = policy.with_version()
         self.policy = policy  # the pool's: the even split and the per-engine overrides
         self.salts = {
             tid: None if t.prefix_cache_isolation is Isolation.SHARED else tid
@@ -443,6 +457,18 @@ class PoolRun:
         """The pool's engines, their files under `tmp` (`run` does this; `close` after)."""
         self.engines = [_Engine(self, i, tmp / f"engine-{i}")
                         for i in range(self.pool.replicas)]
+        if self.ledger is not None:
+            for engine in self.engines:
+                assert engine.gateway is not None
+                engine.gateway.queue.pool = PoolAdmission(TwinPoolStore(self.ledger, engine.name))
+            self._refresh_ledger()
+
+    def _refresh_ledger(self) -> None:
+        """Every sidecar republishes its claims (3x per TTL on a real store)."""
+        for engine in self.engines:
+            queue = engine.gateway.queue if engine.gateway is not None else None
+            if queue is not None and queue.pool is not None and queue.policy is not None:
+                queue.pool.refresh(queue.policy, queue.view())
 
     def close(self) -> None:
         for engine in self.engines:
@@ -513,6 +539,8 @@ class PoolRun:
         next_sample = 0.0
         demand_split = self.pool.split == "demand" and self.spec.admission
         next_rebalance = self.pool.rebalance_interval if demand_split else INF
+        refresh_interval = TwinPoolStore.ttl_s / 3
+        next_refresh = refresh_interval if self.ledger is not None else INF
         planned = sum(len(s.turns) for s in self.sessions)
         notes: list[str] = []
         last_report = -1.0
@@ -520,19 +548,26 @@ class PoolRun:
         clock = _EngineClock(self.engines)
         while True:
             t_event = self.events[0][0] if self.events else INF
-            news = min(t_event, next_rebalance)
+            news = min(t_event, next_rebalance, next_refresh)
             t_engine, engine = clock.next(news)
             if t_event == INF and t_engine == INF:
                 break
-            t = min(t_event, t_engine, next_rebalance)
+            t = min(t_event, t_engine, next_rebalance, next_refresh)
             if t > deadline:
                 unfinished = sum(len(e._live) for e in self.engines)
                 notes.append(f"stopped at {deadline:.0f} s (duration + drainTimeout) with "
                              f"{unfinished} requests unfinished")
                 break
             now = max(now, t)
+            if self.ledger is not None:
+                self.ledger.now = now
             if t_event <= t:
                 clock.moved(self._route(heapq.heappop(self.events)))
+            elif next_refresh <= t:
+                self._refresh_ledger()
+                for each in self.engines:
+                    clock.moved(each)
+                next_refresh = t + refresh_interval
             elif next_rebalance <= t:
                 for changed in self._rebalance():
                     clock.moved(changed)
@@ -616,8 +651,29 @@ class PoolRun:
                 for tid in sorted(self.policy.tenants)
             } if self.policy.engines else {},
         }
+        if self.ledger is not None:
+            extra["pool"]["ledger"] = self._ledger_report()
         result.extra = extra
         return result
+
+    def _ledger_report(self) -> dict[str, Any]:
+        """The share of admissions that needed the store, and what its round trip adds
+        at the p99 of admissions (one round trip when more than 1% needed it)."""
+        assert self.ledger is not None
+        outcomes: Counter[str] = Counter()
+        for engine in self.engines:
+            queue = engine.gateway.queue if engine.gateway is not None else None
+            if queue is not None and queue.pool is not None:
+                outcomes.update({o.value: n for o, n in queue.pool.charges.items()})
+        admitted = outcomes["local"] + outcomes["pool"]
+        needed = outcomes["pool"] + outcomes["refused"]
+        share = needed / max(1, admitted + outcomes["refused"])
+        return {
+            "admittedLocally": outcomes["local"], "admittedByStore": outcomes["pool"],
+            "refusedByStore": outcomes["refused"], "roundTrips": self.ledger.round_trips,
+            "storeShare": round(share, 4),
+            "p99AddedSeconds": self.ledger.rtt_s if share > 0.01 else 0.0,
+        }
 
 
 def _merge_counts(into: dict[str, Any], more: dict[str, Any]) -> None:
@@ -640,7 +696,7 @@ def pool_tasks(
     scenario: Scenario, specs: list[PolicySpec], baseline: Scenario | None, *,
     replicas: int, router: str, splits: tuple[str, ...],
     signals: tuple[str, ...] = (KVQUOTA_SIGNALS,), kv_filter: float | None = None,
-    picker_config: Path | None = None,
+    picker_config: Path | None = None, ledger: bool = False,
 ) -> list[TwinTask]:
     """The runs of a pool bench: every policy (those with admission once per split and
     picker signals; without a sidecar a picker reads vLLM's series), then the baseline
@@ -662,7 +718,8 @@ def pool_tasks(
             for signal in signals:
                 tasks.append((scenario, spec, PoolSpec(replicas, router, split,
                                                        signals=signal, kv_filter=kv_filter,
-                                                       picker_config=picker_config)))
+                                                       picker_config=picker_config,
+                                                       ledger=ledger)))
     if baseline is not None:
         tasks.append((baseline, BASELINE, PoolSpec(replicas, router, kv_filter=kv_filter)))
     return tasks

@@ -39,6 +39,7 @@ class BenchOptions:
     picker_signals: tuple[str, ...] = ("kvquota",)  # what the pool's picker reads (routers.SIGNALS)
     picker_kv_filter: float | None = None  # prefix-affinity: every KV filter's threshold
     picker_config: Path | None = None  # prefix-affinity on KVQuota's series (None: shipped)
+    pool_ledger: bool = False  # the pool-wide ledger on a shared store (bench.pool_ledger)
     overrides: dict[str, Any] = field(default_factory=dict)  # `--set`, merged into the scenario
 
 
@@ -142,7 +143,8 @@ def run_bench(options: BenchOptions, out: TextIO | None = None) -> dict[str, Any
                            router=options.router, splits=options.splits,
                            signals=options.picker_signals,
                            kv_filter=options.picker_kv_filter,
-                           picker_config=options.picker_config)
+                           picker_config=options.picker_config,
+                           ledger=options.pool_ledger)
     elif base_scenario is not None:
         tasks.append((base_scenario, BASELINE))
     num_runs = len(tasks) if specs else len(options.policies) + (base_scenario is not None)
@@ -190,5 +192,6 @@ def run_bench(options: BenchOptions, out: TextIO | None = None) -> dict[str, Any
                             "splits": list(options.splits),
                             "pickerSignals": list(options.picker_signals),
                             "pickerKvFilter": options.picker_kv_filter,
-                            "pickerConfig": str(options.picker_config or SHIPPED_CONFIG)}
+                            "pickerConfig": str(options.picker_config or SHIPPED_CONFIG),
+                            "poolLedger": options.pool_ledger}
     return document

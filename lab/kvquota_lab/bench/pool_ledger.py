@@ -1,0 +1,117 @@
+"""The pool-wide ledger in the twin: the shared store's rule (`pool_store`'s Lua
+scripts) over one in-memory table, shared by the pool's engines.
+
+Same claims as on the store, published when the store would see them (a charge that
+needs it, a refresh), so the others decide on the same stale numbers: a sidecar's claim
+on a tenant is the more of what its requests hold and its allowance (what it admits
+with no round trip: its split, lowered to charge + margin on refresh for a TTL after a
+refusal for the tenant); a claim grows only within what the others'
+claims leave of the pool-wide limit. No sidecar dies and the store never fails here,
+so no TTL and no grace. Round trips are counted; each costs `rtt_s`, which the report
+adds to the admissions that needed one (virtual time does not wait for it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from engine_sidecar.gateway.pool_store import Limits, Outcome
+
+DEFAULT_RTT_S = 0.001  # a store in the same zone
+
+
+@dataclass
+class _Claim:
+    blocks: int = 0
+    requests: int = 0
+    allow_blocks: int = 0
+    allow_requests: int = 0
+
+    def claimed(self) -> tuple[int, int]:
+        return max(self.blocks, self.allow_blocks), max(self.requests, self.allow_requests)
+
+
+@dataclass
+class TwinLedger:
+    """The store: sidecar -> tenant -> claim."""
+
+    rtt_s: float = DEFAULT_RTT_S
+    claims: dict[str, dict[str, _Claim]] = field(default_factory=dict)
+    round_trips: int = 0
+    pressure: dict[str, float] = field(default_factory=dict)  # tenant -> refused at
+    now: float = 0.0  # virtual time, set by the pool
+
+    def others(self, me: str, tenant: str) -> tuple[int, int]:
+        blocks = requests = 0
+        for sidecar, claims in self.claims.items():
+            if sidecar != me and tenant in claims:
+                b, r = claims[tenant].claimed()
+                blocks, requests = blocks + b, requests + r
+        return blocks, requests
+
+
+class TwinPoolStore:
+    """One engine's side (what `PoolAdmission` calls on `PoolStore`)."""
+
+    ttl_s = 10.0
+    ever_reached = True
+
+    def __init__(self, ledger: TwinLedger, sidecar: str, margin_blocks: int = 16,
+                 margin_requests: int = 1) -> None:
+        self.ledger = ledger
+        self.me = sidecar
+        self.margin = (margin_blocks, margin_requests)
+        self.published = ledger.claims.setdefault(sidecar, {})  # what the store holds
+        self.claims: dict[str, _Claim] = {}  # this sidecar's own books
+        self.limits: dict[str, Limits] = {}
+
+    def _publish(self, tenant: str) -> None:
+        claim = self.claims[tenant]
+        self.published[tenant] = _Claim(claim.blocks, claim.requests, claim.allow_blocks,
+                                        claim.allow_requests)
+
+    def sync(self, tenant: str, blocks: int, requests: int) -> None:
+        claim = self.claims.setdefault(tenant, _Claim())
+        claim.blocks, claim.requests = max(0, blocks), max(0, requests)
+
+    def charge(self, tenant: str, blocks: int, limits: Limits, requests: int = 1) -> Outcome:
+        self.limits[tenant] = limits
+        claim = self.claims.setdefault(tenant, _Claim())
+        nb, nr = claim.blocks + blocks, claim.requests + requests
+        if nb <= claim.allow_blocks and (
+                limits.max_requests is None or nr <= claim.allow_requests):
+            claim.blocks, claim.requests = nb, nr
+            return Outcome.LOCAL
+        self.ledger.round_trips += 1
+        ob, orq = self.ledger.others(self.me, tenant)
+        if ob + nb > limits.max_blocks or (
+                limits.max_requests is not None and orq + nr > limits.max_requests):
+            self.ledger.pressure[tenant] = self.ledger.now
+            return Outcome.REFUSED
+        claim.blocks, claim.requests = nb, nr
+        mine = self.published.setdefault(tenant, _Claim())
+        mine.blocks, mine.requests = nb, nr
+        return Outcome.POOL
+
+    def refresh(self, limits: Mapping[str, Limits] | None = None) -> bool:
+        if limits:
+            self.limits.update(limits)
+        self.ledger.round_trips += 1
+        for tenant, lim in self.limits.items():
+            claim = self.claims.setdefault(tenant, _Claim())
+            ob, orq = self.ledger.others(self.me, tenant)
+            refused = self.ledger.pressure.get(tenant)
+            lean = refused is not None and self.ledger.now - refused < self.ttl_s
+            want_b = (min(lim.ceiling_blocks, claim.blocks + self.margin[0]) if lean
+                      else lim.ceiling_blocks)
+            claim.allow_blocks = (want_b if want_b <= claim.allow_blocks
+                                  else max(claim.allow_blocks, min(want_b, lim.max_blocks - ob)))
+            if lim.max_requests is not None:
+                want_r = (min(lim.ceiling_requests or 0, claim.requests + self.margin[1])
+                          if lean else lim.ceiling_requests or 0)
+                claim.allow_requests = (
+                    want_r if want_r <= claim.allow_requests
+                    else max(claim.allow_requests, min(want_r, lim.max_requests - orq)))
+            self._publish(tenant)
+        return True
