@@ -152,23 +152,25 @@ def test_a_store_restart_mid_burst_loses_no_charge(server: RedisServer) -> None:
 
 def test_a_dead_sidecars_charges_expire_within_its_ttl(server: RedisServer) -> None:
     a, b = _started(server)
-    _borrow(a, b, 90)
-    assert b.charge("acme", 20, LIMITS) is Outcome.REFUSED
+    _borrow(a, b, 80)
+    assert b.charge("acme", 25, LIMITS) is Outcome.REFUSED
     del a  # killed: it never refreshes nor releases again
     time.sleep(TTL_S + 0.1)
-    assert b.charge("acme", 20, LIMITS) is Outcome.POOL
+    assert b.charge("acme", 25, LIMITS) is Outcome.POOL
 
 
 def test_a_store_killed_and_restarted_during_concurrent_bursts(server: RedisServer) -> None:
     # Bursts on both sidecars while each refreshes every third of its TTL, the store
     # killed and restarted empty in the middle: the tenant never passes maxBlocks.
     a, b = _started(server)
+    _borrow(a, b, 70)  # held through the restart: the store must get it back
     pool, stop = _Pool(), threading.Event()
+    pool.blocks, pool.requests = 70, 7
 
     def bursts(store: PoolStore, seed: int) -> None:
         rng = random.Random(seed)
         while not stop.is_set():
-            pool.burst(store, rng, 40)
+            pool.burst(store, rng, 40, (3, 5, 8), 0.2 if store is a else 0.4)
 
     threads = _refreshing((a, b), stop)
     threads += [threading.Thread(target=bursts, args=(s, n)) for n, s in enumerate((a, a, b))]
@@ -183,5 +185,5 @@ def test_a_store_killed_and_restarted_during_concurrent_bursts(server: RedisServ
     for t in threads:
         t.join(30)
     assert pool.peak_blocks <= LIMITS.max_blocks
-    assert pool.outcomes[Outcome.FALLBACK] > 0 and pool.outcomes[Outcome.POOL] > 0
-    assert a.held("acme") == (0, 0) == b.held("acme")
+    assert pool.outcomes[Outcome.FALLBACK] > 0
+    assert a.held("acme") == (70, 7) and b.held("acme") == (0, 0)

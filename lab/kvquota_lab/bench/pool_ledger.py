@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from engine_sidecar.gateway.pool_store import Limits, Outcome
+from engine_sidecar.gateway.pool_store import Limits, Outcome, lean_margin
 
 DEFAULT_RTT_S = 0.001  # a store in the same zone
 
@@ -103,12 +103,14 @@ class TwinPoolStore:
             ob, orq = self.ledger.others(self.me, tenant)
             refused = self.ledger.pressure.get(tenant)
             lean = refused is not None and self.ledger.now - refused < self.ttl_s
-            want_b = (min(lim.ceiling_blocks, claim.blocks + self.margin[0]) if lean
+            want_b = (min(lim.ceiling_blocks, claim.blocks + lean_margin(
+                self.margin[0], lim.ceiling_blocks)) if lean
                       else lim.ceiling_blocks)
             claim.allow_blocks = (want_b if want_b <= claim.allow_blocks
                                   else max(claim.allow_blocks, min(want_b, lim.max_blocks - ob)))
             if lim.max_requests is not None:
-                want_r = (min(lim.ceiling_requests or 0, claim.requests + self.margin[1])
+                cr = lim.ceiling_requests or 0
+                want_r = (min(cr, claim.requests + lean_margin(self.margin[1], cr))
                           if lean else lim.ceiling_requests or 0)
                 claim.allow_requests = (
                     want_r if want_r <= claim.allow_requests
