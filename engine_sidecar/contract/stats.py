@@ -140,6 +140,10 @@ class SidecarStatus(_Wire):
     total_blocks: int = 0
     free_blocks: int = 0
     degraded: bool = False
+    pool_store_reachable: bool | None = Field(
+        None, description="the pool-wide ledger's store answered the last round trip "
+        "(False: admission keeps to what this sidecar had claimed); None: no store"
+    )
     tenants: dict[str, TenantStatus] = Field(default_factory=dict)
     capacity_source: str | None = Field(
         None, description="where totalBlocks/freeBlocks come from: 'engine' (plugin stats), "

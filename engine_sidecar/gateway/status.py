@@ -119,6 +119,7 @@ def build_status(
         total_blocks=(capacity.total_blocks if capacity else None) or 0,
         free_blocks=capacity.free_blocks if capacity and capacity.known else 0,
         degraded=bool(stats and stats.degraded),
+        pool_store_reachable=queue.pool.store.reachable if queue.pool is not None else None,
         tenants=tenants,
         capacity_source=capacity.source if capacity else None,
         engine_stats_age_seconds=round(stats_age, 3) if stats_age is not None else None,

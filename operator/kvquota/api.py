@@ -80,6 +80,9 @@ class ConditionType(StrEnum):
     OVERSUBSCRIBED = "Oversubscribed"
     """InferencePool: the TenantQuotas ask for more guaranteed blocks than the pool can
     guarantee."""
+    STORE_DEGRADED = "StoreDegraded"
+    """InferencePool with spec.poolStore: some ready engine's sidecar cannot reach the
+    store, so it admits only what it had claimed of its split."""
 
 
 class ConditionReason(StrEnum):
@@ -157,6 +160,11 @@ class ConditionReason(StrEnum):
 
 
 # ---------------------------------------------------------------- shared pieces
+    # StoreDegraded (InferencePool)
+    STORE_REACHABLE = "StoreReachable"
+    """Every ready engine that reported reached the pool's store."""
+    STORE_UNREACHABLE = "StoreUnreachable"
+    """Some engine's sidecar could not reach the store within its timeout."""
 
 
 class Condition(_Model):

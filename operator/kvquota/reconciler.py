@@ -333,6 +333,9 @@ class PoolReconciler:
             errors=observation.errors,
             usage=aggregate(reports.values()),
             window_seconds=self._config.degraded_window,
+            store_reachable={pod: reports[pod].pool_store_reachable is True
+                             for pod in observation.ready
+                             if pod in reports and reports[pod].pool_store_reachable is not None},
         )
         version = plan.policy.version if plan.policy is not None else None
         metrics.set_engines(namespace, name, observed=engines.ready,

@@ -45,6 +45,8 @@ class EngineView:
     errors: Mapping[str, str] = field(default_factory=dict)
     usage: PoolUsage = field(default_factory=PoolUsage)
     window_seconds: float = 300.0
+    # ready pod -> its sidecar reached the pool's store (pods without a store: absent)
+    store_reachable: Mapping[str, bool] = field(default_factory=dict)
 
     def synced(self, version: str | None) -> int:
         return sum(1 for v in self.versions.values() if version and v == version)
@@ -242,6 +244,21 @@ def _pool_oversubscribed(plan: PoolPlan) -> Want:
                 f"{plan.guaranteed_blocks} of {plan.budget} guaranteeable blocks guaranteed")
 
 
+def _pool_store_degraded(engines: EngineView | None) -> Want:
+    """Written only for pools that name a store."""
+    if engines is None or not engines.store_reachable:
+        return Want(ConditionType.STORE_DEGRADED, "Unknown", ConditionReason.NOT_OBSERVED,
+                    "no engine has reported on the pool's store yet")
+    down = sorted(pod for pod, ok in engines.store_reachable.items() if not ok)
+    if down:
+        return Want(ConditionType.STORE_DEGRADED, "True", ConditionReason.STORE_UNREACHABLE,
+                    f"{len(down)} of {len(engines.store_reachable)} engines cannot reach the "
+                    f"pool's store and admit only what they had claimed of their split: "
+                    + ", ".join(down[:5]))
+    return Want(ConditionType.STORE_DEGRADED, "False", ConditionReason.STORE_REACHABLE,
+                f"all {len(engines.store_reachable)} reporting engines reach the pool's store")
+
+
 def pool_status(
     plan: PoolPlan,
     *,
@@ -253,6 +270,8 @@ def pool_status(
     old = old or {}
     wanted = [_pool_ready(plan, engines), _pool_synced(plan, engines),
               _pool_oversubscribed(plan)]
+    if plan.policy is not None and plan.policy.pool_store is not None:
+        wanted.append(_pool_store_degraded(engines))
     version = plan.policy.version if plan.policy else None
     status: dict[str, Any] = {
         "observedGeneration": generation,

@@ -226,3 +226,27 @@ def test_usage_and_counters_are_views_of_the_wire_models() -> None:
     with pytest.raises(TypeError, match="unreported"):
         class _Wrong(Counters):  # a status field the sidecars do not report
             unreported: int = 0
+
+
+def test_a_pool_with_a_store_says_when_an_engine_cannot_reach_it() -> None:
+    # Only pools that name a store carry StoreDegraded; an engine whose sidecar reports
+    # its store unreachable turns it True, naming the pod.
+    store = {"address": "redis.infra:6379"}
+    plan = plan_pool(pool(capacity=1000, poolStore=store), [quota("a")], namespace="default",
+                     name="demo-pool", ready_replicas=2)
+    assert plan.policy is not None
+    version = plan.policy.version
+    versions = {"e1": version, "e2": version}
+    down = EngineView(ready=2, matched=2, versions=versions,
+                      store_reachable={"e1": True, "e2": False})
+    status = pool_status(plan, engines=down, old=None, generation=1, now=T0)
+    degraded = condition(status, "StoreDegraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "StoreUnreachable")
+    assert "e2" in degraded["message"] and "e1" not in degraded["message"]
+    up = EngineView(ready=2, matched=2, versions=versions,
+                    store_reachable={"e1": True, "e2": True})
+    status = pool_status(plan, engines=up, old=status, generation=1, now=T0)
+    assert condition(status, "StoreDegraded")["status"] == "False"
+    plain = _plan(quota("a"))
+    status = pool_status(plain, engines=up, old=None, generation=1, now=T0)
+    assert "StoreDegraded" not in {c["type"] for c in status["conditions"]}

@@ -105,6 +105,7 @@ def test_store_down_keeps_each_engine_to_what_it_claimed(server: RedisServer) ->
     server.kill()
     # a holds 15 (granted); b may use only its 2 claimed blocks, not its split of 10.
     assert not a.submit("acme", _one_block()).admitted
+    assert a.pool is not None and a.pool.store.reachable is False  # the sidecar's status
     assert _admitted([b.submit("acme", _one_block()) for _ in range(5)]) == 2
     assert not _refresh_ok(a)
 

@@ -56,6 +56,7 @@ class TwinPoolStore:
 
     ttl_s = 10.0
     ever_reached = True
+    reachable = True
 
     def __init__(self, ledger: TwinLedger, sidecar: str, margin_blocks: int = 16,
                  margin_requests: int = 1) -> None:
