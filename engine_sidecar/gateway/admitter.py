@@ -303,7 +303,12 @@ class Admitter:
     def sync_policy(self, active: ActivePolicy) -> None:
         if self.queue.policy is not active.policy:
             self.queue.set_policy(active.policy)
-        if self.pool_link is not None:
+            if self.pool_link is not None:
+                self.queue.pool = self.pool_link.for_policy(active.policy)
+                if self.queue.pool is not None:
+                    # A new split: give back a share that fell, claim one that rose.
+                    self.queue.pool.refresh(active.policy, self.queue.view())
+        elif self.pool_link is not None:
             self.queue.pool = self.pool_link.for_policy(active.policy)
 
     async def pump(self) -> None:

@@ -210,10 +210,11 @@ def hot() -> dict[str, Any]:
 
     scenario = scale_load(parse_scenario(HOT, source="hot"), 2)
     out = {}
-    for split in ("even", "demand"):
-        spec = PoolSpec(2, "prefix-affinity", split, rebalance_interval=2.0)
+    for key, split, ledger in (("even", "even", False), ("demand", "demand", True),
+                               ("even+ledger", "even", True)):
+        spec = PoolSpec(2, "prefix-affinity", split, rebalance_interval=2.0, ledger=ledger)
         result = run_pool(scenario, POLICIES["kvquota"], spec, load_profile(scenario.profile))
-        out[split] = summarize(result, scenario)
+        out[key] = summarize(result, scenario)
     return out
 
 
@@ -224,6 +225,18 @@ def test_an_even_split_refuses_a_tenant_within_its_pool_guarantee(
     assert even["extra"]["pool"]["refusedWithinPoolGuarantee"]["premium"] >= 1
     # It was refused on the engine the router packs it onto, for its per-engine quota.
     assert even["tiers"]["premium"]["queuedSecondsBy"]["rejected_quota"] > 0
+
+
+def test_the_pool_wide_ledger_admits_what_the_even_split_refused(
+    hot: dict[str, Any]
+) -> None:
+    # The same even split with the shared ledger: the packed engine borrows the other's
+    # idle share through the store, so no premium request is refused within its
+    # pool-wide guarantee and its p99 falls (5.0 s -> 0.78 s when measured).
+    even, ledger = hot["even"], hot["even+ledger"]
+    assert ledger["extra"]["pool"]["refusedWithinPoolGuarantee"]["premium"] == 0
+    assert ledger["extra"]["pool"]["ledger"]["admittedByStore"] > 0
+    assert ledger["tiers"]["premium"]["ttftP99"] < even["tiers"]["premium"]["ttftP99"] / 2
 
 
 def test_the_demand_split_moves_the_guarantee_where_the_tenant_is(

@@ -69,11 +69,11 @@ def register(subparsers: Any) -> None:
                         help="pool, prefix-affinity: set every KV filter's threshold to T "
                         "(the configuration's endpoint-attribute-filter; with vLLM's "
                         "series, leave out engines whose KV reads T or more)")
-    parser.add_argument("--pool-ledger", action="store_true",
+    parser.add_argument("--pool-ledger", action=argparse.BooleanOptionalAction, default=True,
                         help="pool: KVQuota's engines share the pool-wide ledger "
                         "(InferencePool spec.poolStore), modelled in memory with a 1 ms "
                         "round trip; the report gives the share of admissions that needed "
-                        "it")
+                        "it (default on; --no-pool-ledger: each engine on its split alone)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="PATH=VALUE", help="override a scenario setting, e.g. "
                         "pool.tiers.premium.reservation=Full (repeatable; suite: every "

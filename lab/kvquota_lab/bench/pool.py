@@ -104,7 +104,7 @@ class PoolSpec:
     picker_config: Path | None = None
     # The pool-wide ledger on a shared store (`spec.poolStore`), modelled in memory
     # with a round-trip cost (`pool_ledger`).
-    ledger: bool = False
+    ledger: bool = True
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -527,6 +527,11 @@ class PoolRun:
         self.policy_versions += 1
         changed = [engine for engine in self.engines if engine.apply_policy(policy)]
         self.policy_updates += len(changed)
+        if changed and self.ledger is not None:
+            # A sidecar republishes on a new policy: the engines whose share fell give
+            # it back (first pass), then those whose share rose may claim it (second).
+            self._refresh_ledger()
+            self._refresh_ledger()
         return changed
 
     def _loop(self) -> RunResult:
@@ -696,7 +701,7 @@ def pool_tasks(
     scenario: Scenario, specs: list[PolicySpec], baseline: Scenario | None, *,
     replicas: int, router: str, splits: tuple[str, ...],
     signals: tuple[str, ...] = (KVQUOTA_SIGNALS,), kv_filter: float | None = None,
-    picker_config: Path | None = None, ledger: bool = False,
+    picker_config: Path | None = None, ledger: bool = True,
 ) -> list[TwinTask]:
     """The runs of a pool bench: every policy (those with admission once per split and
     picker signals; without a sidecar a picker reads vLLM's series), then the baseline

@@ -39,7 +39,7 @@ class BenchOptions:
     picker_signals: tuple[str, ...] = ("kvquota",)  # what the pool's picker reads (routers.SIGNALS)
     picker_kv_filter: float | None = None  # prefix-affinity: every KV filter's threshold
     picker_config: Path | None = None  # prefix-affinity on KVQuota's series (None: shipped)
-    pool_ledger: bool = False  # the pool-wide ledger on a shared store (bench.pool_ledger)
+    pool_ledger: bool = True  # the pool-wide ledger on a shared store (bench.pool_ledger)
     overrides: dict[str, Any] = field(default_factory=dict)  # `--set`, merged into the scenario
 
 
