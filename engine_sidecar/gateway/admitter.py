@@ -54,6 +54,7 @@ from engine_sidecar.gateway.tokens import TokenCounter, TokenIds
 logger = logging.getLogger(__name__)
 
 PUMP_INTERVAL_S = 0.05  # while requests queue: re-check capacity (new stats) and deadlines
+RECOUNT_AFTER_S = 0.05  # an admitted request's forward takes well under this
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,7 +243,11 @@ class Admitter:
                        request: ParsedRequest, tenant_id: str, shape: RequestShape,
                        max_tokens: int) -> None:
         """Off the request's path: its exact count replaces its ceiling's reservation
-        (kept if counting fails: the ceiling is never less)."""
+        (kept if counting fails: the ceiling is never less). Taken once the request is on
+        its way to the engine: counting at once (rendering, the worker's hand-off) held up
+        the forward of the very request it counts (2.5k-token chats at an engine's pace,
+        16 streams: +2.8 ms added TTFT p50, +0.95 ms with the wait)."""
+        await asyncio.sleep(RECOUNT_AFTER_S)
         try:
             prompts = await self.prompts.count(counter, request, self.monitor.model)
         except Exception as exc:  # a busy pool, an engine that refuses: keep the bound
