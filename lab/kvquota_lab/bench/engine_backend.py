@@ -21,9 +21,9 @@ Refused requests are retried after Retry-After, as in the twin. The noisy tiers 
 the baseline drops) are played by a client process of their own: in one event loop
 their hundreds of streams and retries held the loop for up to 1.6 s on 2 cores, and
 premium TTFT then measured the load generator.
-KV usage per tier comes from the plugin's stats file (KVQuota); for stock vLLM only
-`/metrics` could tell (a total), and it is empty while `kvquota_lab.processes` starts vLLM
-with `--disable-log-stats`.
+KV usage per tier comes from the plugin's stats file (KVQuota); for stock vLLM from
+`/metrics` (`vllm:kv_cache_usage_perc`, a total), so every engine the bench starts keeps
+vLLM's stats (the same cost for each policy), and the KV in use compares across them.
 """
 
 from __future__ import annotations
@@ -478,6 +478,7 @@ def _start_stack(
             * kv_bytes_per_token(),
             extra_args=extra, block_size=engine_spec.block_size,
             max_model_len=engine_spec.max_model_len, max_num_seqs=engine_spec.max_num_seqs,
+            log_stats=True,
         )
         procs.start(engine).wait_http(engine_url + "/health", 300)
         engine_env = engine.env
