@@ -27,6 +27,7 @@ from engine_sidecar.gateway.tokens import (
     TokenCounter,
     TokenIds,
 )
+from tests.support.redis_server import RedisServer
 
 from .helpers import WAIT, Keys, ServerThread, wait_for, write_policy
 from .stub_engine import StubEngine
@@ -198,3 +199,12 @@ def stub_sidecar(
     yield make
     for server in reversed(servers):
         server.stop()
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server of the test's own on a free port, killed at the end."""
+    srv = RedisServer(tmp_path)
+    srv.start()
+    yield srv
+    srv.kill()

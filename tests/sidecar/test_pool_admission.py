@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,14 +28,6 @@ POLICY = make_policy(tenant(
     "acme", guaranteed_blocks=5, max_blocks=10, max_tokens=4096, max_queue_seconds=30,
     max_queued_requests=100,
     pool_wide=PoolLimits(guaranteed_blocks=10, max_blocks=20)))
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[RedisServer]:
-    srv = RedisServer(tmp_path)
-    srv.start()
-    yield srv
-    srv.kill()
 
 
 def _engine(server: RedisServer | None, name: str) -> AdmissionQueue:

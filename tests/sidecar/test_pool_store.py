@@ -8,24 +8,12 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
 
 from engine_sidecar.gateway.pool_store import Limits, Outcome, PoolStore, connect
 from tests.support.redis_server import RedisServer
 
 TTL_S = 0.6  # the test's own: refresh three times per TTL, as the sidecar does
 LIMITS = Limits(max_blocks=100, ceiling_blocks=50, max_requests=40, ceiling_requests=20)
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[RedisServer]:
-    srv = RedisServer(tmp_path)
-    srv.start()
-    yield srv
-    srv.kill()
 
 
 def _sidecar(server: RedisServer, name: str) -> PoolStore:
