@@ -89,7 +89,7 @@ class RequestShape:
 class _TenantView:
     """One tenant in the pool view: the ledger's reservations beside the plugin's stats."""
 
-    reserved: int  # what the ledger charges: `committed` + the joint bound on growth
+    reserved: int  # what the ledger charges: what its requests take now + `bound`
     inflight: int
     held: int  # distinct blocks in the engine: running + lease-only
     pinned: int  # distinct blocks its leases pin (shared with running ones or not)
@@ -100,7 +100,6 @@ class _TenantView:
     sessions: frozenset[str]  # sessions with a request in flight
     held_prefix: Container[int] = ()  # prefix fingerprints its in-flight requests hold
     running: int = 0  # blocks its running requests hold in the engine (the plugin's stats)
-    committed: int = 0  # blocks its requests take now, as the ledger counts them
     remainder: Remainder = NO_GROWTH  # its requests' summed growth still to come
     bound: int = 0  # remainder.bound, computed once per view
     beyond_max: int = 0  # what its requests admitted beyond its maxBlocks take (ledger)
@@ -226,7 +225,6 @@ def pool_view(
             sessions=sessions,
             held_prefix=ledger.held_prefix(tenant_id),
             running=seen.running_blocks,
-            committed=committed,
             remainder=remainder,
             bound=reserved - committed,
             beyond_max=ledger.beyond_max_blocks(tenant_id),
@@ -270,11 +268,6 @@ def blocks_for(shape: RequestShape, max_tokens: int, block_size: int) -> int:
         shape.n * math.ceil((prompt + max(max_tokens, 0)) / block_size)
         for prompt in shape.prompt_tokens
     )
-
-
-def sequences(shape: RequestShape) -> int:
-    """The sequences a request decodes: n per prompt."""
-    return max(1, shape.n * max(1, len(shape.prompt_tokens)))
 
 
 def sequence_blocks(shape: RequestShape, output_tokens: int, block_size: int) -> int:
