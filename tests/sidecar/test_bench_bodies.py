@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from kvquota_lab.perf.sidecar import UNIQUE, Row, Target, run_load
+from kvquota_lab.perf.load import UNIQUE, Target, run_load
+from kvquota_lab.perf.sidecar import Row
 
 
 async def _recording_server(bodies: list[bytes]) -> tuple[asyncio.Server, str]:

@@ -38,14 +38,9 @@ from typing import Any
 
 from engine_sidecar.gateway import server
 from kvquota_lab.percentile import percentile
-from kvquota_lab.perf.sidecar import (
-    BENCH_TENANT,
-    UNIQUE,
-    Setup,
-    _start_stub,
-    _write_policy,
-    chat_body,
-)
+from kvquota_lab.perf.launch import BENCH_TENANT, Setup, start_stub, write_policy
+from kvquota_lab.perf.load import UNIQUE
+from kvquota_lab.perf.stub import chat_body, render_chat
 
 
 def add_parser(sub: Any) -> None:
@@ -108,14 +103,12 @@ async def _measure(args: argparse.Namespace, upstream: str, workdir: Path) -> No
     if args.near_limit:  # the exact count fits (one block to spare), the ceiling does not
         from transformers import AutoTokenizer
 
-        from kvquota_lab.perf.sidecar import render_chat
-
         exact = len(render_chat(AutoTokenizer.from_pretrained(args.tokenizer),
                                 chat["messages"], True)) + 8
         needs = -(-(exact + chat["max_tokens"]) // 32) + 1
         bench = {**BENCH_TENANT, "guaranteed_blocks": needs, "max_blocks": needs}
     tenants = {"bench": bench, **{f"idle-{i}": idle for i in range(args.tenants - 1)}}
-    policy_file, secrets_dir, tokens = _write_policy(workdir, "stub", tenants)
+    policy_file, secrets_dir, tokens = write_policy(workdir, "stub", tenants)
     gateway = Gateway(GatewayConfig(upstream=upstream, secrets_dir=secrets_dir),
                       FilePolicySource(policy_file))
     assert gateway.policy_source is not None
@@ -232,7 +225,7 @@ def _run(args: argparse.Namespace) -> int:
         this_cpu, args.others_cpu = args.pin.split(",")
         os.sched_setaffinity(0, {int(this_cpu)})
     try:
-        upstream = _start_stub(setup, args)
+        upstream = start_stub(setup, args)
         home = setup.workdir / "sidecar"
         home.mkdir()
         server.run(_measure(args, upstream, home), args.event_loop)

@@ -31,14 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from kvquota_lab.percentile import percentile
-from kvquota_lab.perf.sidecar import (
-    BENCH_TENANT,
-    Connection,
-    Sample,
-    Setup,
-    _start_sidecar,
-    _start_stub,
-)
+from kvquota_lab.perf.launch import BENCH_TENANT, Setup, start_sidecar, start_stub
+from kvquota_lab.perf.load import Connection, Sample
 from kvquota_lab.processes import memory_kb, with_children
 
 VICTIM_BODY = {"model": "stub", "prompt": "tenant quota cache block lease premium standard",
@@ -151,8 +145,8 @@ def _summary(samples: list[Sample]) -> dict[str, float]:
 def run(args: argparse.Namespace) -> int:
     setup = Setup(Path(tempfile.mkdtemp(prefix="kvquota-bench-huge-")))
     try:
-        stub = _start_stub(setup, args)
-        sidecar, tokens, proc = _start_sidecar(
+        stub = start_stub(setup, args)
+        sidecar, tokens, proc = start_sidecar(
             setup, stub, "stub", args.tokenizer,
             tenants={"victim": BENCH_TENANT, "attacker": ATTACKER}, code=args.code)
         asyncio.run(_victim(sidecar, tokens["victim"], args.rate, 2.0))  # warm up
