@@ -66,7 +66,7 @@ async def test_create_renders_configmap_owned_by_the_pool(
     assert POLICY_FILE in cm["data"]
 
 
-async def test_operator_bookkeeping_uses_our_prefix_and_blocks_no_quota_deletion(
+async def test_operator_bookkeeping_uses_our_prefix_and_blocks_no_deletion(
     cluster: Cluster, operator: OperatorRunner
 ) -> None:
     await cluster.create(pool())
@@ -81,9 +81,9 @@ async def test_operator_bookkeeping_uses_our_prefix_and_blocks_no_quota_deletion
     # Quotas are handled by an event handler: kopf writes nothing to them at all (no
     # copy of the spec per edit), only our status.
     assert not acme["metadata"].get("annotations")
-    # The engine-poll timer needs kopf's finalizer on pools; quotas carry none, so
-    # deleting a quota never waits for the operator.
-    assert demo["metadata"]["finalizers"] == ["kvquota.dev/finalizer"]
+    # Neither pools nor quotas carry a finalizer: deleting one never waits for the
+    # operator.
+    assert not demo["metadata"].get("finalizers")
     assert not acme["metadata"].get("finalizers")
 
 

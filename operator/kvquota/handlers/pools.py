@@ -1,9 +1,11 @@
-"""InferencePool handlers: index pools, reconcile on change, poll engines on a timer.
+"""InferencePool handlers: index pools, reconcile on change, poll engines in a daemon.
 
-The timer makes kopf put its finalizer (`kvquota.dev/finalizer`) on pools, so it can
-stop the timer before the pool goes; deleting a pool while the operator is down waits
-until it is back. The ConfigMap needs no cleanup: its ownerReference lets the garbage
-collector delete it.
+No finalizer: a pool has nothing to clean up. Its ConfigMap goes with it (an
+ownerReference, the garbage collector), its quotas learn PoolNotFound from the DELETED
+event, and the engine-poll daemon ends itself within a tick once the pool leaves the
+index. So deleting a pool never waits for the operator, and pools that still carry
+`kvquota.dev/finalizer` from older releases lose it at their next event (kopf removes
+its finalizer from objects no handler needs it on).
 """
 
 # kopf types callbacks as protocols naming every kwarg; ours name only what they use.
@@ -11,7 +13,10 @@ collector delete it.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 import kopf
@@ -29,7 +34,7 @@ from kvquota.metrics import timed_reconcile
 from kvquota.reconciler import POOLS, PoolKey
 
 KIND = "InferencePool"
-TICK_SECONDS = 0.5  # timer resolution; the poll interval itself is OperatorConfig's
+TICK_SECONDS = 0.5  # daemon resolution; the poll interval itself is OperatorConfig's
 
 
 @kopf.index(GROUP, VERSION, POOLS)
@@ -60,9 +65,37 @@ async def pool_deleted(
         await retrying(lambda: reconciler.reconcile((namespace, name), since=seen), logger)
 
 
-@kopf.timer(GROUP, VERSION, POOLS, interval=TICK_SECONDS)
-async def poll_engines(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+def _stops_itself(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Register `fn` as a daemon that puts no finalizer on its objects.
+
+    kopf gives every daemon and timer a finalizer, so that it can stop them before
+    their object goes, and offers no option against it. This daemon needs none: it
+    returns once its pool (by uid) leaves the index, which the DELETED event does.
+    """
+    spawning = kopf.get_default_registry()._spawning  # no public way to say so
+    spawning._handlers = [
+        dataclasses.replace(handler, requires_finalizer=False) if handler.fn is fn else handler
+        for handler in spawning._handlers
+    ]
+    return fn
+
+
+def _indexed(index: kopf.Index[Any, Any], key: PoolKey, uid: str) -> bool:
+    return any(pool["metadata"].get("uid") == uid for pool in index.get(key, ()))
+
+
+@_stops_itself
+@kopf.daemon(GROUP, VERSION, POOLS)
+async def poll_engines(
+    namespace: str, name: str, uid: str, memo: kopf.Memo, stopped: kopf.DaemonStopped,
+    inferencepools_by_key: kopf.Index[Any, Any], **_: Any,
+) -> None:
+    """Poll the pool's engines every poll interval while it exists. kopf stops the
+    daemon when the operator exits or is paused (a standby replica)."""
+    key: PoolKey = (namespace, name)
     reconciler = runtime_of(memo).reconciler
-    if reconciler.poll_due((namespace, name)):
-        with timed_reconcile(KIND):
-            await reconciler.poll((namespace, name))
+    while not stopped and _indexed(inferencepools_by_key, key, uid):
+        if reconciler.poll_due(key):
+            with timed_reconcile(KIND):
+                await reconciler.poll(key)
+        await asyncio.sleep(TICK_SECONDS)  # kopf cancels the sleep to stop us
