@@ -9,8 +9,10 @@ decision granted. `pump` re-runs the queue as capacity frees.
 Counting only when it decides: where the tokenizer bounds a prompt's count by its size
 (`prompt_bounds.TokenCeiling`), a request whose tenant has nothing queued is first
 decided at that ceiling. Admitted there, it goes on at once, and its exact count, taken
-off its path (`_recount`), shrinks its reservation to what the engine processes (the
-ceiling is never below the count, so a bound never puts a tenant over its maxBlocks).
+off its path (`_recount`; a chat prompt's by the engine's /tokenize), shrinks its
+reservation to what the engine processes (the ceiling is never below the count, so a
+bound never puts a tenant over its maxBlocks; a count above its ceiling turns that kind
+of ceiling off, `HfTokenCounter.ceiling_missed`).
 Otherwise (it would wait or be refused at the ceiling, or its default max_tokens would
 depend on the count) it is counted first and decided as before. Its prompt blocks are
 then all its own (no prefix shared with its tenant's other requests is credited).
@@ -253,10 +255,16 @@ class Admitter:
         except Exception as exc:  # a busy pool, an engine that refuses: keep the bound
             logger.debug("prompt not counted after admission: %s", type(exc).__name__)
             return
+        counts = tuple(len(p) for p in prompts)
+        if any(count > ceiling for count, ceiling in zip(counts, shape.prompt_tokens,
+                                                          strict=False)):
+            missed = getattr(counter, "ceiling_missed", None)
+            if missed is not None:
+                missed(request.kind, max(shape.prompt_tokens), max(counts))
         if reservation.released or tenant_id not in (
                 self.queue.policy.tenants if self.queue.policy else {}):
             return
-        exact = replace(shape, prompt_tokens=tuple(len(p) for p in prompts))
+        exact = replace(shape, prompt_tokens=counts)
         reservation.regrow(self.queue.growth(tenant_id, exact, max_tokens))
         self.wake()  # what it gave back may admit a queued request
 

@@ -1,8 +1,9 @@
-"""Chat prompts rendered in the sidecar, as vLLM 0.32 renders them: no round trip.
+"""Chat prompts rendered in the sidecar, as vLLM 0.32 renders them: a bound, no round trip.
 
-Counting a chat prompt with the engine's /tokenize cost the sidecar ~440 us of CPU per
-request (an HTTP exchange on its one core, issue #32). This renders the same prompt
-here, with the model's own tokenizer and chat template, following vLLM's path step by
+A chat prompt is counted by the engine's /tokenize (`tokens.py`), off the request's path
+when admission decides on the prompt's ceiling; the ceiling is taken of the text
+rendered here (`prompt_count.ceilings`), so the rendering must be vLLM's: this renders
+the prompt with the model's own tokenizer and chat template, following vLLM's path step by
 step (vllm/renderers/hf.py `safe_apply_chat_template`, chat_utils.py
 `parse_chat_messages`), without importing vLLM (the sidecar's image has none):
 
@@ -23,8 +24,8 @@ step (vllm/renderers/hf.py `safe_apply_chat_template`, chat_utils.py
 
 Compiled templates and their analysis are cached per template text.
 
-What this does not cover, and returns None for (the caller then asks the engine's
-/tokenize, `tokens.py`): a tokenizer without a chat template of its own (vLLM would
+What this does not cover, and returns None for (the prompt then has no ceiling and is
+counted before it is admitted): a tokenizer without a chat template of its own (vLLM would
 take a processor's template or a built-in fallback); a template that raises for the
 request (the engine's answer carries its message). What it cannot see, and the
 sidecar guards by comparing its first counts with the engine's (`tokens.py`): the

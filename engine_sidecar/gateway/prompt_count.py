@@ -9,12 +9,12 @@
 3. Refuse a prompt whose size alone proves it longer than the tenant's
    `maxPromptTokens` or the model's context (`prompt_bounds`): no tokenizing.
 4. Look the prompt up in the token cache (`token_cache`): a retry is not tokenized again.
-5. Tokenize: short prompts inline, long ones in the worker pool; chat prompts rendered
-   with the model's chat template first (`chat_render`), or, where that does not cover
-   them, by the engine's /tokenize (an HTTP call, off the loop; `tokens.py`).
+5. Tokenize: short prompts inline, long ones in the worker pool; chat prompts by the
+   engine's /tokenize (vLLM's own rendering; an HTTP call, off the loop; `tokens.py`).
 
 `ceilings` is the cheap alternative to steps 4 and 5: each prompt's most tokens, from
-its size (`prompt_bounds.TokenCeiling`; chat: the rendered text's), which admission
+its size (`prompt_bounds.TokenCeiling`; chat: the text rendered here, `chat_render`,
+checked against the engine's rendering), which admission
 decides on when that settles it, counting afterwards (`admitter`).
 """
 

@@ -3,23 +3,25 @@
 Completions: the model's own tokenizer (transformers, loaded once in the background) is
 the fast path, encoding each text prompt as vLLM does; token-id prompts count as sent.
 
-Chat (and the chat prompt of a /v1/responses request): rendered here with the model's
-own chat template and tokenizer, as vLLM renders it (`chat_render`), then encoded like
-a completion prompt (short inline, long in the worker pool). Before issue #32 every
-chat prompt went to the engine's `POST /tokenize`, exact by construction but a round
-trip per request (~440 us of the sidecar's CPU); that is now the fallback, sent the
-request's messages and every field that changes the rendered prompt
-(`chat_tokenize_payload`), for what the local renderer does not cover:
-- a tokenizer without a chat template of its own (vLLM would take a processor's
-  template or a built-in fallback), and a template that raises for the request (the
-  engine's 400 carries the template's message);
-- every chat request once a local count differed from the engine's: the first
-  `VERIFY_CHATS` chat requests are counted both ways (the engine's ids are used) and
-  a single difference turns local rendering off for good, with an error in the log.
-  That catches what the sidecar cannot see of the engine's rendering: its
-  `--chat-template`, `--default-chat-template-kwargs`, `--chat-template-content-format`,
-  a processor (multimodal) chat template, Mistral and Harmony (gpt-oss) tokenizers;
-- with `--engine-tokenizer` (model files only in the engine container), everything.
+Chat (and the chat prompt of a /v1/responses request): counted by the engine's
+`POST /tokenize`, sent the request's messages and every field that changes the rendered
+prompt (`chat_tokenize_payload`): vLLM's own rendering, exact by construction, with
+nothing here to follow each release's template handling. The round trip (~440 us of the
+sidecar's CPU, issue #32) is off the request's path wherever admission decides on the
+prompt's ceiling (`prompt_bounds.TokenCeiling`, `admitter`): the count is taken after
+the request is forwarded. Only where the decision depends on the count (the ceiling does
+not fit, the tokenizer has no ceiling) does a chat request wait for it.
+
+The local renderer (`chat_render`) now only bounds a chat prompt: the ceiling is taken
+of its rendered text. It cannot see the engine's `--chat-template`,
+`--default-chat-template-kwargs`, `--chat-template-content-format`, a processor
+(multimodal) chat template, Mistral or Harmony (gpt-oss) tokenizers, so the first
+`VERIFY_CHATS` chat requests are also rendered and encoded here and compared with the
+engine's ids, and any engine count above a chat's ceiling later on (`ceiling_missed`)
+turns chat ceilings off for good, with an error in the log: every chat request is then
+counted before it is decided. Without a chat template of its own (vLLM would take a
+processor's template or a built-in fallback) or with `--engine-tokenizer` (model files
+only in the engine container), chat requests have no ceiling.
 
 Where /tokenize renders more than the chat request will, its count is an upper bound:
 tools sent with `tool_choice: "none"` to an engine started with
@@ -55,8 +57,8 @@ logger = logging.getLogger(__name__)
 # Prompts longer than this are tokenized in the worker pool (about 1 ms of CPU inline
 # for the tiny model's tokenizer on unusual text, measured at 0.85-1 us per character).
 INLINE_CHARS = 2_000
-# Chat requests counted both locally and by the engine's /tokenize before local counts
-# are trusted alone (see the module docstring).
+# Chat requests rendered and encoded here as well as counted by the engine's /tokenize
+# before a chat prompt's ceiling is taken of the local rendering (module docstring).
 VERIFY_CHATS = 8
 # The chat fields /tokenize takes as they are (TokenizeChatRequest in vLLM).
 TOKENIZE_CHAT_FIELDS = ("messages", "add_generation_prompt", "continue_final_message",
@@ -116,8 +118,8 @@ def chat_tokenize_body(request: ParsedRequest) -> bytes:
 
 class HfTokenCounter:
     """Prompts with a transformers tokenizer: short ones inline, long ones in the worker
-    pool (`token_pool`); chat prompts rendered locally (`chat_render`) where covered,
-    else by `chat` (the engine's /tokenize)."""
+    pool (`token_pool`); chat prompts by `chat` (the engine's /tokenize), bounded by
+    their local rendering (`chat_render`) where it agrees with the engine's."""
 
     def __init__(self, tokenizer: Any, name: str, chat: TokenCounter,
                  pool: TokenizerPool | None = None, *, local_chat: bool = True,
@@ -128,12 +130,11 @@ class HfTokenCounter:
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._chat = chat
         self.renderer = _local_renderer(tokenizer) if local_chat else None
-        # Chat requests still to be counted both ways before local counts are trusted.
+        # Chat requests still to be counted both ways before the renderer bounds chats.
         self.unverified_chats = verify_chats
-        self.chats_rendered = 0  # chat prompts counted locally (tests, metrics)
+        self.chats_verified = 0  # chat prompts rendered here and compared (tests)
         self.chats_sent = 0  # chat prompts counted by `chat`
-        rendering = "rendered locally, else " if self.renderer is not None else ""
-        self.description = f"local tokenizer {name} (chat: {rendering}{chat.description})"
+        self.description = f"local tokenizer {name} (chat: {chat.description})"
         self.longest_token_bytes = (longest_token_bytes(self._backend)
                                     if self._backend is not None else None)
         # The most tokens a text can have (`prompt_bounds`): admission may decide on it.
@@ -185,36 +186,52 @@ class HfTokenCounter:
         return (await self.pool.run(encode, [text], special))[0]
 
     async def _tokenize_chat(self, request: ParsedRequest) -> tuple[TokenIds, ...]:
+        self.chats_sent += 1
+        engine_ids = await self._chat.tokenize(request)
+        if self.renderer is not None and self.unverified_chats > 0:
+            await self._verify_rendering(request, engine_ids[0])
+        return engine_ids
+
+    async def _verify_rendering(self, request: ParsedRequest, engine_ids: TokenIds) -> None:
+        """Render and encode the chat here too; one difference from the engine's ids
+        turns the renderer (and with it every chat ceiling) off."""
         renderer = self.renderer
-        rendered = None if renderer is None else renderer.render_text(
-            chat_tokenize_payload(request.body))
+        assert renderer is not None
+        rendered = renderer.render_text(chat_tokenize_payload(request.body))
         if rendered is None:
-            self.chats_sent += 1
-            return await self._chat.tokenize(request)
+            return  # not rendered here: it has no ceiling either
         special = request.body.get("add_special_tokens", False) is True
+        ids: list[int] | None
         try:
-            ids = await self._encode_chat(rendered, special)
+            ids = list(await self._encode_chat(rendered, special))
         except ApiError:
-            raise
-        except Exception as exc:
-            logger.debug("tokenizer refused a chat prompt: %s", type(exc).__name__)
-            raise _bad_prompt("the prompt cannot be tokenized (check for invalid "
-                              "characters)", request) from None
-        if self.unverified_chats > 0:  # count it both ways; the engine's ids are used
-            self.chats_sent += 1
-            engine_ids = await self._chat.tokenize(request)
-            if self.renderer is not None and list(engine_ids[0]) != list(ids):
-                self.renderer = None
-                logger.error(
-                    "the sidecar's chat rendering differs from the engine's (%d tokens "
-                    "here, %d there): counting every chat prompt with the engine's "
-                    "/tokenize from now on (is the engine started with --chat-template or "
-                    "--default-chat-template-kwargs?)", len(ids), len(engine_ids[0]))
-            elif self.renderer is not None:
-                self.unverified_chats -= 1
-            return engine_ids
-        self.chats_rendered += 1
-        return (ids,)
+            return  # the worker pool is busy: verified by a later chat
+        except Exception as exc:  # the engine encoded it: the local copy is what failed
+            logger.debug("chat prompt not encoded here: %s", type(exc).__name__)
+            ids = None
+        self.chats_verified += 1
+        if ids == list(engine_ids):
+            self.unverified_chats -= 1
+            return
+        self.renderer = None
+        logger.error(
+            "the sidecar's chat rendering differs from the engine's (%s tokens here, %d "
+            "there): every chat prompt is counted by the engine before it is admitted from "
+            "now on (is the engine started with --chat-template or "
+            "--default-chat-template-kwargs?)", "no" if ids is None else len(ids),
+            len(engine_ids))
+
+    def ceiling_missed(self, kind: Kind, ceiling: int, count: int) -> None:
+        """A prompt counted more tokens than the ceiling it was admitted on: that bound is
+        not to be trusted again (chat: the local rendering; else the tokenizer's)."""
+        logger.error(
+            "a %s prompt counted %d tokens, above the ceiling of %d it was admitted on: "
+            "such prompts are counted before they are admitted from now on", kind.value,
+            count, ceiling)
+        if kind is Kind.CHAT:
+            self.renderer = None
+        else:
+            self.ceiling = None
 
     async def tokenize(self, request: ParsedRequest) -> tuple[TokenIds, ...]:
         if request.kind is Kind.CHAT:

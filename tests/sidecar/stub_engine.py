@@ -45,6 +45,7 @@ class StubEngine:
     active: int = 0  # generation requests currently being served
     disconnects: int = 0  # streams the sidecar closed in until_disconnect mode
     max_model_len: int = MAX_MODEL_LEN  # what /v1/models says
+    tokenize_repeat: int = 1  # /tokenize answers each word's id this many times
 
     def release(self) -> None:
         """Let held streams go on (see `hold`)."""
@@ -75,7 +76,8 @@ class StubEngine:
         elif path == "/tokenize":
             payload = json.loads(body)
             text = payload.get("prompt") or json.dumps(payload.get("messages"))
-            tokens = [16 + zlib.crc32(word.encode()) % 30_000 for word in text.split()]
+            tokens = [16 + zlib.crc32(word.encode()) % 30_000 for word in text.split()
+                      for _ in range(self.tokenize_repeat)]
             await _json(send, 200, {"count": len(tokens), "tokens": tokens,
                                     "max_model_len": MAX_MODEL_LEN})
         elif path in ("/v1/completions", "/v1/chat/completions"):

@@ -96,6 +96,8 @@ def test_admitted_on_its_ceiling_then_charged_its_count(
     token = keys.hs("acme")
     on_ceiling = _held(harness, stub, token, body)
     assert harness.gateway.admitter.ceiling_admissions == 1
+    if "messages" in body:  # counted by the engine, not rendered and encoded here
+        assert counter.chats_sent == 1 and counter.chats_verified == 0
     ceiling, counter.ceiling = counter.ceiling, None  # the old path: count, then decide
     counted_first = _held(harness, stub, token, body)
     assert harness.gateway.admitter.ceiling_admissions == 1
@@ -119,3 +121,22 @@ def test_a_request_that_fits_only_at_its_count_is_counted_first(
     reserved = _held(harness, stub, keys.hs("acme"), {"prompt": PROMPT})
     assert harness.gateway.admitter.ceiling_admissions == 0
     assert 0 < reserved <= needs
+
+
+def test_a_count_above_its_ceiling_turns_chat_ceilings_off(
+    bounded: tuple[Harness, StubEngine, HfTokenCounter], keys: Keys
+) -> None:
+    """An engine that renders a chat longer than the sidecar's rendering bounds it (here:
+    a stub counting each word 8 times) is caught at the first count: its tenant's
+    reservation grows to that count, and later chats are counted before admission."""
+    harness, stub, counter = bounded
+    harness.apply(make_policy(tenant("acme")))
+    stub.tokenize_repeat = 8
+    token = keys.hs("acme")
+    first = _held(harness, stub, token, {"messages": CHAT})
+    assert harness.gateway.admitter.ceiling_admissions == 1
+    assert counter.renderer is None
+    second = _held(harness, stub, token, {"messages": CHAT})
+    assert harness.gateway.admitter.ceiling_admissions == 1  # counted first this time
+    assert first == second
+    assert counter.ceiling is not None  # completions keep theirs
