@@ -52,7 +52,8 @@ def limits_of(tenant: TenantPolicy) -> Limits | None:
         return None
     return Limits(max_blocks=pool.max_blocks, ceiling_blocks=tenant.max_blocks,
                   max_requests=pool.max_concurrent_requests,
-                  ceiling_requests=tenant.max_concurrent_requests)
+                  ceiling_requests=tenant.max_concurrent_requests,
+                  guaranteed_blocks=pool.guaranteed_blocks)
 
 
 def pool_wide(tenant: TenantPolicy) -> TenantPolicy:

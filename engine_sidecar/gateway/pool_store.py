@@ -16,6 +16,13 @@ Every change that raises a claim is one Lua script (EVALSHA): it sums the other 
 sidecars' claims and writes the new value only if the pool-wide limit allows, so two
 sidecars can never both take the last blocks. Releases write the lower value.
 
+A tenant within its pool-wide guarantee is checked against what it holds instead: the
+others' allowances are room they might use, not blocks the tenant has, and counting
+them refused guaranteed work while maxBlocks was all allowances. Such a grant marks the
+tenant as a refusal does, so the others' next refresh (within a third of the TTL)
+lowers their allowances below maxBlocks again; until then the tenant could pass
+maxBlocks only if those engines filled their unused allowances meanwhile.
+
 A store that restarts comes back empty. Its first script writes an epoch; for one TTL
 after it (a grace every live sidecar's refresh falls in) nothing grows: each sidecar
 republishes what it holds from its own mirror, so no charge is lost and nothing is
@@ -36,7 +43,7 @@ if TYPE_CHECKING:
     import redis
 
 # KEYS: live zset, my hash, epoch. ARGV: me, key prefix, ttl ms, grace ms, tenant,
-# new b, new r, max b (-1: none), max r (-1: none).
+# new b, new r, max b (-1: none), max r (-1: none), guaranteed b (-1: none).
 # Returns {status, others' b claims, others' r claims}: 1 granted, 0 refused,
 # -1 warming (grace after an empty store), -2 my hash is gone (republish first).
 _PRELUDE = """
@@ -52,16 +59,17 @@ local pressure = string.sub(ARGV[2], 1, -3) .. 'p:'
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local live = redis.call('ZRANGE', KEYS[1], 0, -1)
 local function others(tenant)
-  local b, r = 0, 0
+  local b, r, held = 0, 0, 0
   for _, s in ipairs(live) do
     if s ~= ARGV[1] then
       local v = redis.call('HMGET', ARGV[2] .. s, 'b:' .. tenant, 'r:' .. tenant,
                            'ab:' .. tenant, 'ar:' .. tenant)
       b = b + math.max(tonumber(v[1]) or 0, tonumber(v[3]) or 0)
       r = r + math.max(tonumber(v[2]) or 0, tonumber(v[4]) or 0)
+      held = held + (tonumber(v[1]) or 0)
     end
   end
-  return b, r
+  return b, r, held
 end
 local function keep_alive()
   redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[3]))
@@ -72,13 +80,20 @@ end
 _CHARGE = _PRELUDE + """
 if redis.call('EXISTS', KEYS[2]) == 0 then return {-2, 0, 0} end
 local tenant = ARGV[5]
-local b, r = others(tenant)
+local b, r, held = others(tenant)
 if warming then return {-1, b, r} end
 local nb, nr = tonumber(ARGV[6]), tonumber(ARGV[7])
-local mb, mr = tonumber(ARGV[8]), tonumber(ARGV[9])
-if (mb >= 0 and b + nb > mb) or (mr >= 0 and r + nr > mr) then
+local mb, mr, gb = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
+local fits = mb < 0 or b + nb <= mb
+-- Within its pool-wide guarantee a tenant is checked against what it holds, not
+-- against the room the others may still admit into locally (their allowances).
+local guaranteed = gb >= 0 and held + nb <= gb and (mb < 0 or held + nb <= mb)
+if (not fits and not guaranteed) or (mr >= 0 and r + nr > mr) then
   redis.call('SET', pressure .. tenant, 1, 'PX', tonumber(ARGV[3]))
   return {0, b, r}
+end
+if not fits then  -- granted on the guarantee: the others' allowances lean at refresh
+  redis.call('SET', pressure .. tenant, 1, 'PX', tonumber(ARGV[3]))
 end
 redis.call('HSET', KEYS[2], 'b:' .. tenant, nb, 'r:' .. tenant, nr)
 keep_alive()
@@ -170,6 +185,9 @@ class Limits:
     ceiling_blocks: int
     max_requests: int | None = None
     ceiling_requests: int | None = None
+    # Pool-wide guaranteed blocks: a charge that keeps what the tenant holds within
+    # them is granted whatever the others' allowances claim (None: no such rule).
+    guaranteed_blocks: int | None = None
 
 
 @dataclass
@@ -308,7 +326,8 @@ class PoolStore:
         try:
             status, _b, _r = self._charge(keys=self._keys, args=[
                 *self._argv(), tenant, nb, nr, limits.max_blocks,
-                NO_LIMIT if limits.max_requests is None else limits.max_requests])
+                NO_LIMIT if limits.max_requests is None else limits.max_requests,
+                NO_LIMIT if limits.guaranteed_blocks is None else limits.guaranteed_blocks])
         except Exception:  # down or slower than the timeout: fall back
             self.reachable = False
             return -1

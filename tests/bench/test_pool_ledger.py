@@ -8,14 +8,20 @@ import random
 import time
 from pathlib import Path
 
-from engine_sidecar.gateway.pool_store import Limits, PoolStore, connect
+import pytest
+
+from engine_sidecar.gateway.pool_store import Limits, Outcome, PoolStore, connect
 from kvquota_lab.bench.pool_ledger import TwinLedger, TwinPoolStore
 from tests.support.redis_server import RedisServer
 
 LIMITS = Limits(max_blocks=120, ceiling_blocks=40, max_requests=10, ceiling_requests=4)
+# Blocks only, with a pool-wide guarantee: charges granted on what is held, beyond the
+# claims (the concurrency limit above binds first and never gets there).
+GUARANTEED = Limits(max_blocks=120, ceiling_blocks=40, guaranteed_blocks=90)
 
 
-def test_the_twin_ledger_matches_the_store(tmp_path: Path) -> None:
+@pytest.mark.parametrize("limits", [LIMITS, GUARANTEED], ids=["requests", "guarantee"])
+def test_the_twin_ledger_matches_the_store(tmp_path: Path, limits: Limits) -> None:
     server = RedisServer(tmp_path)
     server.start()
     try:
@@ -24,12 +30,12 @@ def test_the_twin_ledger_matches_the_store(tmp_path: Path) -> None:
         ledger = TwinLedger()
         twin = [TwinPoolStore(ledger, f"e{i}", margin_blocks=8) for i in range(3)]
         for store in real:
-            store.refresh({"acme": LIMITS})
+            store.refresh({"acme": limits})
         time.sleep(1.0)  # the new store's grace: then allowances may grow
         for store in real:
             store.refresh()
         for tstore in twin:
-            tstore.refresh({"acme": LIMITS})
+            tstore.refresh({"acme": limits})
         rng = random.Random(5)
         held = [0, 0, 0]
         outcomes = []
@@ -43,8 +49,8 @@ def test_the_twin_ledger_matches_the_store(tmp_path: Path) -> None:
                 real[i].sync("acme", held[i] * 6, held[i])
                 twin[i].sync("acme", held[i] * 6, held[i])
             else:
-                a = real[i].charge("acme", 6, LIMITS)
-                b = twin[i].charge("acme", 6, LIMITS)
+                a = real[i].charge("acme", 6, limits)
+                b = twin[i].charge("acme", 6, limits)
                 assert a is b, f"step {step}: store {a}, twin {b}"
                 outcomes.append(a)
                 if a.value in ("local", "pool"):
@@ -57,3 +63,26 @@ def test_the_twin_ledger_matches_the_store(tmp_path: Path) -> None:
         assert {o.value for o in outcomes} == {"local", "pool", "refused"}
     finally:
         server.kill()
+
+
+def test_the_twin_grants_within_the_pool_wide_guarantee_on_what_is_held() -> None:
+    # As on the store: the engines' allowances (40 each) fill maxBlocks, yet the engine
+    # routing packs the tenant onto is granted what keeps its holdings within the
+    # guarantee (90); beyond it the claims decide, and after the others' refresh the
+    # pool never passes maxBlocks.
+    ledger = TwinLedger()
+    twin = [TwinPoolStore(ledger, f"e{i}", margin_blocks=8) for i in range(3)]
+    for tstore in twin:
+        tstore.refresh({"acme": GUARANTEED})
+    a, b, c = twin
+    assert [b.charge("acme", 10, GUARANTEED) for _ in range(2)] == [Outcome.LOCAL] * 2
+    b.refresh()
+    assert [a.charge("acme", 10, GUARANTEED) for _ in range(4)] == [Outcome.LOCAL] * 4
+    assert [a.charge("acme", 10, GUARANTEED) for _ in range(4)] == [
+        Outcome.POOL] * 3 + [Outcome.REFUSED]  # 20 + 70 <= 90 < 20 + 80
+    b.refresh()
+    c.refresh()  # both lean to what they hold + a quarter of their split: 30 and 10
+    assert a.charge("acme", 10, GUARANTEED) is Outcome.POOL  # claims 80 + 40 <= 120
+    assert c.charge("acme", 10, GUARANTEED) is Outcome.LOCAL
+    assert c.charge("acme", 10, GUARANTEED) is Outcome.REFUSED  # 80 + 30 + 20 > 120
+    assert sum(s.claims["acme"].blocks for s in twin) == 110

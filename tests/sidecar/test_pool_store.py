@@ -175,3 +175,31 @@ def test_a_store_killed_and_restarted_during_concurrent_bursts(server: RedisServ
     assert pool.peak_blocks <= LIMITS.max_blocks
     assert pool.outcomes[Outcome.FALLBACK] > 0
     assert a.held("acme") == (70, 7) and b.held("acme") == (0, 0)
+
+
+def test_within_its_pool_wide_guarantee_a_tenant_is_checked_against_what_it_holds(
+    server: RedisServer,
+) -> None:
+    # Routing packs the tenant onto a while b holds little of its own split. The two
+    # allowances (50 each) fill maxBlocks, yet a request that keeps what the tenant
+    # holds within its pool-wide guarantee (80) is granted; beyond the guarantee the
+    # claims decide again, and once b's refresh lowers its allowance the two never
+    # pass maxBlocks.
+    limits = Limits(max_blocks=100, ceiling_blocks=50, guaranteed_blocks=80)
+    a, b = _sidecar(server, "engine-a"), _sidecar(server, "engine-b")
+    for s in (a, b):
+        assert s.refresh({"acme": limits})
+    time.sleep(TTL_S)  # the new store's grace
+    for s in (a, b):
+        assert s.refresh()
+    assert [b.charge("acme", 10, limits) for _ in range(2)] == [Outcome.LOCAL] * 2
+    assert b.refresh()  # the store sees b hold 20 of its allowance of 50
+    assert [a.charge("acme", 10, limits) for _ in range(5)] == [Outcome.LOCAL] * 5
+    # 50 + 50 claimed: without the guarantee rule this was refused.
+    assert a.charge("acme", 10, limits) is Outcome.POOL  # held 20 + 60 <= 80
+    assert a.charge("acme", 10, limits) is Outcome.REFUSED  # 20 + 70 > 80, claims full
+    assert b.refresh()  # a's grant marked the tenant: b keeps held + margin (32)
+    assert b.charge("acme", 10, limits) is Outcome.LOCAL
+    assert b.charge("acme", 10, limits) is Outcome.POOL  # claims 60 + 40 = maxBlocks
+    assert b.charge("acme", 10, limits) is Outcome.REFUSED
+    assert a.held("acme")[0] + b.held("acme")[0] == limits.max_blocks

@@ -176,6 +176,7 @@ class _Engine(TwinRun):
         if ticket.reservation is not None:
             self.counters.count(tenant, Decision.ADMITTED)
             self.pool.admitted(ticket, self)
+            self.pool.count_above_max(tenant)
         elif ticket.error is not None and ticket.verdict is not None:
             self.counters.count(tenant, ticket.verdict.decision)
         self.pool.count_refusal(ticket)
@@ -371,6 +372,10 @@ class PoolRun:
             for tid, t in sorted(policy.tenants.items())
         ]
         self.pool_guarantee = {t.tenant_id: t.guaranteed for t in self.totals}
+        self.pool_maximum = {t.tenant_id: t.maximum for t in self.totals}
+        # Tenant -> the most its engines' charges, work admitted into idle KV beyond
+        # maxBlocks left out, summed over the pool, passed its pool-wide maxBlocks by.
+        self.above_pool_max: Counter[str] = Counter()
         self.split_inputs = SplitInputs(self.totals, engine.capacity_blocks, policy.watermark)
         self.split = PoolSplit()  # the operator's state for the pool
         self.refused_within_pool: Counter[str] = Counter()  # by tier
@@ -424,6 +429,17 @@ class PoolRun:
             self.token_engines[session] = engine.index
         else:
             self.token_engines.pop(session, None)
+
+    def count_above_max(self, tenant: str) -> None:
+        """After an admission: how far the tenant's charges over the pool pass its
+        pool-wide maxBlocks, its above-max work (the plugin's first victim) left out."""
+        held = 0
+        for engine in self.engines:
+            if engine.gateway is not None:
+                held += engine.charged(tenant) - engine.gateway.ledger.beyond_max_blocks(tenant)
+        over = held - self.pool_maximum.get(tenant, held)
+        if over > self.above_pool_max[tenant]:
+            self.above_pool_max[tenant] = over
 
     def count_refusal(self, ticket: Ticket) -> None:
         verdict = ticket.verdict
@@ -647,6 +663,8 @@ class PoolRun:
                 tier.value: self.refused_within_pool.get(tier.value, 0)
                 for tier in self.scenario.tiers
             },
+            "aboveMaxBlocks": {tid: self.above_pool_max.get(tid, 0)
+                               for tid in sorted(self.pool_maximum)},
             "requestsPerEngine": [e.routed for e in self.engines],
             "rebalances": self.rebalances,
             "policyVersions": self.policy_versions,

@@ -5,10 +5,11 @@ Same claims as on the store, published when the store would see them (a charge t
 needs it, a refresh), so the others decide on the same stale numbers: a sidecar's claim
 on a tenant is the more of what its requests hold and its allowance (what it admits
 with no round trip: its split, lowered to charge + margin on refresh for a TTL after a
-refusal for the tenant); a claim grows only within what the others'
-claims leave of the pool-wide limit. No sidecar dies and the store never fails here,
-so no TTL and no grace. Round trips are counted; each costs `rtt_s`, which the report
-adds to the admissions that needed one (virtual time does not wait for it).
+refusal for the tenant); a claim grows only within what the others' claims leave of the
+pool-wide limit, or, while what the tenant holds stays within its pool-wide guarantee,
+within that guarantee whatever the claims. No sidecar dies and the store never fails
+here, so no TTL and no grace. Round trips are counted; each costs `rtt_s`, which the
+report adds to the admissions that needed one (virtual time does not wait for it).
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ class TwinLedger:
                 blocks, requests = blocks + b, requests + r
         return blocks, requests
 
+    def others_hold(self, me: str, tenant: str) -> int:
+        """The blocks the other sidecars last published as held by `tenant`."""
+        return sum(claims[tenant].blocks for sidecar, claims in self.claims.items()
+                   if sidecar != me and tenant in claims)
+
 
 class TwinPoolStore:
     """One engine's side (what `PoolAdmission` calls on `PoolStore`)."""
@@ -86,10 +92,16 @@ class TwinPoolStore:
             return Outcome.LOCAL
         self.ledger.round_trips += 1
         ob, orq = self.ledger.others(self.me, tenant)
-        if ob + nb > limits.max_blocks or (
+        fits = ob + nb <= limits.max_blocks
+        held = self.ledger.others_hold(self.me, tenant) + nb
+        guaranteed = (limits.guaranteed_blocks is not None
+                      and held <= min(limits.guaranteed_blocks, limits.max_blocks))
+        if (not fits and not guaranteed) or (
                 limits.max_requests is not None and orq + nr > limits.max_requests):
             self.ledger.pressure[tenant] = self.ledger.now
             return Outcome.REFUSED
+        if not fits:
+            self.ledger.pressure[tenant] = self.ledger.now
         claim.blocks, claim.requests = nb, nr
         mine = self.published.setdefault(tenant, _Claim())
         mine.blocks, mine.requests = nb, nr

@@ -2,8 +2,11 @@
 
 Per run: the protected tier's TTFT p99 and its ratio to the baseline run (the same
 pool and router without the noisy tiers), refusals of requests within their tenant's
-pool-wide guarantee, pool throughput (output tokens/s), how unevenly the router spread
-the requests, and what the run cost (wall seconds per simulated engine-hour).
+pool-wide guarantee, how far a tenant's charges over the pool ever passed its pool-wide
+maxBlocks (blocks; its work admitted into idle KV beyond maxBlocks left out), the share
+of admissions that needed the shared store, pool throughput (output tokens/s), how
+unevenly the router spread the requests, and what the run cost (wall seconds per
+simulated engine-hour).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ def pool_rows(document: dict[str, Any]) -> list[dict[str, Any]]:
             "ttftP99VsBaseline": ratios.get(key),
             "refusedWithinPoolGuarantee": sum(
                 pool.get("refusedWithinPoolGuarantee", {}).values()),
+            "aboveMaxBlocks": max(pool.get("aboveMaxBlocks", {}).values(), default=None),
+            "storeShare": pool.get("ledger", {}).get("storeShare"),
             "refusedWithinEngineGuarantee": sum(
                 t["refusedWithinGuarantee"] for t in tiers.values()),
             "throughput": summary["throughput"],
@@ -59,7 +64,8 @@ def format_pool_table(document: dict[str, Any]) -> str:
         f"pool: {pool.get('replicas')} engines, router {pool.get('router')}; "
         f"{tier} TTFT p99 baseline {_f(base, '{:.3f}')} s",
         f"{'run':<24} {'p99 s':>7} {'x base':>7} {'refused<poolG':>13} "
-        f"{'refused<engG':>12} {'tok/s':>9} {'req/engine':>11} {'wall(cpu) s/engine-h':>21}",
+        f"{'refused<engG':>12} {'over poolM':>10} {'store':>6} {'tok/s':>9} {'req/engine':>11} "
+        f"{'wall(cpu) s/engine-h':>21}",
     ]
     for row in pool_rows(document):
         low, high = row["requestsPerEngine"]
@@ -67,6 +73,7 @@ def format_pool_table(document: dict[str, Any]) -> str:
             f"{row['run']:<24} {_f(row['ttftP99'], '{:.3f}'):>7} "
             f"{_f(row['ttftP99VsBaseline'], '{:.2f}'):>7} "
             f"{row['refusedWithinPoolGuarantee']:>13} {row['refusedWithinEngineGuarantee']:>12} "
+            f"{_f(row['aboveMaxBlocks'], '{:d}'):>10} {_f(row['storeShare'], '{:.0%}'):>6} "
             f"{_f(row['throughput'], '{:.0f}'):>9} {f'{low}-{high}':>11} "
             f"{_f(row['wallSecondsPerEngineHour'], '{:.0f}'):>12} "
             f"({_f(row['cpuSecondsPerEngineHour'], '{:.0f}')})"
