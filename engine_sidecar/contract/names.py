@@ -36,6 +36,11 @@ SESSION_ARG = "kvq_session"
 # The blocks the sidecar reserved for one sequence of the request (prompt + its output
 # estimate, README: reservations): a victim holding more had outgrown its estimate.
 RESERVED_BLOCKS_ARG = "kvq_reserved_blocks"
+# The output tokens the sidecar reserved for one sequence of the request. A request
+# admitted on its prompt's ceiling, before its prompt was counted, has its
+# RESERVED_BLOCKS_ARG taken at that ceiling; with this, the plugin takes what was
+# reserved at the prompt's exact length (its own count) instead.
+RESERVED_OUTPUT_ARG = "kvq_reserved_output_tokens"
 # Present (true) on a request admitted beyond its tenant's maxBlocks into idle KV
 # (aboveMax: Reclaimable): the plugin ranks it the first victim after unclassified work.
 ABOVE_MAX_ARG = "kvq_above_max"

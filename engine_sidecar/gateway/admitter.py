@@ -169,8 +169,11 @@ class Admitter:
                 request, max_tokens=verdict.max_tokens, priority=tenant.priority,
                 tenant_id=tenant_id, session=session,
                 cache_salt=active.cache_salts.get(tenant_id),
+                # At the ceiling's prompt when decided on it; the plugin takes it at
+                # the prompt's exact length, its own count (`reserved_output`).
                 reserved_blocks=sequence_blocks(shape, verdict.output_tokens,
                                                 active.policy.block_size),
+                reserved_output=max(0, verdict.output_tokens),
                 above_max=verdict.above_max,
             )
         except BaseException:

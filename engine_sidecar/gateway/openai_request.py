@@ -25,6 +25,7 @@ from typing import Any
 from engine_sidecar.contract.names import (
     ABOVE_MAX_ARG,
     RESERVED_BLOCKS_ARG,
+    RESERVED_OUTPUT_ARG,
     SESSION_ARG,
     TENANT_ARG,
 )
@@ -289,6 +290,7 @@ def rewrite(
     session: str | None,
     cache_salt: str | None,
     reserved_blocks: int | None = None,
+    reserved_output: int | None = None,
     above_max: bool = False,
 ) -> bytes:
     body = request.body
@@ -300,15 +302,18 @@ def rewrite(
         body["max_tokens"] = max_tokens
     return tagged(body, priority=priority, tenant_id=tenant_id, session=session,
                   cache_salt=cache_salt, strict=request.strict,
-                  reserved_blocks=reserved_blocks, above_max=above_max)
+                  reserved_blocks=reserved_blocks, reserved_output=reserved_output,
+                  above_max=above_max)
 
 
 def tagged(body: dict[str, Any], *, priority: int, tenant_id: str, session: str | None,
            cache_salt: str | None, strict: bool, reserved_blocks: int | None = None,
-           above_max: bool = False) -> bytes:
+           reserved_output: int | None = None, above_max: bool = False) -> bytes:
     """`body` with the fields only the sidecar sets, encoded for the engine (`strict`:
     it was parsed as standard JSON, see `json_codec.dumps`). `reserved_blocks`: what
-    admission reserved per sequence, so the plugin can tell a victim that outgrew it;
+    admission reserved per sequence, so the plugin can tell a victim that outgrew it
+    (`reserved_output`: of which output tokens, for the plugin to take it at the
+    prompt's exact length when the sidecar decided on its ceiling);
     `above_max`: admitted beyond its tenant's maxBlocks, the plugin's first victim."""
     body["priority"] = priority
     xargs: dict[str, str | int | bool] = {TENANT_ARG: tenant_id}
@@ -316,6 +321,8 @@ def tagged(body: dict[str, Any], *, priority: int, tenant_id: str, session: str 
         xargs[SESSION_ARG] = session
     if reserved_blocks is not None:
         xargs[RESERVED_BLOCKS_ARG] = reserved_blocks
+        if reserved_output is not None:
+            xargs[RESERVED_OUTPUT_ARG] = reserved_output
     if above_max:
         xargs[ABOVE_MAX_ARG] = True
     body["vllm_xargs"] = xargs

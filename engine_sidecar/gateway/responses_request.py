@@ -176,7 +176,7 @@ def parse_responses(raw: bytes) -> ResponsesRequest:
 def rewrite_responses(
     request: ParsedRequest, *, max_tokens: int, priority: int, tenant_id: str,
     session: str | None, cache_salt: str | None, reserved_blocks: int | None = None,
-    above_max: bool = False,
+    reserved_output: int | None = None, above_max: bool = False,
 ) -> bytes:
     """The Responses body for the engine: the admitted ceiling, the tenant's fields."""
     assert isinstance(request, ResponsesRequest)
@@ -186,4 +186,5 @@ def rewrite_responses(
     body["max_output_tokens"] = max_tokens
     return tagged(body, priority=priority, tenant_id=tenant_id, session=session,
                   cache_salt=cache_salt, strict=request.strict,
-                  reserved_blocks=reserved_blocks, above_max=above_max)
+                  reserved_blocks=reserved_blocks, reserved_output=reserved_output,
+                  above_max=above_max)

@@ -616,7 +616,8 @@ class TenantAwareScheduler(compat.Scheduler):
             reason = Reason.UNCLASSIFIED
         counters = self._kvq_counters[stats_tenant(policy, tenant)]
         counters.preemptions[reason] += 1
-        if outgrew(identity, num_blocks):
+        if outgrew(identity, num_blocks, compat.num_prompt_tokens(request),
+                   compat.block_size(self)):
             counters.outgrown_preemptions += 1
         if not self._kvq_offloading:
             self._kvq_modes["recompute"] += 1

@@ -75,6 +75,7 @@ from typing import Any, Generic, TypeVar
 from engine_sidecar.contract.names import (
     ABOVE_MAX_ARG,
     RESERVED_BLOCKS_ARG,
+    RESERVED_OUTPUT_ARG,
     SESSION_ARG,
     TENANT_ARG,
     UNCLASSIFIED,
@@ -124,6 +125,7 @@ class Identity:
     session: str | None
     reserved_blocks: int | None = None  # per sequence, as admitted (None: not told)
     above_max: bool = False  # admitted beyond its tenant's maxBlocks, into idle KV
+    reserved_output: int | None = None  # of reserved_blocks, output tokens per sequence
 
     @property
     def session_key(self) -> tuple[str, str] | None:
@@ -146,15 +148,30 @@ def identity_from_extra_args(extra_args: Mapping[str, Any] | None) -> Identity:
     session = _clean_id(extra_args.get(SESSION_ARG)) if tenant is not None else None
     if tenant is None:
         return NO_IDENTITY
-    reserved = extra_args.get(RESERVED_BLOCKS_ARG)
-    if not isinstance(reserved, int) or isinstance(reserved, bool) or reserved < 1:
-        reserved = None
-    return Identity(tenant, session, reserved, extra_args.get(ABOVE_MAX_ARG) is True)
+    reserved = _count(extra_args.get(RESERVED_BLOCKS_ARG), 1)
+    output = _count(extra_args.get(RESERVED_OUTPUT_ARG), 0) if reserved is not None else None
+    return Identity(tenant, session, reserved, extra_args.get(ABOVE_MAX_ARG) is True, output)
 
 
-def outgrew(identity: Identity, num_blocks: int) -> bool:
-    """Did a request holding `num_blocks` outgrow what the sidecar reserved for it?"""
-    return identity.reserved_blocks is not None and num_blocks > identity.reserved_blocks
+def _count(value: object, least: int) -> int | None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        return None
+    return value
+
+
+def outgrew(identity: Identity, num_blocks: int, num_prompt_tokens: int,
+            block_size: int) -> bool:
+    """Did a request holding `num_blocks` outgrow what the sidecar reserved for it?
+
+    The sidecar may have reserved at its prompt's ceiling (admitted before counting):
+    told the output part, the reservation is taken at the prompt the engine counted."""
+    reserved = identity.reserved_blocks
+    if reserved is None:
+        return False
+    if identity.reserved_output is not None:
+        exact = -(-(num_prompt_tokens + identity.reserved_output) // block_size)
+        reserved = min(reserved, exact)
+    return num_blocks > reserved
 
 
 def _clean_id(value: object) -> str | None:

@@ -256,6 +256,10 @@ def num_prompt_tokens(request: Request) -> int:
     return int(request.num_prompt_tokens)
 
 
+def block_size(scheduler: Scheduler) -> int:
+    return int(scheduler.block_size)
+
+
 def request_extra_args(request: Request) -> Mapping[str, Any] | None:
     params = request.sampling_params
     return params.extra_args if params is not None else None

@@ -46,6 +46,7 @@ class StubEngine:
     disconnects: int = 0  # streams the sidecar closed in until_disconnect mode
     max_model_len: int = MAX_MODEL_LEN  # what /v1/models says
     tokenize_repeat: int = 1  # /tokenize answers each word's id this many times
+    tokenize_gate: threading.Event | None = None  # set: /tokenize answers (None: at once)
 
     def release(self) -> None:
         """Let held streams go on (see `hold`)."""
@@ -74,6 +75,8 @@ class StubEngine:
                 {"id": self.model_id, "root": self.model_id,
                  "max_model_len": self.max_model_len}]})
         elif path == "/tokenize":
+            while self.tokenize_gate is not None and not self.tokenize_gate.is_set():
+                await asyncio.sleep(0.005)
             payload = json.loads(body)
             text = payload.get("prompt") or json.dumps(payload.get("messages"))
             tokens = [16 + zlib.crc32(word.encode()) % 30_000 for word in text.split()

@@ -8,6 +8,7 @@ on it: a tenant is never let past its maxBlocks by a bound.
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 from collections.abc import Iterator
@@ -17,9 +18,13 @@ from typing import Any
 import httpx
 import pytest
 
+from engine_sidecar.contract.names import RESERVED_BLOCKS_ARG, RESERVED_OUTPUT_ARG
 from engine_sidecar.gateway.app import GatewayConfig
+from engine_sidecar.gateway.openai_request import Kind, parse
+from engine_sidecar.gateway.prompt_count import PromptCounting
 from engine_sidecar.gateway.token_pool import TokenizerPool
 from engine_sidecar.gateway.tokens import EngineTokenCounter, HfTokenCounter
+from engine_sidecar.plugin.tenant_policy import identity_from_extra_args, outgrew
 
 from .conftest import Harness, start_harness
 from .helpers import WAIT, Keys, ServerThread, http_post, make_policy, tenant, wait_for
@@ -140,3 +145,49 @@ def test_a_count_above_its_ceiling_turns_chat_ceilings_off(
     assert harness.gateway.admitter.ceiling_admissions == 1  # counted first this time
     assert first == second
     assert counter.ceiling is not None  # completions keep theirs
+
+
+def test_the_plugin_is_told_the_ceiling_and_judges_at_the_count(
+    bounded: tuple[Harness, StubEngine, HfTokenCounter], keys: Keys
+) -> None:
+    """Until its count is in, a chat admitted on its ceiling holds its tenant's blocks at
+    that ceiling (no prefix credited) and the plugin is told the ceiling's blocks per
+    sequence, with the output tokens they include; the plugin takes those at the prompt
+    it counts, so it judges the request as counting first would have reserved it. Once
+    the count is in, the tenant holds what counting first holds."""
+    harness, stub, counter = bounded
+    harness.apply(make_policy(tenant("acme")))
+    block = make_policy(tenant("acme")).block_size
+    gate = stub.tokenize_gate = threading.Event()
+    stub.hold = threading.Event()
+    thread, out = _send(harness, keys.hs("acme"), {"messages": CHAT})
+    wait_for(lambda: stub.active == 1, WAIT, "the request never reached the engine")
+    at_ceiling = harness.gateway.ledger.reserved_blocks("acme")
+    xargs = stub.received[-1]["vllm_xargs"]
+    gate.set()
+    wait_for(lambda: not harness.gateway.admitter.recounts, WAIT, "count never taken")
+    counted = harness.gateway.ledger.reserved_blocks("acme")
+    stub.release()
+    thread.join(30)
+    assert out and out[0].status_code == 200
+    assert harness.gateway.admitter.ceiling_admissions == 1
+    request = parse(Kind.CHAT, json.dumps({"messages": CHAT}).encode())
+    ceilings = PromptCounting().ceilings(counter, request)
+    assert ceilings is not None
+    output = xargs[RESERVED_OUTPUT_ARG]
+    assert 0 < output <= 4
+    assert xargs[RESERVED_BLOCKS_ARG] == math.ceil((ceilings[0] + output) / block)
+    assert at_ceiling > counted > 0
+
+    harness.wait_ledger_empty()
+    harness.gateway.prompts.cache.clear()
+    counter.renderer = None  # no chat ceiling: counted first
+    counted_first = _held(harness, stub, keys.hs("acme"), {"messages": CHAT})
+    assert counted_first == counted
+    exact = json.dumps(CHAT)  # the stub's count: one token per word of the messages
+    prompt = len(exact.split())
+    first = stub.received[-1]["vllm_xargs"]
+    assert first[RESERVED_BLOCKS_ARG] == math.ceil((prompt + output) / block)
+    identity = identity_from_extra_args(xargs)  # the ceiling's, judged by the plugin
+    assert not outgrew(identity, first[RESERVED_BLOCKS_ARG], prompt, block)
+    assert outgrew(identity, first[RESERVED_BLOCKS_ARG] + 1, prompt, block)

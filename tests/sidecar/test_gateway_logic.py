@@ -44,9 +44,10 @@ def test_forwarded_body_overwrites_priority_xargs_and_salt(
     salt_secret = (keys.dir / "cache-salt").read_bytes()
     assert sent["priority"] == 0
     # The client's "other" is gone; the sidecar's own: tenant, session, and the blocks
-    # reserved per sequence (3 prompt tokens + the tier default of 8: one block).
+    # reserved per sequence (3 prompt tokens + the tier default of 8: one block) and
+    # of which output tokens.
     assert sent["vllm_xargs"] == {"kvq_tenant": "acme", "kvq_session": "s-42",
-                                  "kvq_reserved_blocks": 1}
+                                  "kvq_reserved_blocks": 1, "kvq_reserved_output_tokens": 8}
     assert sent["cache_salt"] == cache_salt(salt_secret, "acme") != "client-chosen"
     assert sent["max_tokens"] == 64
     (sent_headers,) = stub.received_headers
@@ -68,7 +69,7 @@ def test_chat_clamps_through_max_completion_tokens_and_shared_isolation_drops_sa
     assert sent["max_completion_tokens"] == 32 and "max_tokens" not in sent
     assert "cache_salt" not in sent
     assert sent["vllm_xargs"] == {"kvq_tenant": "acme", "kvq_session": "u-7",
-                                  "kvq_reserved_blocks": 1}
+                                  "kvq_reserved_blocks": 1, "kvq_reserved_output_tokens": 8}
     assert response.json()["usage"]["completion_tokens"] == 32
 
 

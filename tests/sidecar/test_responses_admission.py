@@ -38,7 +38,8 @@ def test_the_tenant_owns_priority_attribution_cache_salt_and_the_ceiling(
     client.responses.create(model="stub-model", input="again")
     first, second = stub.forwarded["/v1/responses"]
     assert first["priority"] == 1  # the tenant's, not the client's -5
-    assert first["vllm_xargs"] == {"kvq_tenant": "acme", "kvq_reserved_blocks": 1}
+    assert first["vllm_xargs"] == {"kvq_tenant": "acme", "kvq_reserved_blocks": 1,
+                                   "kvq_reserved_output_tokens": 8}
     assert first.get("cache_salt") != "someone-elses"
     assert first["input"] == "hi" and "messages" not in first  # a Responses body
     assert (first["max_output_tokens"], second["max_output_tokens"]) == (64, 8)
