@@ -8,6 +8,7 @@ on it: a tenant is never let past its maxBlocks by a bound.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import threading
@@ -36,20 +37,16 @@ CHAT = [{"role": "system", "content": "You count KV blocks. " * 20},
                                      {"type": "text", "text": "[image: cat.png]"}]}]
 
 
-@pytest.fixture
-def bounded(keys: Keys, tiny_model: Path, tiny_tokenizer: Any,
-            tokenizer_pool: TokenizerPool, tmp_path: Path
-            ) -> Iterator[tuple[Harness, StubEngine, HfTokenCounter]]:
-    """A sidecar counting with the tiny model's tokenizer (its ceiling on), in front of a
-    stub engine whose streams wait for `stub.release()`."""
+def _harness(keys: Keys, tokenizer: Any, name: str, pool: TokenizerPool | None,
+             tmp_path: Path) -> Iterator[tuple[Harness, StubEngine, HfTokenCounter]]:
     stub = StubEngine(chunks=2, hold=threading.Event())
     stub_server = ServerThread(stub).start()
     counters: list[HfTokenCounter] = []
 
     def counter(gateway: Any) -> HfTokenCounter:
         counters.append(HfTokenCounter(
-            tiny_tokenizer, str(tiny_model), EngineTokenCounter(gateway.upstream, None),
-            tokenizer_pool, verify_chats=0))
+            tokenizer, name, EngineTokenCounter(gateway.upstream, None), pool,
+            verify_chats=0))
         return counters[0]
 
     harness = start_harness(tmp_path, GatewayConfig(
@@ -62,6 +59,32 @@ def bounded(keys: Keys, tiny_model: Path, tiny_tokenizer: Any,
     finally:
         for server in (harness.admin, harness.server, stub_server):
             server.stop()
+
+
+@pytest.fixture
+def bounded(keys: Keys, tiny_model: Path, tiny_tokenizer: Any,
+            tokenizer_pool: TokenizerPool, tmp_path: Path
+            ) -> Iterator[tuple[Harness, StubEngine, HfTokenCounter]]:
+    """A sidecar counting with the tiny model's tokenizer (its ceiling on), in front of a
+    stub engine whose streams wait for `stub.release()`."""
+    yield from _harness(keys, tiny_tokenizer, str(tiny_model), tokenizer_pool, tmp_path)
+
+
+@pytest.fixture
+def unbounded(keys: Keys, tiny_model: Path, tiny_tokenizer: Any, tmp_path: Path
+              ) -> Iterator[tuple[Harness, StubEngine, HfTokenCounter]]:
+    """The same with a SentencePiece-style tokenizer: the tiny vocabulary behind a
+    Metaspace pre-tokenizer ('\u2581' before each word: tokens no byte of the prompt pays
+    for), which has no ceiling (`prompt_bounds.token_ceiling`)."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    spec = json.loads(tiny_tokenizer.backend_tokenizer.to_str())
+    spec["pre_tokenizer"] = {"type": "Metaspace", "replacement": "\u2581",
+                             "prepend_scheme": "always", "split": True}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)))
+    tokenizer.chat_template = tiny_tokenizer.chat_template
+    yield from _harness(keys, tokenizer, "metaspace", None, tmp_path)
 
 
 def _send(harness: Harness, token: str, body: dict[str, Any]) -> tuple[threading.Thread,
@@ -191,3 +214,24 @@ def test_the_plugin_is_told_the_ceiling_and_judges_at_the_count(
     identity = identity_from_extra_args(xargs)  # the ceiling's, judged by the plugin
     assert not outgrew(identity, first[RESERVED_BLOCKS_ARG], prompt, block)
     assert outgrew(identity, first[RESERVED_BLOCKS_ARG] + 1, prompt, block)
+
+
+def test_a_tokenizer_without_a_ceiling_counts_before_admitting(
+    unbounded: tuple[Harness, StubEngine, HfTokenCounter], keys: Keys
+) -> None:
+    """No ceiling (SentencePiece's '\u2581'): every request is counted first, as before
+    ceilings, and decided on its count: a tenant whose maxBlocks the exact count just
+    fits is admitted, and holds no more."""
+    harness, stub, counter = unbounded
+    assert counter.ceiling is None and counter.renderer is not None
+    (ids,) = asyncio.run(counter.tokenize(parse(Kind.COMPLETION,
+                                                json.dumps({"prompt": PROMPT}).encode())))
+    exact = len(ids)
+    block = make_policy(tenant("acme")).block_size
+    needs = math.ceil((exact + 4) / block)
+    harness.apply(make_policy(tenant("acme", max_blocks=needs, max_queue_seconds=0)))
+    token = keys.hs("acme")
+    assert 0 < _held(harness, stub, token, {"prompt": PROMPT}) <= needs
+    assert 0 < _held(harness, stub, token, {"messages": CHAT[1:]}) <= needs
+    assert harness.gateway.admitter.ceiling_admissions == 0
+    assert counter.chats_sent == 1  # counted by the engine, before it was admitted
