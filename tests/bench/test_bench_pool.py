@@ -400,27 +400,31 @@ class _Recorder:
         return 0
 
 
-@pytest.mark.parametrize(("signals", "premium_max", "token"), [
-    ("kvquota", "40%", 0),
-    ("vllm", "40%", None),
+@pytest.mark.parametrize(("router", "signals", "premium_max", "token"), [
+    ("least-kv", "kvquota", "40%", 0),
+    ("least-kv", "vllm", "40%", None),
     # 120 blocks: the first turn (66, prompt + max_tokens) leaves 54, not another turn.
-    ("kvquota", "15%", None),
+    ("least-kv", "kvquota", "15%", None),
+    # Behind the shipped llm-d picker its session-affinity scorer writes the pod it
+    # picked on every response (v0.10.0 encoded_endpoint_header.go, unconditionally),
+    # over the token the sidecar cleared.
+    ("prefix-affinity", "kvquota", "15%", 0),
 ])
 def test_a_leased_sessions_next_turn_carries_the_engine_that_admitted_the_last(
-    signals: str, premium_max: str, token: int | None, tmp_path: Path,
+    router: str, signals: str, premium_max: str, token: int | None, tmp_path: Path,
 ) -> None:
     """The sidecar names its engine on a leased session's admitted responses while
     another turn of the session fits under its tenant's ceiling there, and clears the
     token once it does not (the load scorers then decide the next turn); the picker
     configuration that reads KVQuota's series scores it, vLLM's defaults do not (the
-    token goes unread)."""
+    token goes unread), and the shipped llm-d picker's scorer overwrites a cleared one."""
     from kvquota_lab.bench.cost import load_profile
     from kvquota_lab.bench.pool import PoolRun
     from kvquota_lab.bench.twin import POLICIES
 
     seen = SEEN.replace('maxBlocks: "15%"', f'maxBlocks: "{premium_max}"')
     scenario = parse_scenario(seen, source="seen")
-    run = PoolRun(scenario, POLICIES["kvquota"], PoolSpec(2, "least-kv", signals=signals),
+    run = PoolRun(scenario, POLICIES["kvquota"], PoolSpec(2, router, signals=signals),
                   load_profile(scenario.profile))
     assert run.policy.tenants["acme"].lease.seconds > 0
     recorder = _Recorder()

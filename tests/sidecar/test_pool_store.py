@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from pathlib import Path
 
 from engine_sidecar.gateway.pool_store import Limits, Outcome, PoolStore, connect
 from tests.support.redis_server import RedisServer
@@ -203,3 +204,37 @@ def test_within_its_pool_wide_guarantee_a_tenant_is_checked_against_what_it_hold
     assert b.charge("acme", 10, limits) is Outcome.POOL  # claims 60 + 40 = maxBlocks
     assert b.charge("acme", 10, limits) is Outcome.REFUSED
     assert a.held("acme")[0] + b.held("acme")[0] == limits.max_blocks
+
+
+def test_every_key_of_a_pool_lives_in_one_cluster_slot(tmp_path: Path) -> None:
+    # On a Redis Cluster a script may only touch keys of one slot, on the node that owns
+    # it. Every key the ledger writes (each sidecar's claims, the live set, the epoch,
+    # the refusal marks) carries its pool as hash tag: one slot per pool, whatever the
+    # sidecars' names, so each pool's scripts run whole on one node of a cluster.
+    server = RedisServer(tmp_path, cluster=True)
+    server.start()
+    try:
+        client = connect(server.address, None, timeout_s=0.5)
+        stores = [PoolStore(client, pool, name, ttl_s=TTL_S, margin_blocks=4)
+                  for pool in ("ns/pool", "other/pool") for name in ("engine-a", "pod-7")]
+        for store in stores:
+            assert store.refresh({"acme": LIMITS, "zeta": LIMITS})
+        time.sleep(TTL_S)  # the new store's grace
+        for store in stores:
+            assert store.refresh()
+        for store in stores:
+            outcomes = {store.charge("acme", 10, LIMITS) for _ in range(8)}
+            assert Outcome.REFUSED in outcomes  # a refusal mark was written too
+            store.release("acme", 10)
+            assert store.refresh()
+        keys = [k.decode() for k in client.scan_iter(count=1000)]
+        slots: dict[str, set[int]] = {}
+        for key in keys:
+            pool = key.split("{", 1)[1].split("}", 1)[0]
+            slots.setdefault(pool, set()).add(
+                int(client.execute_command("CLUSTER", "KEYSLOT", key)))
+        assert len(keys) >= 2 * 5  # live, epoch, a mark and two sidecars' claims per pool
+        assert all(len(s) == 1 for s in slots.values()), slots
+        assert slots["ns/pool"] != slots["other/pool"]  # a cluster spreads the pools
+    finally:
+        server.kill()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import subprocess
@@ -19,7 +20,8 @@ def _free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, workdir: Path, password: str | None = None) -> None:
+    def __init__(self, workdir: Path, password: str | None = None,
+                 cluster: bool = False) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             pytest.skip("redis-server not found: `apt-get install -y redis-server` "
@@ -30,6 +32,9 @@ class RedisServer:
         self.workdir = workdir
         self.proc: subprocess.Popen[bytes] | None = None
         self.password = password
+        # A one-node Redis Cluster owning every slot: a script that touches keys of two
+        # slots, or a command on keys of two slots, is refused as on a real cluster.
+        self.cluster = cluster
 
     @property
     def address(self) -> str:
@@ -39,16 +44,34 @@ class RedisServer:
         self.proc = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", str(self.workdir),
-             *(["--requirepass", self.password] if self.password else [])],
+             *(["--requirepass", self.password] if self.password else []),
+             *(["--cluster-enabled", "yes", "--cluster-config-file",
+                str(self.workdir / f"nodes-{self.port}.conf")] if self.cluster else [])],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
                 socket.create_connection(("127.0.0.1", self.port), 0.2).close()
-                return
+                break
             except OSError:
                 time.sleep(0.02)
-        raise RuntimeError("redis-server did not start within 10 s")
+        else:
+            raise RuntimeError("redis-server did not start within 10 s")
+        if self.cluster:
+            self._own_every_slot(deadline)
+
+    def _own_every_slot(self, deadline: float) -> None:
+        import redis
+
+        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password)
+        if b"cluster_state:ok" not in client.execute_command("CLUSTER", "INFO"):
+            with contextlib.suppress(redis.ResponseError):  # a restart keeps its slots
+                client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+        while time.monotonic() < deadline:
+            if b"cluster_state:ok" in client.execute_command("CLUSTER", "INFO"):
+                return
+            time.sleep(0.02)
+        raise RuntimeError("the one-node cluster did not come up within 10 s")
 
     def kill(self) -> None:
         if self.proc is not None:
