@@ -75,8 +75,8 @@ def _quota(i: int, guaranteed: int, pool: str = POOL) -> dict[str, Any]:
 
 def bench_render(tenants: int, repeats: int) -> list[float]:
     from engine_sidecar.contract.files import write_atomically
-    from kvquota.configmap import build_configmap
-    from kvquota.plan import plan_pool
+    from kvquota.policy.plan import plan_pool
+    from kvquota.reconcile.configmap import build_configmap
 
     pool = _pool(capacity=tenants * 20)
     quotas = [_quota(i, 10) for i in range(tenants)]
@@ -120,7 +120,7 @@ async def bench_operator_process(tenants: int, changes: int, rss_tenants: int,
     import aiohttp
 
     from engine_sidecar.contract.names import POLICY_FILE
-    from kvquota.configmap import HASH_ANNOTATION, configmap_name
+    from kvquota.reconcile.configmap import HASH_ANNOTATION, configmap_name
     from kvquota_lab.emulator import serve
     from kvquota_lab.emulator_process import OperatorProcess
 

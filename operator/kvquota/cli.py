@@ -27,7 +27,7 @@ COMMANDS = {
     "inject": ("kvquota.inject.cli", "operator"),
     "sidecar": ("engine_sidecar.cli", "sidecar"),
     "install-plugin": ("engine_sidecar.cli", "sidecar"),
-    "crds": ("kvquota.crdgen", ""),
+    "crds": ("kvquota.api.crd", ""),
     "demo": ("kvquota_lab.demo", "lab"),
     "bench": ("kvquota_lab.bench.cli", "lab"),
     "tiny-model": ("kvquota_lab.tinymodel", "lab"),

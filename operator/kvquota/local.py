@@ -42,10 +42,10 @@ import yaml
 from engine_sidecar.contract.files import write_atomically
 from engine_sidecar.contract.names import API_VERSION
 from kvquota.api import ConditionType
-from kvquota.conditions import find
 from kvquota.paths import user_cache
-from kvquota.plan import PoolPlan, plan_pool
-from kvquota.status import WARNING_REASONS, pool_status, tenant_status
+from kvquota.policy.conditions import find
+from kvquota.policy.plan import PoolPlan, plan_pool
+from kvquota.reconcile.status import WARNING_REASONS, pool_status, tenant_status
 
 POLICIES, STATUSES = "policies", "status"  # subdirectories of the output directory
 Key = tuple[str, str, str]  # (kind, namespace, name)
@@ -128,7 +128,7 @@ def load(inputs: Snapshot, report: Report) -> list[Document]:
     """Every kvquota.dev object of the snapshot in file order. Objects of other APIs are
     skipped; one meant for ours with a kind or version our CRDs do not serve (a typo
     such as `TenantQuotas`, `kvquota.io/...`) is an error, as `kubectl apply` says."""
-    from kvquota.validation import is_ours, kind_error
+    from kvquota.api.validation import is_ours, kind_error
 
     for path, why in inputs.unreadable:
         report.errors.append(f"{path}: cannot read YAML: {why}")
@@ -158,7 +158,7 @@ def _validated(
 ) -> dict[Key, dict[str, Any]]:
     """Objects the API server would hold: invalid ones are refused (an invalid update
     of an object seen before keeps the old object, as in a cluster)."""
-    from kvquota.validation import describe, validate_object
+    from kvquota.api.validation import describe, validate_object
 
     accepted: dict[Key, dict[str, Any]] = {}
     for doc in documents:

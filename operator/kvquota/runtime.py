@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvquota.kube import Timeouts
+from kvquota.reconcile.kube import Timeouts
 
 if TYPE_CHECKING:
     from kvquota.inject.webhook import WebhookConfig

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import yaml
 
+from kvquota.api.crd import KINDS, build_crd, crd_path, write_or_check
 from kvquota.cli import main
-from kvquota.crdgen import KINDS, build_crd, crd_path, write_or_check
 
 CRDS = Path(__file__).resolve().parents[2] / "crds"
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvquota.validation import validate_object
+from kvquota.api.validation import validate_object
 
 SAMPLES = Path(__file__).resolve().parents[2] / "manifests" / "samples"
 

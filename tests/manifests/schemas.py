@@ -9,7 +9,7 @@ from typing import Any
 
 import kubernetes_validate
 
-from kvquota.validation import validate_object
+from kvquota.api.validation import validate_object
 
 # The oldest Kubernetes we support; kubernetes-validate ships its schemas.
 KUBERNETES_VERSION = "1.30"

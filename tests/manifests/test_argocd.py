@@ -12,10 +12,10 @@ import yaml
 from lupa import lua51
 
 from engine_sidecar.contract.policy import Tier
-from kvquota.plan import plan_pool
-from kvquota.status import EngineView, pool_status, tenant_status
-from kvquota.sync import PolicyHistory
-from kvquota.usage import Disruptions
+from kvquota.policy.plan import plan_pool
+from kvquota.reconcile.status import EngineView, pool_status, tenant_status
+from kvquota.reconcile.sync import PolicyHistory
+from kvquota.reconcile.usage import Disruptions
 
 from .conftest import MANIFESTS, REPO, build, one
 

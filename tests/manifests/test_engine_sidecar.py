@@ -130,7 +130,7 @@ def test_clients_reach_the_client_port_and_probes_the_admin_port() -> None:
 
 
 def test_the_admin_port_is_the_one_the_operator_polls_bound_to_the_pod_ip() -> None:
-    from kvquota.engines import status_url
+    from kvquota.reconcile.engines import status_url
 
     pod = _pod(build(EXAMPLE))
     sidecar = _container(pod, "kvquota-sidecar")

@@ -16,7 +16,7 @@ import aiohttp.web
 from engine_sidecar.contract.names import POLICY_FILE, STATUS_ROUTE
 from engine_sidecar.contract.policy import EnginePolicy
 from engine_sidecar.contract.stats import SidecarStatus
-from kvquota.configmap import configmap_name
+from kvquota.reconcile.configmap import configmap_name
 from kvquota_lab.emulator import ApiServer
 
 T = TypeVar("T")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvquota.capacity import (
+from kvquota.split.capacity import (
     admit_oldest_first,
     engine_capacity,
     guaranteeable_blocks,

@@ -6,8 +6,8 @@ from datetime import UTC, datetime
 
 from operator_objects import pool, quota
 
-from kvquota.plan import plan_pool
-from kvquota.status import event_worthy, tenant_status
+from kvquota.policy.plan import plan_pool
+from kvquota.reconcile.status import event_worthy, tenant_status
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 

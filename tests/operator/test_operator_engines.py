@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvquota.api import LabelSelector
-from kvquota.engines import (
+from kvquota.reconcile.engines import (
     gateway_selector,
     is_ready,
     selector_matches,

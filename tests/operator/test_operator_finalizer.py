@@ -9,7 +9,7 @@ from typing import Any
 from operator_harness import Cluster
 from operator_objects import condition, pool, quota
 
-from kvquota.configmap import configmap_name
+from kvquota.reconcile.configmap import configmap_name
 from kvquota.settings import FINALIZER
 from kvquota_lab.emulator import OperatorRunner
 

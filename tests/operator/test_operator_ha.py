@@ -23,7 +23,7 @@ from operator_objects import pool, quota
 from test_operator_metrics import samples, value
 
 from engine_sidecar.contract.names import POLICY_FILE
-from kvquota.configmap import configmap_name
+from kvquota.reconcile.configmap import configmap_name
 from kvquota_lab.emulator_process import OperatorProcess
 
 PEERING = "kvquota"  # kvquota.settings.PEERING_NAME

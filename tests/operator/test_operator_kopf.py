@@ -11,7 +11,7 @@ from operator_objects import condition, pool, quota
 
 from engine_sidecar.contract.names import POLICY_FILE
 from engine_sidecar.contract.policy import EnginePolicy
-from kvquota.configmap import HASH_ANNOTATION, configmap_name
+from kvquota.reconcile.configmap import HASH_ANNOTATION, configmap_name
 from kvquota.runtime import OperatorConfig
 from kvquota_lab.emulator import OperatorRunner
 

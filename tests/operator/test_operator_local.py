@@ -21,9 +21,9 @@ from operator_objects import quota
 
 from engine_sidecar.contract.policy import EnginePolicy
 from kvquota import local
+from kvquota.api.validation import describe, validate_object
 from kvquota.cli import main as kvquota_main
 from kvquota.local import default_output, render, run_local, scan
-from kvquota.validation import describe, validate_object
 
 SAMPLES = Path(__file__).resolve().parents[2] / "manifests" / "samples"
 POLICY = Path("policies/default.demo-pool.json")

@@ -8,7 +8,7 @@ from typing import Any
 import yaml
 from operator_objects import pool, quota
 
-from kvquota.plan import PoolPlan, plan_pool
+from kvquota.policy.plan import PoolPlan, plan_pool
 
 SAMPLES = Path(__file__).resolve().parents[2] / "manifests" / "samples"
 
@@ -114,7 +114,7 @@ def test_a_memo_kept_across_edits_plans_exactly_what_a_fresh_plan_does() -> None
     """The operator keeps a PlanMemo per pool; replanning after each edit (guarantee up
     or down, a spec made invalid, a duplicate tenant id, a deletion, a pool change,
     a new replica count) must decide every quota as planning from scratch does."""
-    from kvquota.plan import PlanMemo
+    from kvquota.policy.plan import PlanMemo
 
     ts = "2026-01-01T00:00:0{}Z"
     bodies = {n: quota(n, guaranteed=300, maximum=600, created=ts.format(i))

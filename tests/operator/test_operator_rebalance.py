@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine_sidecar.contract.stats import SidecarStatus
-from kvquota.rebalance import (
+from kvquota.split.rebalance import (
     EngineDemand,
     EngineSplit,
     RebalanceSettings,

@@ -7,11 +7,12 @@ from typing import Any, cast
 from operator_objects import pool, quota
 
 from kvquota.api import LabelSelector
-from kvquota.engines import EnginePoller
-from kvquota.kube import KubeApi
-from kvquota.reconciler import POOLS, TENANTS, Coalescer, PoolKey, PoolReconciler
+from kvquota.reconcile.engines import EnginePoller
+from kvquota.reconcile.kube import KubeApi
+from kvquota.reconcile.reconciler import POOLS, TENANTS, Coalescer, PoolKey, PoolReconciler
+from kvquota.reconcile.status_writer import StatusWriter
+from kvquota.reconcile.usage import EngineObservation
 from kvquota.runtime import OperatorConfig
-from kvquota.usage import EngineObservation
 
 KEY: PoolKey = ("default", "demo-pool")
 
@@ -49,6 +50,10 @@ def _holding(reconciler: PoolReconciler, key: PoolKey) -> list[str]:
     as a pool key or as the pool object's."""
     found = []
     for name, value in vars(reconciler).items():
+        if isinstance(value, StatusWriter):
+            if value.holds((POOLS, *key)):
+                found.append(name)
+            continue
         if isinstance(value, Coalescer):
             value = value._slots
         if isinstance(value, dict | set) and (key in value or (POOLS, *key) in value):

@@ -12,8 +12,8 @@ from pydantic import ValidationError
 from engine_sidecar.contract.names import POLICY_FILE
 from engine_sidecar.contract.policy import EnginePolicy, ReservationMode, TenantPolicy, Tier
 from kvquota.api import InferencePoolSpec
-from kvquota.configmap import HASH_ANNOTATION, build_configmap, configmap_name
-from kvquota.render import render_policy
+from kvquota.policy.render import render_policy
+from kvquota.reconcile.configmap import HASH_ANNOTATION, build_configmap, configmap_name
 
 
 def _tenant(tenant_id: str, guaranteed: int = 10) -> TenantPolicy:
@@ -85,7 +85,7 @@ def test_a_policy_joined_from_tenant_pieces_is_the_policy_serialised_whole() -> 
     """The operator keeps each tenant's JSON between plans and joins the pieces; the
     version must be the one engines recompute (they refuse a mismatch), and the
     ConfigMap text what the whole policy's to_json() writes."""
-    from kvquota.render import compose_policy, render_tenant
+    from kvquota.policy.render import compose_policy, render_tenant
 
     spec = _spec(auth={"anonymous": {"allowed": True, "tenantId": "guest"}})
     tenants = [_tenant(f"t-{i}.x_{i % 3}", guaranteed=i) for i in (12, 3, 7)]

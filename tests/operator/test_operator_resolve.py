@@ -8,7 +8,7 @@ from operator_objects import pool, quota
 
 from engine_sidecar.contract.policy import Isolation, Tier
 from kvquota.api import InferencePoolSpec, TenantQuotaSpec
-from kvquota.resolve import effective_settings, tenant_policy, tier_settings
+from kvquota.policy.resolve import effective_settings, tenant_policy, tier_settings
 
 
 def _pool_spec(**spec: Any) -> InferencePoolSpec:

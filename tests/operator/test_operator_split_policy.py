@@ -11,9 +11,9 @@ from operator_objects import pool
 from engine_sidecar.contract.policy import EnginePolicy, EngineShare, TenantPolicy, Tier
 from engine_sidecar.contract.stats import SidecarStatus, TenantCounters, TenantStatus, TenantUsage
 from kvquota.api import InferencePoolSpec
-from kvquota.demand_split import PoolSplit, SplitInputs, engine_overrides
-from kvquota.rebalance import EngineSplit, TenantTotals
-from kvquota.render import compose_policy, render_tenant
+from kvquota.policy.render import compose_policy, render_tenant
+from kvquota.split.demand import PoolSplit, SplitInputs, engine_overrides
+from kvquota.split.rebalance import EngineSplit, TenantTotals
 
 SPEC = InferencePoolSpec.model_validate(pool()["spec"])
 

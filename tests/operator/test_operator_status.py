@@ -18,9 +18,9 @@ from kvquota.api import (
     Counters,
     Usage,
 )
-from kvquota.conditions import Want, merge_conditions
-from kvquota.plan import PoolPlan, plan_pool
-from kvquota.status import (
+from kvquota.policy.conditions import Want, merge_conditions
+from kvquota.policy.plan import PoolPlan, plan_pool
+from kvquota.reconcile.status import (
     TENANT_FIELDS,
     EngineView,
     event_worthy,
@@ -28,8 +28,8 @@ from kvquota.status import (
     status_patch,
     tenant_status,
 )
-from kvquota.sync import PolicyHistory
-from kvquota.usage import Disruptions, aggregate
+from kvquota.reconcile.sync import PolicyHistory
+from kvquota.reconcile.usage import Disruptions, aggregate
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 

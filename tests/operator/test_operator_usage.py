@@ -8,7 +8,7 @@ from engine_sidecar.contract.stats import (
     TenantStatus,
     TenantUsage,
 )
-from kvquota.usage import DisruptionWindow, aggregate
+from kvquota.reconcile.usage import DisruptionWindow, aggregate
 
 
 def _report(lease_breaks: int = 0, preemptions: int = 0, blocks: int = 0) -> SidecarStatus:

@@ -53,7 +53,7 @@ def register(subparsers: Any) -> None:
                                  "session-affinity"), help="pool: the router model")
     parser.add_argument("--split", default="even",
                         help="pool: how quotas are split over engines, comma-separated: "
-                        "even (the operator's default), demand (kvquota.rebalance)")
+                        "even (the operator's default), demand (kvquota.split.rebalance)")
     parser.add_argument("--picker-signals", default="kvquota",
                         help="pool: what the router reads of each engine, comma-separated: "
                         "kvquota (the default: KVQuota's per-tier series; under "

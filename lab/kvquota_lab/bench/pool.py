@@ -11,7 +11,7 @@ capacity), so a tenant's pool-wide guarantee is `replicas x` its per-engine one,
 the load scales with the pool (`scale_load`: arrival rates and burst sizes x N, done
 by the caller, so the report counts the sessions that ran). With
 `split="even"` every engine keeps the even share (where the operator starts); with
-`split="demand"` the operator's own poll round (`kvquota.demand_split.PoolSplit`) runs
+`split="demand"` the operator's own poll round (`kvquota.split.demand.PoolSplit`) runs
 every `rebalance_interval` virtual seconds (the operator's poll interval) on each
 engine's sidecar status (`build_status`, the sidecar's code), and the policy it renders
 (the even entries plus `engine_overrides`) reaches every engine the way a ConfigMap
@@ -52,9 +52,9 @@ from engine_sidecar.gateway.auth import Authenticator
 from engine_sidecar.gateway.picker_signals import KV_USAGE, TIER_LABEL, WAITING, tier_signals
 from engine_sidecar.gateway.pool_admission import PoolAdmission
 from engine_sidecar.gateway.status import DecisionCounters, build_status
-from kvquota.demand_split import PoolSplit, SplitInputs, engine_overrides
-from kvquota.rebalance import TenantTotals
 from kvquota.runtime import OperatorConfig
+from kvquota.split.demand import PoolSplit, SplitInputs, engine_overrides
+from kvquota.split.rebalance import TenantTotals
 from kvquota_lab.bench.metrics import Outcome, RunResult, Timeline
 from kvquota_lab.bench.picker_config import PickerConfig, load_picker_config
 from kvquota_lab.bench.pool_ledger import TwinLedger, TwinPoolStore

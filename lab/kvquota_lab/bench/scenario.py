@@ -426,8 +426,8 @@ class Scenario(_Model):
 
     def engine_policy(self) -> EnginePolicy:
         """The EnginePolicy the operator would render for these tenants on one engine."""
-        from kvquota.render import render_policy
-        from kvquota.resolve import effective_settings, tenant_policy
+        from kvquota.policy.render import render_policy
+        from kvquota.policy.resolve import effective_settings, tenant_policy
 
         pool = InferencePoolSpec(
             gateway_pool_ref=LocalObjectRef(name="bench"),

@@ -11,15 +11,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from engine_sidecar.contract.names import GROUP, VERSION
-from kvquota.quota_changes import QuotaChanges
+from kvquota.reconcile.quota_changes import QuotaChanges
 from kvquota.runtime import OperatorConfig
 
 if TYPE_CHECKING:
     import httpx
 
-    from kvquota.kube import KubeApi
     from kvquota.metrics import MetricsServer
-    from kvquota.reconciler import PoolReconciler
+    from kvquota.reconcile.kube import KubeApi
+    from kvquota.reconcile.reconciler import PoolReconciler
 
 BACKOFF = 5.0  # seconds before kopf retries a failed handler
 KEPT_METADATA = ("name", "namespace", "uid", "generation", "resourceVersion",
@@ -82,10 +82,10 @@ class Runtime:
 def build_runtime(config: OperatorConfig) -> Runtime:
     import httpx
 
-    from kvquota.engines import EnginePoller
-    from kvquota.kube import KubeApi, api_client
     from kvquota.metrics import MetricsServer
-    from kvquota.reconciler import PoolReconciler
+    from kvquota.reconcile.engines import EnginePoller
+    from kvquota.reconcile.kube import KubeApi, api_client
+    from kvquota.reconcile.reconciler import PoolReconciler
 
     kube = KubeApi(api_client(config.api_server), config.timeouts)
     # Pod IPs are cluster-internal: no proxies from the environment, no cookies.

@@ -31,7 +31,7 @@ from kvquota.handlers.common import (
     snapshot,
 )
 from kvquota.metrics import timed_reconcile
-from kvquota.reconciler import POOLS, PoolKey
+from kvquota.reconcile.reconciler import POOLS, PoolKey
 
 KIND = "InferencePool"
 TICK_SECONDS = 0.5  # daemon resolution; the poll interval itself is OperatorConfig's

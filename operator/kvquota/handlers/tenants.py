@@ -5,9 +5,9 @@ the handled spec in an annotation after every change, a PATCH and one more watch
 event per edit, and compute a diff on every event. Kopf's bookkeeping was most of
 the operator's CPU per edit at 1,000 quotas, and after a burst of creates the watch
 fell seconds behind. The event handler sees every event, our own status writes
-included; `kvquota.quota_changes` lets through the ones that change a policy: a new spec, a
-deletion, the first sight of a quota (a restart re-reconciles everything, as resume
-handlers did).
+included; `kvquota.reconcile.quota_changes` lets through the ones that change a
+policy: a new spec, a deletion, the first sight of a quota (a restart re-reconciles
+everything, as resume handlers did).
 
 No finalizer: a quota has nothing to clean up but its entry in the pool's policy,
 which the DELETED event re-renders away (level-triggered), so deleting a quota never
@@ -27,8 +27,8 @@ import kopf
 
 from kvquota.handlers.common import GROUP, VERSION, retrying, runtime_of, snapshot
 from kvquota.metrics import timed_reconcile
-from kvquota.quota_changes import QuotaChanges, pool_name
-from kvquota.reconciler import TENANTS, PoolKey
+from kvquota.reconcile.quota_changes import QuotaChanges, pool_name
+from kvquota.reconcile.reconciler import TENANTS, PoolKey
 
 KIND = "TenantQuota"
 

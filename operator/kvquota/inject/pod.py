@@ -56,7 +56,7 @@ from kvquota.inject.vllm_argv import (
 ENGINE_LABEL = f"{GROUP}/engine"
 INJECTED_ANNOTATION = f"{GROUP}/injected"
 REPLACED_ANNOTATION = f"{GROUP}/replaced"
-STATUS_PORT_ANNOTATION = f"{GROUP}/status-port"  # what kvquota.engines polls
+STATUS_PORT_ANNOTATION = f"{GROUP}/status-port"  # what kvquota.reconcile.engines polls
 OPT_OUT_LABEL = f"{GROUP}/injection"  # "disabled": left alone (as the webhook's selectors)
 SIDECAR = "kvquota-sidecar"
 INIT = "kvquota-install-plugin"

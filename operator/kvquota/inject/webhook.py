@@ -157,7 +157,7 @@ def ca_publisher(api_server: str | None, configuration: str = CONFIGURATION) -> 
     async def publish(bundle: bytes) -> None:
         import kubernetes.client
 
-        from kvquota.kube import api_client
+        from kvquota.reconcile.kube import api_client
 
         api = kubernetes.client.AdmissionregistrationV1Api(api_client(api_server))
         timeout = (5.0, 30.0)

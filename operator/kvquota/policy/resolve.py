@@ -23,7 +23,7 @@ from kvquota.api import (
     TenantQuotaSpec,
     TierDefaults,
 )
-from kvquota.capacity import split_ceiling, split_quota
+from kvquota.split.capacity import split_ceiling, split_quota
 
 
 def tier_settings(pool: InferencePoolSpec, tier: Tier) -> TierDefaults:

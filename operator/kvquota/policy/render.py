@@ -1,7 +1,7 @@
 """A pool's EnginePolicy, assembled from its spec and per-tenant pieces serialised once.
 
 Pure: the operator puts what `compose_policy` returns in the pool's ConfigMap
-(`kvquota.configmap`), local mode writes its JSON to a file, and tests assert on both.
+(`kvquota.reconcile.configmap`), local mode writes its JSON to a file, and tests assert on both.
 
 Hashing and serialising a policy of 1,000 tenants whole costs tens of milliseconds,
 and an edit changes one tenant. Each tenant's entry is serialised once, when it

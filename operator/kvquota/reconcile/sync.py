@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 
 from engine_sidecar.contract.policy import EnginePolicy
-from kvquota.render import tenant_digest
+from kvquota.policy.render import tenant_digest
 
 
 class PolicyHistory:

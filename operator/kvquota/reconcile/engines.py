@@ -19,12 +19,12 @@ from pydantic import ValidationError
 from engine_sidecar.contract.names import ADMIN_PORT, ADMIN_PORT_NAME, GROUP, STATUS_ROUTE
 from engine_sidecar.contract.stats import SidecarStatus
 from kvquota.api import LabelSelector
-from kvquota.usage import EngineObservation
+from kvquota.reconcile.usage import EngineObservation
 
 if TYPE_CHECKING:
     import httpx
 
-    from kvquota.kube import KubeApi
+    from kvquota.reconcile.kube import KubeApi
 
 PORT_ANNOTATION = f"{GROUP}/status-port"
 SIDECAR_CONTAINER = "kvquota-sidecar"

@@ -16,7 +16,7 @@ from typing import Any
 import celpy
 
 from engine_sidecar.contract.names import API_VERSION, GROUP, VERSION
-from kvquota.crdgen import KINDS, load_crd_schema
+from kvquota.api.crd import KINDS, load_crd_schema
 
 _TYPES: dict[str, tuple[type, ...]] = {
     "object": (dict,),

@@ -27,17 +27,17 @@ from kvquota.api import (
     QuotaSplit,
     TenantQuotaSpec,
 )
-from kvquota.capacity import (
+from kvquota.policy.conditions import Want
+from kvquota.policy.render import RenderedPolicy, RenderedTenant, compose_policy, render_tenant
+from kvquota.policy.resolve import effective_settings, tenant_policy
+from kvquota.split.capacity import (
     Admission,
     admit_oldest_first,
     engine_capacity,
     guaranteeable_blocks,
 )
-from kvquota.conditions import Want
-from kvquota.demand_split import SplitInputs, Splits, engine_overrides
-from kvquota.rebalance import TenantTotals
-from kvquota.render import RenderedPolicy, RenderedTenant, compose_policy, render_tenant
-from kvquota.resolve import effective_settings, tenant_policy
+from kvquota.split.demand import SplitInputs, Splits, engine_overrides
+from kvquota.split.rebalance import TenantTotals
 
 ObjKey = tuple[str, str]  # (namespace, name)
 _T = TypeVar("_T")

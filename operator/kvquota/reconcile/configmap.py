@@ -1,7 +1,7 @@
 """The ConfigMap that carries a pool's policy to its engines.
 
 Pure: the operator writes what `build_configmap` returns, tests assert on it without
-an API server. The policy itself is assembled in `kvquota.render`.
+an API server. The policy itself is assembled in `kvquota.policy.render`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from engine_sidecar.contract.names import (
     POOL_LABEL,
 )
 from engine_sidecar.contract.policy import EnginePolicy
-from kvquota.render import RenderedPolicy
+from kvquota.policy.render import RenderedPolicy
 
 HASH_ANNOTATION = f"{GROUP}/policy-hash"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kvquota", "app.kubernetes.io/component": "policy"}

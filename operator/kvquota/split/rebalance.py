@@ -50,7 +50,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from engine_sidecar.contract.stats import SidecarStatus
-from kvquota.capacity import split_quota
+from kvquota.split.capacity import split_quota
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from engine_sidecar.contract.policy import EnginePolicy, EngineShare, TenantPolicy
 from engine_sidecar.contract.stats import SidecarStatus
-from kvquota.rebalance import (
+from kvquota.split.rebalance import (
     EngineDemand,
     EngineSplit,
     RebalanceSettings,

@@ -22,36 +22,32 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from engine_sidecar.contract.names import POLICY_FILE
-from engine_sidecar.contract.policy import EnginePolicy
 from kvquota import metrics
 from kvquota.api import ConditionReason, ConditionType, InferencePoolSpec, LabelSelector
-from kvquota.conditions import Want
-from kvquota.configmap import HASH_ANNOTATION, build_configmap, configmap_name
-from kvquota.demand_split import PoolSplit, moved_tenants_split
-from kvquota.engines import gateway_selector
-from kvquota.plan import ObjKey, PlanMemo, PoolPlan, TenantPlan, plan_pool
-from kvquota.render import RenderedPolicy
-from kvquota.status import (
+from kvquota.policy.conditions import Want
+from kvquota.policy.plan import ObjKey, PlanMemo, PoolPlan, TenantPlan, plan_pool
+from kvquota.reconcile.engines import gateway_selector
+from kvquota.reconcile.publish import publish_policy
+from kvquota.reconcile.status import (
     POOL_FIELDS,
     TENANT_FIELDS,
     EngineView,
     engine_split,
-    event_worthy,
     pool_status,
-    status_patch,
     tenant_status,
 )
-from kvquota.sync import PolicyHistory
-from kvquota.usage import Disruptions, DisruptionWindow, EngineObservation, aggregate
+from kvquota.reconcile.status_writer import PendingStatus, StatusWriter
+from kvquota.reconcile.sync import PolicyHistory
+from kvquota.reconcile.usage import Disruptions, DisruptionWindow, EngineObservation, aggregate
+from kvquota.split.demand import PoolSplit, moved_tenants_split
 
 if TYPE_CHECKING:
-    from kvquota.engines import EnginePoller
-    from kvquota.kube import KubeApi
+    from kvquota.reconcile.engines import EnginePoller
+    from kvquota.reconcile.kube import KubeApi
     from kvquota.runtime import OperatorConfig
 
 logger = logging.getLogger(__name__)
@@ -121,19 +117,6 @@ class _PoolState:
     verify: bool = False
 
 
-@dataclass(frozen=True)
-class _Pending:
-    """A status patch to send: `new` built from `old`, as of `version`."""
-
-    ident: tuple[str, str, str]  # (plural, namespace, name)
-    kind: str
-    body: Mapping[str, Any]
-    version: str | None
-    old: Mapping[str, Any]
-    new: dict[str, Any]
-    patch: dict[str, Any]
-
-
 def _tenant_inputs(
     tenant: TenantPlan, plan: PoolPlan, engines: EngineView | None,
     history: PolicyHistory | None, disruptions: Disruptions | None, generation: Any,
@@ -151,17 +134,6 @@ def _tenant_inputs(
             disruptions, generation)
 
 
-def _post_event(body: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
-    """A Kubernetes Event through kopf's poster (outside kopf, e.g. in unit use: no-op)."""
-    import kopf
-
-    try:
-        target = kopf.Body(cast("kopf.RawBody", dict(body)))
-        kopf.event(target, type=type_, reason=reason, message=message[:1024])
-    except LookupError:
-        logger.debug("no kopf context to post %s/%s", type_, reason)
-
-
 def _meta(body: Mapping[str, Any]) -> Mapping[str, Any]:
     meta: Mapping[str, Any] = body.get("metadata") or {}
     return meta
@@ -173,6 +145,9 @@ def _key(body: Mapping[str, Any]) -> ObjKey:
 
 
 class PoolReconciler:
+    """Reconciles pools from kopf's indices (`bind`): `reconcile` after a change,
+    `poll` for the engines' reports; `forget` drops a deleted object's state."""
+
     def __init__(self, kube: KubeApi, poller: EnginePoller, config: OperatorConfig) -> None:
         self._kube = kube
         self._poller = poller
@@ -182,11 +157,7 @@ class PoolReconciler:
         self._pools: Mapping[PoolKey, Iterable[Mapping[str, Any]]] = {}
         self._tenants: Mapping[PoolKey, Iterable[Mapping[str, Any]]] = {}
         self._states: dict[PoolKey, _PoolState] = {}
-        # What we last wrote per object, until the watch shows it (keyed by resourceVersion).
-        self._written: dict[tuple[str, str, str], tuple[str | None, dict[str, Any]]] = {}
-        # Per status: the inputs and old status it was last built from. The same again
-        # builds the same status, so it is skipped (an edit rebuilds one, not 1,000).
-        self._built: dict[tuple[str, str, str], tuple[Any, ...]] = {}
+        self._statuses = StatusWriter(kube)
         self.reconciles = 0
 
     def bind(
@@ -234,8 +205,7 @@ class PoolReconciler:
         await self.reconcile(key, since)
 
     def forget(self, plural: str, namespace: str, name: str) -> None:
-        self._written.pop((plural, namespace, name), None)
-        self._built.pop((plural, namespace, name), None)
+        self._statuses.forget((plural, namespace, name))
         if plural == POOLS:
             self._states.pop((namespace, name), None)
             metrics.forget_pool(namespace, name)
@@ -319,7 +289,9 @@ class PoolReconciler:
             state.history.record(plan.rendered.policy, plan.digests)
             verify, state.verify = state.verify, False
             try:
-                await self._write_configmap(pool, plan.rendered, state, verify=verify)
+                state.configmap = await publish_policy(
+                    self._kube, pool, plan.rendered, known=state.configmap,
+                    history=state.history, verify=verify)
             except BaseException:
                 state.configmap = None  # unsure what was written: verify next time
                 raise
@@ -361,76 +333,12 @@ class PoolReconciler:
         pool = self._pool(key)
         if pool is not None:
             now = datetime.now(UTC)
-            await self._write_status(
+            await self._statuses.write(
                 POOLS, "InferencePool", pool, POOL_FIELDS,
                 functools.partial(pool_status, plan, engines=engines,
                                   generation=planned.pool_generation, now=now),
             )
         await self._write_tenants(tenants, planned, state)
-
-    async def _write_configmap(
-        self, pool: Mapping[str, Any], rendered: RenderedPolicy, state: _PoolState,
-        *, verify: bool,
-    ) -> None:
-        """Write the policy when its hash differs from what the ConfigMap holds. The hot
-        path trusts what we last wrote (no read of a large object per quota edit);
-        `verify` (engine polls) and the first sight of a pool read the ConfigMap."""
-        meta = _meta(pool)
-        namespace, name = str(meta.get("namespace")), str(meta.get("name"))
-        cm_name = configmap_name(name)
-        policy = rendered.policy
-        known = state.configmap
-        if known == policy.version and not verify:
-            return
-        desired = build_configmap(namespace, name, meta.get("uid"), rendered)
-        patch = {
-            "metadata": {k: desired["metadata"][k] for k in
-                         ("labels", "annotations", "ownerReferences")
-                         if k in desired["metadata"]},
-            "data": desired["data"],
-        }
-        if verify or known is None:
-            current = await self._kube.get_configmap(namespace, cm_name)
-            if current is None:
-                await self._kube.create_configmap(desired)
-            else:
-                self._remember_running(state.history, current)
-                if self._holds(current, desired):
-                    state.configmap = policy.version
-                    return
-                await self._kube.patch_configmap(namespace, cm_name, patch)
-        elif not await self._kube.patch_configmap(namespace, cm_name, patch):
-            await self._kube.create_configmap(desired)  # deleted since we last wrote it
-        state.configmap = policy.version
-        metrics.POLICY_WRITES.inc()
-        logger.info("pool %s/%s: policy %s written to ConfigMap %s (%d tenants)",
-                    namespace, name, policy.version, cm_name, len(policy.tenants))
-        _post_event(pool, "Normal", "PolicyUpdated",
-                    f"policy {policy.version} ({len(policy.tenants)} tenants, split over "
-                    f"{policy.replicas} replicas) written to ConfigMap {cm_name}")
-
-    @staticmethod
-    def _holds(current: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
-        """The ConfigMap already carries exactly the desired policy and owner."""
-        meta = current.get("metadata") or {}
-        return bool(
-            (meta.get("annotations") or {}).get(HASH_ANNOTATION)
-            == desired["metadata"]["annotations"][HASH_ANNOTATION]
-            and (current.get("data") or {}).get(POLICY_FILE) == desired["data"][POLICY_FILE]
-            and meta.get("ownerReferences") == desired["metadata"].get("ownerReferences")
-        )
-
-    @staticmethod
-    def _remember_running(history: PolicyHistory, current: Mapping[str, Any]) -> None:
-        """After a restart, engines still run the ConfigMap's previous policy: learn
-        which tenant settings it carries, so unchanged tenants stay Ready."""
-        version = ((current.get("metadata") or {}).get("annotations") or {}).get(HASH_ANNOTATION)
-        if not version or history.carries_version(version):
-            return
-        try:
-            history.record(EnginePolicy.from_json((current.get("data") or {}).get(POLICY_FILE, "")))
-        except ValueError:
-            logger.warning("ConfigMap of pool %s holds an unreadable policy", version)
 
     async def _write_tenants(
         self, tenants: list[Mapping[str, Any]], planned: _Planned, state: _PoolState,
@@ -438,7 +346,7 @@ class PoolReconciler:
         plan, engines = planned.plan, planned.engines
         history, window = state.history, state.window
         now, clock = datetime.now(UTC), self._config.clock()
-        pending: list[_Pending] = []
+        pending: list[PendingStatus] = []
         for body in tenants:
             tenant = (plan.tenants or {}).get(_key(body))
             if tenant is None:
@@ -446,7 +354,7 @@ class PoolReconciler:
             disruptions = (window.disruptions(tenant.tenant_id, clock)
                            if window is not None and tenant.tenant_id else None)
             generation = planned.generations.get(tenant.key)
-            write = self._prepare(
+            write = self._statuses.prepare(
                 TENANTS, "TenantQuota", body, TENANT_FIELDS,
                 functools.partial(
                     tenant_status, tenant, plan, engines=engines if plan.exists else None,
@@ -457,60 +365,4 @@ class PoolReconciler:
             if write is not None:
                 pending.append(write)
         # Only the statuses that change become tasks (an edit: one, not 1,000).
-        limit = asyncio.Semaphore(self._config.status_concurrency)
-
-        async def send(write: _Pending) -> None:
-            async with limit:
-                await self._send(write)
-
-        await asyncio.gather(*(send(write) for write in pending))
-
-    async def _write_status(
-        self, plural: str, kind: str, body: Mapping[str, Any], owned: tuple[str, ...],
-        build: Callable[..., dict[str, Any]],
-    ) -> None:
-        write = self._prepare(plural, kind, body, owned, build)
-        if write is not None:
-            await self._send(write)
-
-    def _prepare(
-        self, plural: str, kind: str, body: Mapping[str, Any], owned: tuple[str, ...],
-        build: Callable[..., dict[str, Any]], inputs: tuple[Any, ...] | None = None,
-    ) -> _Pending | None:
-        """The patch `build(old=...)` makes of the status, or None when it changes
-        nothing. With `inputs` (everything `build` reads besides `old` and the clock),
-        a status built from the same inputs and the same old status as last time is
-        not built again."""
-        meta = _meta(body)
-        ident = (plural, str(meta.get("namespace")), str(meta.get("name")))
-        version = meta.get("resourceVersion")
-        remembered = self._written.get(ident)
-        old: Mapping[str, Any] = body.get("status") or {}
-        if remembered is not None:
-            if remembered[0] == version:
-                old = remembered[1]  # our last write is not in the watch yet
-            else:
-                del self._written[ident]
-        stamp = None if inputs is None else (*inputs, version, remembered is not None
-                                             and remembered[0] == version)
-        if stamp is not None and self._built.get(ident) == stamp:
-            return None
-        new = build(old=old)
-        patch = status_patch(old, new, owned)
-        if patch is None:
-            if stamp is not None:
-                self._built[ident] = stamp  # up to date: skip until something changes
-            return None
-        # Not stamped until sent: a patch that fails is built and sent again next time.
-        return _Pending(ident, kind, body, version, old, new, patch)
-
-    async def _send(self, write: _Pending) -> None:
-        plural, namespace, name = write.ident
-        if not await self._kube.patch_status(plural, namespace, name, write.patch):
-            return  # deleted meanwhile
-        old = write.old
-        merged = {k: v for k, v in {**old, **write.patch}.items() if v is not None}
-        self._written[write.ident] = (write.version, merged)
-        self._built.pop(write.ident, None)  # stamped against an older status: void
-        for type_, reason, message in event_worthy(write.kind, old, write.new):
-            _post_event(write.body, type_, reason, message)
+        await self._statuses.send_all(pending, self._config.status_concurrency)

@@ -16,11 +16,11 @@ from typing import Any
 from engine_sidecar.contract.policy import Tier
 from engine_sidecar.contract.stats import TenantStatus
 from kvquota.api import MAX_STATUS_ENGINES, ConditionReason, ConditionType, Counters, Usage
-from kvquota.conditions import Want, find, merge_conditions, timestamp
-from kvquota.demand_split import tenant_engine_split
-from kvquota.plan import PoolPlan, TenantPlan
-from kvquota.sync import PolicyHistory
-from kvquota.usage import Disruptions, PoolUsage
+from kvquota.policy.conditions import Want, find, merge_conditions, timestamp
+from kvquota.policy.plan import PoolPlan, TenantPlan
+from kvquota.reconcile.sync import PolicyHistory
+from kvquota.reconcile.usage import Disruptions, PoolUsage
+from kvquota.split.demand import tenant_engine_split
 
 # Condition flips worth a Kubernetes Event (others change with every rollout).
 EVENT_CONDITIONS = {"TenantQuota": (ConditionType.ACCEPTED, ConditionType.DEGRADED),
