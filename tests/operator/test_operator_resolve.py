@@ -8,7 +8,7 @@ from operator_objects import pool, quota
 
 from engine_sidecar.contract.policy import Isolation, Tier
 from kvquota.api import InferencePoolSpec, TenantQuotaSpec
-from kvquota.policy.resolve import effective_settings, tenant_policy, tier_settings
+from kvquota.policy.resolve import resolve_tenant, tenant_policy, tier_settings
 
 
 def _pool_spec(**spec: Any) -> InferencePoolSpec:
@@ -41,7 +41,7 @@ def test_tenant_overrides_win_over_the_tier() -> None:
         limits={"maxTokens": 300, "maxConcurrentRequests": 5},
         prefixCache={"isolation": "Shared"},
     )
-    eff = effective_settings(spec, tq, tenant_id="t", replicas=1)
+    eff = resolve_tenant(spec, tq, tenant_id="t", replicas=1)
     assert eff.lease_seconds == 15
     assert eff.max_tokens == 300
     assert eff.default_max_tokens == 300  # tier default 512 clamped to the tenant ceiling
@@ -52,7 +52,7 @@ def test_tenant_overrides_win_over_the_tier() -> None:
 def test_pool_wide_budgets_are_split_across_ready_replicas() -> None:
     tq = _quota_spec(tier="premium", guaranteed=100, maximum=250,
                      kvCache={"lease": {"maxBlocks": 31}}, limits={"maxConcurrentRequests": 7})
-    eff = effective_settings(_pool_spec(), tq, tenant_id="t", replicas=3)
+    eff = resolve_tenant(_pool_spec(), tq, tenant_id="t", replicas=3)
     assert (eff.guaranteed_blocks, eff.max_blocks, eff.replicas) == (100, 250, 3)
     assert (eff.guaranteed_blocks_per_engine, eff.max_blocks_per_engine) == (33, 84)
     entry = tenant_policy(eff)
@@ -63,5 +63,5 @@ def test_pool_wide_budgets_are_split_across_ready_replicas() -> None:
 
 def test_refused_quota_keeps_its_ceiling_but_no_guarantee() -> None:
     tq = _quota_spec(guaranteed=100, maximum=200)
-    eff = effective_settings(_pool_spec(), tq, tenant_id="t", replicas=2, guaranteed_blocks=0)
+    eff = resolve_tenant(_pool_spec(), tq, tenant_id="t", replicas=2, guaranteed_blocks=0)
     assert (eff.guaranteed_blocks_per_engine, eff.max_blocks_per_engine) == (0, 100)

@@ -427,7 +427,7 @@ class Scenario(_Model):
     def engine_policy(self) -> EnginePolicy:
         """The EnginePolicy the operator would render for these tenants on one engine."""
         from kvquota.policy.render import render_policy
-        from kvquota.policy.resolve import effective_settings, tenant_policy
+        from kvquota.policy.resolve import resolve_tenant, tenant_policy
 
         pool = InferencePoolSpec(
             gateway_pool_ref=LocalObjectRef(name="bench"),
@@ -454,8 +454,8 @@ class Scenario(_Model):
                 limits=tenant.limits,
                 prefix_cache=PrefixCacheSpec(isolation=tenant.prefix_cache_isolation),
             )
-            effective = effective_settings(pool, spec, tenant_id=tenant_id, replicas=1)
-            policies.append(tenant_policy(effective))
+            resolved = resolve_tenant(pool, spec, tenant_id=tenant_id, replicas=1)
+            policies.append(tenant_policy(resolved))
         return render_policy("bench", self.name, pool, policies, replicas=1)
 
 

@@ -21,7 +21,6 @@ from engine_sidecar.contract.policy import EnginePolicy, TenantPolicy, Tier
 from kvquota.api import (
     ConditionReason,
     ConditionType,
-    EffectiveSettings,
     InferencePoolSpec,
     ObjectMeta,
     QuotaSplit,
@@ -29,7 +28,7 @@ from kvquota.api import (
 )
 from kvquota.policy.conditions import Want
 from kvquota.policy.render import RenderedPolicy, RenderedTenant, compose_policy, render_tenant
-from kvquota.policy.resolve import effective_settings, tenant_policy
+from kvquota.policy.resolve import ResolvedTenant, resolve_tenant, tenant_policy
 from kvquota.split.capacity import (
     Admission,
     admit_oldest_first,
@@ -55,7 +54,7 @@ class TenantPlan:
     tenant_id: str | None
     tier: Tier | None
     accepted: Want
-    effective: EffectiveSettings | None = None
+    resolved: ResolvedTenant | None = None
     policy: TenantPolicy | None = None  # None: not in the pool's policy
     digest: str | None = None
 
@@ -107,10 +106,10 @@ class PoolPlan:
         """What the demand-driven split needs of this plan: each tenant in the policy
         with its pool-wide granted guarantee and ceiling."""
         tenants = [
-            TenantTotals(t.tenant_id, t.effective.guaranteed_blocks or 0,
-                         t.effective.max_blocks or 0, t.policy.priority)
+            TenantTotals(t.tenant_id, t.resolved.guaranteed_blocks, t.resolved.max_blocks,
+                         t.policy.priority)
             for t in (self.tenants or {}).values()
-            if t.tenant_id and t.policy is not None and t.effective is not None
+            if t.tenant_id and t.policy is not None and t.resolved is not None
         ]
         return SplitInputs(sorted(tenants, key=lambda t: t.tenant_id),
                            self.capacity_per_engine if self.exists else None, self.watermark)
@@ -149,7 +148,7 @@ def _created(body: Mapping[str, Any]) -> datetime | None:
     return created
 
 
-_Entry = tuple[EffectiveSettings, RenderedTenant] | ValidationError
+_Entry = tuple[ResolvedTenant, RenderedTenant] | ValidationError
 
 
 @dataclass
@@ -422,24 +421,24 @@ def _tenant_plan(
         quota, decision.accepted, budget, decision.granted_before,
         cast("ObjKey | None", decision.waiting_behind), pool_ref, capacity, watermark,
     )
-    effective, entry = derived
+    resolved, entry = derived
     return TenantPlan(
         key=quota.key, tenant_id=quota.tenant_id, tier=quota.spec.tier, accepted=want,
-        effective=effective, policy=entry.policy, digest=entry.digest,
+        resolved=resolved, policy=entry.policy, digest=entry.digest,
     )
 
 
 def _derive(pool: InferencePoolSpec, quota: _Quota, replicas: int, granted: int) -> _Entry:
-    """One quota's effective settings and policy entry, or why the entry is invalid."""
-    effective = effective_settings(
+    """One quota's resolved settings and policy entry, or why the entry is invalid."""
+    resolved = resolve_tenant(
         pool, quota.spec, tenant_id=quota.tenant_id, replicas=replicas,
         guaranteed_blocks=granted,
     )
     try:
-        entry = tenant_policy(effective, pool_wide=pool.pool_store is not None)
+        entry = tenant_policy(resolved, pool_wide=pool.pool_store is not None)
     except ValidationError as error:
         return error
-    return effective, render_tenant(entry)
+    return resolved, render_tenant(entry)
 
 
 def _plan_invalid_pool(

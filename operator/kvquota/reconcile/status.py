@@ -18,6 +18,7 @@ from engine_sidecar.contract.stats import TenantStatus
 from kvquota.api import MAX_STATUS_ENGINES, ConditionReason, ConditionType, Counters, Usage
 from kvquota.policy.conditions import Want, find, merge_conditions, timestamp
 from kvquota.policy.plan import PoolPlan, TenantPlan
+from kvquota.policy.resolve import effective_settings
 from kvquota.reconcile.sync import PolicyHistory
 from kvquota.reconcile.usage import Disruptions, PoolUsage
 from kvquota.split.demand import tenant_engine_split
@@ -158,8 +159,8 @@ def tenant_status(
     ]
     conditions = merge_conditions(old_conditions, wanted, generation=generation, now=now)
     status: dict[str, Any] = {"observedGeneration": generation, "conditions": conditions}
-    if tenant.effective is not None:
-        status["effective"] = tenant.effective.model_dump(
+    if tenant.resolved is not None:
+        status["effective"] = effective_settings(tenant.resolved).model_dump(
             mode="json", by_alias=True, exclude_none=True
         )
     if engines is not None and tenant.tenant_id is not None and plan.exists:
