@@ -25,8 +25,8 @@ from engine_sidecar.contract.names import (
     STATS_PATH_ENV,
     STATUS_ROUTE,
 )
-from engine_sidecar.gateway.engine_auth import load_engine_key
-from engine_sidecar.gateway.request_body import BODY_BYTES_PER_TOKEN
+from engine_sidecar.gateway.auth.engine_key import load_engine_key
+from engine_sidecar.gateway.intake.body import BODY_BYTES_PER_TOKEN
 from engine_sidecar.plugin import preflight
 
 if TYPE_CHECKING:
@@ -171,7 +171,7 @@ def build_gateway(args: argparse.Namespace, api_client_factory: Any = None) -> G
     `api_client_factory` replaces the in-cluster Kubernetes client of
     --policy-configmap (tests run the sidecar's own command line against an emulator)."""
     from engine_sidecar.gateway.app import Gateway, GatewayConfig
-    from engine_sidecar.gateway.policy_source import (
+    from engine_sidecar.gateway.policy.source import (
         ConfigMapPolicySource,
         FilePolicySource,
         PolicySource,

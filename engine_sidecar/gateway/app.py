@@ -38,29 +38,29 @@ from starlette.types import Receive, Scope, Send
 
 from engine_sidecar.contract.names import STATUS_ROUTE
 from engine_sidecar.gateway import errors
-from engine_sidecar.gateway.active_policy import PolicyHolder
-from engine_sidecar.gateway.admission import PoolView
-from engine_sidecar.gateway.admitter import Admitter
+from engine_sidecar.gateway.admission.admitter import Admitter
+from engine_sidecar.gateway.admission.ledger import Ledger
+from engine_sidecar.gateway.admission.output_estimate import OutputEstimates
+from engine_sidecar.gateway.admission.rules import PoolView
 from engine_sidecar.gateway.config import GatewayConfig
-from engine_sidecar.gateway.engine_monitor import EngineMonitor
-from engine_sidecar.gateway.engine_stats import EngineStatsReader
+from engine_sidecar.gateway.counting.tokenizer_setup import TokenizerSetup
+from engine_sidecar.gateway.counting.tokens import HfTokenCounter, TokenCounter
 from engine_sidecar.gateway.errors import ApiError
-from engine_sidecar.gateway.forward import Upstream, send_error
-from engine_sidecar.gateway.intake import Intake
-from engine_sidecar.gateway.ledger import Ledger
-from engine_sidecar.gateway.metrics import GatewayMetrics, StateSources
-from engine_sidecar.gateway.models_route import ModelsRoute
-from engine_sidecar.gateway.openai_request import Kind
-from engine_sidecar.gateway.output_estimate import OutputEstimates
-from engine_sidecar.gateway.passthrough import Passthrough, supported_routes
-from engine_sidecar.gateway.picker_signals import PickerSignals, SignalSources
-from engine_sidecar.gateway.policy_source import PolicySource
-from engine_sidecar.gateway.pool_link import PoolLink
-from engine_sidecar.gateway.relay import Relay
-from engine_sidecar.gateway.request_body import closing, unread
-from engine_sidecar.gateway.status import build_status, hide_paths
-from engine_sidecar.gateway.tokenizer_setup import TokenizerSetup
-from engine_sidecar.gateway.tokens import HfTokenCounter, TokenCounter
+from engine_sidecar.gateway.intake.body import closing, unread
+from engine_sidecar.gateway.intake.entry import Intake
+from engine_sidecar.gateway.intake.openai_request import Kind
+from engine_sidecar.gateway.policy.active import PolicyHolder
+from engine_sidecar.gateway.policy.source import PolicySource
+from engine_sidecar.gateway.pool.link import PoolLink
+from engine_sidecar.gateway.relay.admitted import Relay
+from engine_sidecar.gateway.relay.exchange import Upstream, send_error
+from engine_sidecar.gateway.relay.models_route import ModelsRoute
+from engine_sidecar.gateway.relay.passthrough import Passthrough, supported_routes
+from engine_sidecar.gateway.telemetry.engine_stats import EngineStatsReader
+from engine_sidecar.gateway.telemetry.metrics import GatewayMetrics, StateSources
+from engine_sidecar.gateway.telemetry.picker_signals import PickerSignals, SignalSources
+from engine_sidecar.gateway.telemetry.status import build_status, hide_paths
+from engine_sidecar.gateway.upstream.engine_monitor import EngineMonitor
 
 __all__ = ["Gateway", "GatewayConfig", "create_app"]
 

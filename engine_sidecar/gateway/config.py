@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine_sidecar.gateway.affinity import engine_namespace
-from engine_sidecar.gateway.engine_auth import EngineKey
-from engine_sidecar.gateway.observer import Observer
-from engine_sidecar.gateway.request_body import BODY_BYTES_PER_TOKEN
-from engine_sidecar.gateway.tracing import observer_from_env
+from engine_sidecar.gateway.auth.engine_key import EngineKey
+from engine_sidecar.gateway.intake.body import BODY_BYTES_PER_TOKEN
+from engine_sidecar.gateway.relay.affinity import engine_namespace
+from engine_sidecar.gateway.telemetry.observer import Observer
+from engine_sidecar.gateway.telemetry.tracing import observer_from_env
 
 
 @dataclass

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_sidecar.gateway.pool_store import Limits, Outcome, PoolStore, connect
+from engine_sidecar.gateway.pool.store import Limits, Outcome, PoolStore, connect
 from kvquota_lab.bench.pool_ledger import TwinLedger, TwinPoolStore
 from tests.support.redis_server import RedisServer
 

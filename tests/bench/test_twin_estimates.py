@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from engine_sidecar.contract.names import RESERVED_BLOCKS_ARG
 from engine_sidecar.contract.policy import EnginePolicy, TenantPolicy, Tier
-from engine_sidecar.gateway.output_estimate import MIN_SAMPLES
+from engine_sidecar.gateway.admission.output_estimate import MIN_SAMPLES
 from kvquota_lab.bench.admission import TWIN_ROUTE, TwinGateway
 
 

@@ -247,14 +247,14 @@ def _contract_labels() -> dict[str, set[str]]:
 
 def _sidecar_exposition() -> str:
     """One scrape of the sidecar's /metrics registry after some traffic."""
-    metrics = pytest.importorskip("engine_sidecar.gateway.metrics")
+    metrics = pytest.importorskip("engine_sidecar.gateway.telemetry.metrics")
     from prometheus_client import generate_latest
 
     from engine_sidecar.contract.policy import EnginePolicy, TenantPolicy
     from engine_sidecar.contract.stats import EngineStats, TenantEngineStats
-    from engine_sidecar.gateway.active_policy import build as build_active
-    from engine_sidecar.gateway.admission_queue import AdmissionQueue
-    from engine_sidecar.gateway.ledger import Ledger
+    from engine_sidecar.gateway.admission.ledger import Ledger
+    from engine_sidecar.gateway.admission.queue import AdmissionQueue
+    from engine_sidecar.gateway.policy.active import build as build_active
 
     acme = TenantPolicy(tenant_id="acme", tier="premium", priority=0, guaranteed_blocks=8,
                         max_blocks=16, max_tokens=64, default_max_tokens=32,

@@ -15,9 +15,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine_sidecar.contract.names import ADMIN_PORT
 from engine_sidecar.contract.policy import EnginePolicy, Tier
-from engine_sidecar.gateway.admission_queue import AdmissionQueue
-from engine_sidecar.gateway.ledger import Ledger
-from engine_sidecar.gateway.picker_signals import KV_USAGE, WAITING, PickerSignals, SignalSources
+from engine_sidecar.gateway.admission.ledger import Ledger
+from engine_sidecar.gateway.admission.queue import AdmissionQueue
+from engine_sidecar.gateway.telemetry.picker_signals import (
+    KV_USAGE,
+    WAITING,
+    PickerSignals,
+    SignalSources,
+)
 
 from .conftest import REPO, build, one
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from plugin_policies import Tokens, engine_policy, tenant, write_policy
 
-from engine_sidecar.gateway.admission import Decision
+from engine_sidecar.gateway.admission.rules import Decision
 from engine_sidecar.plugin.tenant_policy import SessionPauses
 from kvquota_lab.bench.admission import TwinGateway
 

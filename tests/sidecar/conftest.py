@@ -17,16 +17,16 @@ import pytest
 
 from engine_sidecar.contract.policy import EnginePolicy
 from engine_sidecar.gateway.app import Gateway, GatewayConfig
-from engine_sidecar.gateway.openai_request import ParsedRequest
-from engine_sidecar.gateway.policy_source import FilePolicySource
-from engine_sidecar.gateway.server import ADMIN_MAX_CONNECTIONS, ConnectionLimits
-from engine_sidecar.gateway.token_pool import TokenizerPool
-from engine_sidecar.gateway.tokens import (
+from engine_sidecar.gateway.counting.token_pool import TokenizerPool
+from engine_sidecar.gateway.counting.tokens import (
     EngineTokenCounter,
     HfTokenCounter,
     TokenCounter,
     TokenIds,
 )
+from engine_sidecar.gateway.intake.openai_request import ParsedRequest
+from engine_sidecar.gateway.policy.source import FilePolicySource
+from engine_sidecar.gateway.server import ADMIN_MAX_CONNECTIONS, ConnectionLimits
 from tests.support.redis_server import RedisServer
 
 from .helpers import WAIT, Keys, ServerThread, wait_for, write_policy

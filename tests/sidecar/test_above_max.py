@@ -8,9 +8,9 @@ import time
 
 from engine_sidecar.contract.reclaim import Band
 from engine_sidecar.contract.stats import EngineStats, TenantEngineStats
-from engine_sidecar.gateway.admission import Decision, RequestShape
-from engine_sidecar.gateway.admission_queue import AdmissionQueue, Ticket
-from engine_sidecar.gateway.ledger import Ledger
+from engine_sidecar.gateway.admission.ledger import Ledger
+from engine_sidecar.gateway.admission.queue import AdmissionQueue, Ticket
+from engine_sidecar.gateway.admission.rules import Decision, RequestShape
 
 from .helpers import FULL_RESERVATION, make_policy, tenant
 

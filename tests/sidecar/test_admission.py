@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from engine_sidecar.contract.names import UNCLASSIFIED
 from engine_sidecar.contract.policy import EnginePolicy, TenantPolicy
 from engine_sidecar.contract.stats import EngineStats, TenantEngineStats
-from engine_sidecar.gateway.admission import (
+from engine_sidecar.gateway.admission.ledger import Ledger
+from engine_sidecar.gateway.admission.rules import (
     Decision,
     PoolView,
     RequestShape,
@@ -19,8 +20,7 @@ from engine_sidecar.gateway.admission import (
     decide,
     pool_view,
 )
-from engine_sidecar.gateway.ledger import Ledger
-from engine_sidecar.gateway.prefix import prompt_fingerprints
+from engine_sidecar.gateway.counting.prefix import prompt_fingerprints
 
 from .helpers import make_policy, tenant
 

@@ -8,9 +8,9 @@ from collections import Counter
 
 from engine_sidecar.contract.policy import TenantPolicy
 from engine_sidecar.contract.stats import EngineStats
-from engine_sidecar.gateway.admission import Decision, RequestShape
-from engine_sidecar.gateway.admission_queue import AdmissionQueue
-from engine_sidecar.gateway.ledger import Ledger
+from engine_sidecar.gateway.admission.ledger import Ledger
+from engine_sidecar.gateway.admission.queue import AdmissionQueue
+from engine_sidecar.gateway.admission.rules import Decision, RequestShape
 
 from .helpers import make_policy, tenant
 

@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.x509.oid import NameOID
 
 from engine_sidecar.contract.policy import AuthPolicy
-from engine_sidecar.gateway.auth import Authenticator, KeyFileError
+from engine_sidecar.gateway.auth.callers import Authenticator, KeyFileError
 from engine_sidecar.gateway.errors import ApiError
 
 from .helpers import AUDIENCE, ISSUER, JWKS_FILE, Keys, hs_forged_with, unsigned_token

@@ -21,10 +21,10 @@ import pytest
 
 from engine_sidecar.contract.names import RESERVED_BLOCKS_ARG, RESERVED_OUTPUT_ARG
 from engine_sidecar.gateway.app import GatewayConfig
-from engine_sidecar.gateway.openai_request import Kind, parse
-from engine_sidecar.gateway.prompt_count import PromptCounting
-from engine_sidecar.gateway.token_pool import TokenizerPool
-from engine_sidecar.gateway.tokens import EngineTokenCounter, HfTokenCounter
+from engine_sidecar.gateway.counting.prompt_count import PromptCounting
+from engine_sidecar.gateway.counting.token_pool import TokenizerPool
+from engine_sidecar.gateway.counting.tokens import EngineTokenCounter, HfTokenCounter
+from engine_sidecar.gateway.intake.openai_request import Kind, parse
 from engine_sidecar.plugin.tenant_policy import identity_from_extra_args, outgrew
 
 from .conftest import Harness, start_harness

@@ -22,12 +22,16 @@ from typing import Any
 import openai
 import pytest
 
+from engine_sidecar.gateway.counting.prompt_count import PromptCounting
+from engine_sidecar.gateway.counting.token_pool import TokenizerPool
+from engine_sidecar.gateway.counting.tokens import (
+    EngineTokenCounter,
+    HfTokenCounter,
+    chat_tokenize_payload,
+)
 from engine_sidecar.gateway.errors import ApiError
-from engine_sidecar.gateway.openai_request import Kind, ParsedRequest, parse
-from engine_sidecar.gateway.prompt_count import PromptCounting
-from engine_sidecar.gateway.responses_request import parse_responses
-from engine_sidecar.gateway.token_pool import TokenizerPool
-from engine_sidecar.gateway.tokens import EngineTokenCounter, HfTokenCounter, chat_tokenize_payload
+from engine_sidecar.gateway.intake.openai_request import Kind, ParsedRequest, parse
+from engine_sidecar.gateway.intake.responses_request import parse_responses
 
 from .chat_corpus import chat_corpus, responses_corpus
 from .conftest import Harness, RecordingCounter

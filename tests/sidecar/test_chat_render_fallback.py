@@ -9,7 +9,7 @@ sidecar admits with the engine's count and takes no chat ceiling after that.
 
 from __future__ import annotations
 
-from engine_sidecar.gateway.tokens import HfTokenCounter
+from engine_sidecar.gateway.counting.tokens import HfTokenCounter
 
 from .conftest import StubFactory
 from .helpers import Keys, http_post, make_policy, tenant

@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from engine_sidecar.gateway.chat_render import LocalChatRenderer
-from engine_sidecar.gateway.openai_request import Kind, parse
-from engine_sidecar.gateway.tokens import chat_tokenize_payload
+from engine_sidecar.gateway.counting.chat_render import LocalChatRenderer
+from engine_sidecar.gateway.counting.tokens import chat_tokenize_payload
+from engine_sidecar.gateway.intake.openai_request import Kind, parse
 
 from .chat_corpus import chat_corpus
 

@@ -21,7 +21,7 @@ import openai
 import pytest
 from starlette.types import Receive, Scope, Send
 
-from engine_sidecar.gateway.engine_auth import EngineKey, load_engine_key
+from engine_sidecar.gateway.auth.engine_key import EngineKey, load_engine_key
 from kvquota.cli import build_parser
 
 from .conftest import Harness, StubFactory

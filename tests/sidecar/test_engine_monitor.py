@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import httpx
 
-from engine_sidecar.gateway.engine_monitor import EngineMonitor
+from engine_sidecar.gateway.upstream.engine_monitor import EngineMonitor
 
 from .conftest import StubFactory
 from .helpers import WAIT, Keys, http_get, make_policy, tenant, wait_for

@@ -9,9 +9,9 @@ import pytest
 
 from engine_sidecar.contract.names import STALE_AFTER_S
 from engine_sidecar.contract.stats import EngineStats
-from engine_sidecar.gateway.admission import pool_view
-from engine_sidecar.gateway.engine_stats import EngineStatsReader
-from engine_sidecar.gateway.ledger import Ledger
+from engine_sidecar.gateway.admission.ledger import Ledger
+from engine_sidecar.gateway.admission.rules import pool_view
+from engine_sidecar.gateway.telemetry.engine_stats import EngineStatsReader
 from engine_sidecar.plugin.stats_publisher import StatsPublisher, StatsSnapshot
 
 from .helpers import make_policy, tenant

@@ -10,7 +10,7 @@ import pytest
 
 from engine_sidecar.contract.files import write_atomically
 from engine_sidecar.contract.stats import EngineStats, SidecarStatus, TenantEngineStats
-from engine_sidecar.gateway.active_policy import cache_salt
+from engine_sidecar.gateway.policy.active import cache_salt
 from kvquota_lab.processes import free_port
 
 from .conftest import StubFactory

@@ -9,12 +9,23 @@ import random
 import pytest
 
 from engine_sidecar.contract.policy import ReservationMode, Tier
-from engine_sidecar.gateway.admission import RequestShape
-from engine_sidecar.gateway.admission_queue import AdmissionQueue
-from engine_sidecar.gateway.joint_charge import MIN_JOINT, NO_GROWTH, Remainder, Z, in_blocks
-from engine_sidecar.gateway.ledger import Ledger
-from engine_sidecar.gateway.output_estimate import HORIZON, WINDOW, Outlook, OutputEstimates
-from engine_sidecar.gateway.output_meter import OutputMeter
+from engine_sidecar.gateway.admission.joint_charge import (
+    MIN_JOINT,
+    NO_GROWTH,
+    Remainder,
+    Z,
+    in_blocks,
+)
+from engine_sidecar.gateway.admission.ledger import Ledger
+from engine_sidecar.gateway.admission.output_estimate import (
+    HORIZON,
+    WINDOW,
+    Outlook,
+    OutputEstimates,
+)
+from engine_sidecar.gateway.admission.queue import AdmissionQueue
+from engine_sidecar.gateway.admission.rules import RequestShape
+from engine_sidecar.gateway.relay.output_meter import OutputMeter
 
 from .helpers import make_policy, tenant
 

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine_sidecar.gateway import json_codec
-from engine_sidecar.gateway.openai_request import Kind, parse, rewrite
+from engine_sidecar.gateway.intake.openai_request import Kind, parse, rewrite
 
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-(2**80), 2**80),
                     st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=20))

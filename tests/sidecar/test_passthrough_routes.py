@@ -3,7 +3,7 @@
 Each route is asked of the engine directly and through the sidecar in the same test:
 what a client gets through the sidecar is what vLLM answers, except that credentials
 are checked first on the routes that cost engine work and the sidecar sets the
-tenant's fields (see engine_sidecar/gateway/passthrough.py for which and why).
+tenant's fields (see engine_sidecar/gateway/relay/passthrough.py for which and why).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What an endpoint picker scraping the pod's serving port sees: vLLM's own series, and
 beside them the sidecar's per-tier count of what the engine really has in front of it
-(engine_sidecar/gateway/picker_signals.py), agreeing with /kvquota/status while
+(engine_sidecar/gateway/telemetry/picker_signals.py), agreeing with /kvquota/status while
 requests are held in the admission queue."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine_sidecar.contract.names import UNCLASSIFIED
 from engine_sidecar.contract.policy import Tier
 from engine_sidecar.contract.stats import EngineStats, TenantEngineStats
-from engine_sidecar.gateway.admission_queue import AdmissionQueue
-from engine_sidecar.gateway.ledger import Ledger
-from engine_sidecar.gateway.picker_signals import tier_signals
+from engine_sidecar.gateway.admission.ledger import Ledger
+from engine_sidecar.gateway.admission.queue import AdmissionQueue
+from engine_sidecar.gateway.telemetry.picker_signals import tier_signals
 
 from .conftest import Harness, StubFactory
 from .helpers import WAIT, Keys, http_get, http_post, make_policy, tenant, wait_for

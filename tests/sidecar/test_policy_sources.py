@@ -13,8 +13,8 @@ import httpx
 import kmock
 
 from engine_sidecar.contract.policy import EnginePolicy
-from engine_sidecar.gateway.active_policy import PolicyHolder
-from engine_sidecar.gateway.policy_source import ConfigMapPolicySource, FilePolicySource
+from engine_sidecar.gateway.policy.active import PolicyHolder
+from engine_sidecar.gateway.policy.source import ConfigMapPolicySource, FilePolicySource
 
 from .helpers import Keys, make_policy, tenant, write_policy
 

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from engine_sidecar.contract.policy import PoolLimits, PoolStorePolicy
-from engine_sidecar.gateway.admission import UNKNOWN_CAPACITY, RequestShape
-from engine_sidecar.gateway.admission_queue import AdmissionQueue, Ticket
-from engine_sidecar.gateway.ledger import Ledger
-from engine_sidecar.gateway.pool_admission import PoolAdmission
-from engine_sidecar.gateway.pool_link import PoolLink
-from engine_sidecar.gateway.pool_store import Outcome, PoolStore, connect
+from engine_sidecar.gateway.admission.ledger import Ledger
+from engine_sidecar.gateway.admission.queue import AdmissionQueue, Ticket
+from engine_sidecar.gateway.admission.rules import UNKNOWN_CAPACITY, RequestShape
+from engine_sidecar.gateway.pool.admission import PoolAdmission
+from engine_sidecar.gateway.pool.link import PoolLink
+from engine_sidecar.gateway.pool.store import Outcome, PoolStore, connect
 from tests.support.redis_server import RedisServer
 
 from .helpers import make_policy, tenant

@@ -10,7 +10,7 @@ import threading
 import time
 from pathlib import Path
 
-from engine_sidecar.gateway.pool_store import Limits, Outcome, PoolStore, connect
+from engine_sidecar.gateway.pool.store import Limits, Outcome, PoolStore, connect
 from tests.support.redis_server import RedisServer
 
 TTL_S = 0.6  # the test's own: refresh three times per TTL, as the sidecar does

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from array import array
 
-from engine_sidecar.gateway.prefix import block_fingerprints, prompt_fingerprints
+from engine_sidecar.gateway.counting.prefix import block_fingerprints, prompt_fingerprints
 
 
 def test_fingerprints_follow_the_prefix_block_by_block() -> None:

@@ -20,9 +20,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine_sidecar.gateway.chat_render import LocalChatRenderer
-from engine_sidecar.gateway.prompt_bounds import TokenCeiling, token_ceiling
-from engine_sidecar.gateway.tokens import chat_tokenize_payload
+from engine_sidecar.gateway.counting.chat_render import LocalChatRenderer
+from engine_sidecar.gateway.counting.prompt_bounds import TokenCeiling, token_ceiling
+from engine_sidecar.gateway.counting.tokens import chat_tokenize_payload
 
 from .chat_corpus import chat_corpus
 

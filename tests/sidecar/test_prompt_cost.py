@@ -100,7 +100,7 @@ def test_the_size_floor_never_exceeds_the_real_token_count(
 ) -> None:
     """The floor, ceil(bytes / longest token), for any text: at most what the tiny
     model's tokenizer makes of it (so it refuses only prompts that are too long)."""
-    from engine_sidecar.gateway.prompt_bounds import longest_token_bytes, text_bytes
+    from engine_sidecar.gateway.counting.prompt_bounds import longest_token_bytes, text_bytes
 
     backend = tiny_tokenizer.backend_tokenizer
     longest = longest_token_bytes(backend)
@@ -165,7 +165,7 @@ def test_a_full_tokenizer_pool_refuses_clearly_instead_of_piling_up(
 ) -> None:
     """One worker takes two jobs; one more request may wait; the next is refused at once
     with 503 TOKENIZER_BUSY and Retry-After. The waiting one is served afterwards."""
-    from engine_sidecar.gateway.token_pool import TokenizerPool, encode
+    from engine_sidecar.gateway.counting.token_pool import TokenizerPool, encode
 
     backend = tiny_tokenizer.backend_tokenizer
     pool = TokenizerPool.for_tokenizer(backend, workers=1, max_waiting=1, retry_after=2)
@@ -226,7 +226,7 @@ def test_the_worker_pool_counts_exactly_what_the_tokenizer_counts(
     """The workers' ids (`encode_batch_fast`, no offsets tracked, issue #32) are the
     tokenizer's own `encode` ids, special tokens in the text and added or not: a count
     lower than the engine's would be a quota escape."""
-    from engine_sidecar.gateway.token_pool import encode
+    from engine_sidecar.gateway.counting.token_pool import encode
 
     backend = tiny_tokenizer.backend_tokenizer
     for special in (True, False):

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from engine_sidecar.gateway.app import GatewayConfig
-from engine_sidecar.gateway.openai_request import CHAT_FIELDS, COMPLETION_FIELDS
+from engine_sidecar.gateway.intake.openai_request import CHAT_FIELDS, COMPLETION_FIELDS
 
 from .conftest import CounterFactory, Harness, start_harness
 from .helpers import WAIT, Keys, ServerThread, make_policy, tenant, wait_for

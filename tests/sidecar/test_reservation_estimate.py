@@ -14,14 +14,14 @@ from prometheus_client import generate_latest
 from engine_sidecar.contract.names import RESERVED_BLOCKS_ARG
 from engine_sidecar.contract.policy import ReservationMode, Tier
 from engine_sidecar.contract.stats import EngineStats, SidecarStatus, TenantEngineStats
-from engine_sidecar.gateway.active_policy import build as build_active
-from engine_sidecar.gateway.admission import Decision, RequestShape
-from engine_sidecar.gateway.admission_queue import AdmissionQueue, Ticket
-from engine_sidecar.gateway.ledger import Ledger
-from engine_sidecar.gateway.metrics import GatewayMetrics, StateSources
-from engine_sidecar.gateway.output_estimate import MIN_SAMPLES, OutputEstimates
-from engine_sidecar.gateway.output_meter import OutputMeter
-from engine_sidecar.gateway.status import DecisionCounters, build_status
+from engine_sidecar.gateway.admission.ledger import Ledger
+from engine_sidecar.gateway.admission.output_estimate import MIN_SAMPLES, OutputEstimates
+from engine_sidecar.gateway.admission.queue import AdmissionQueue, Ticket
+from engine_sidecar.gateway.admission.rules import Decision, RequestShape
+from engine_sidecar.gateway.policy.active import build as build_active
+from engine_sidecar.gateway.relay.output_meter import OutputMeter
+from engine_sidecar.gateway.telemetry.metrics import GatewayMetrics, StateSources
+from engine_sidecar.gateway.telemetry.status import DecisionCounters, build_status
 
 from .conftest import StubFactory
 from .helpers import WAIT, Keys, http_get, http_post, make_policy, tenant, wait_for

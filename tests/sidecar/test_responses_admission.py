@@ -11,7 +11,7 @@ from typing import Any
 import openai
 import pytest
 
-from engine_sidecar.gateway.responses_input import input_messages
+from engine_sidecar.gateway.intake.responses_input import input_messages
 
 from .conftest import Harness, StubFactory
 from .helpers import Keys, make_policy, tenant

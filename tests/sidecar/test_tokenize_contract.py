@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 
-from engine_sidecar.gateway.openai_request import Kind, parse, rewrite
-from engine_sidecar.gateway.tokens import chat_tokenize_payload
+from engine_sidecar.gateway.counting.tokens import chat_tokenize_payload
+from engine_sidecar.gateway.intake.openai_request import Kind, parse, rewrite
 
 from .request_shapes import chat_bodies
 

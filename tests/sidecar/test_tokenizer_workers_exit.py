@@ -29,7 +29,7 @@ SIDECAR_LIKE = textwrap.dedent("""
     import multiprocessing, sys, time
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
-    from engine_sidecar.gateway.token_pool import TokenizerPool
+    from engine_sidecar.gateway.counting.token_pool import TokenizerPool
 
     if __name__ == "__main__":
         tokenizer = Tokenizer(WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))

@@ -14,11 +14,11 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from engine_sidecar.gateway import tracing
-from engine_sidecar.gateway.admission_queue import Ticket
+from engine_sidecar.gateway.admission.queue import Ticket
 from engine_sidecar.gateway.app import Gateway, GatewayConfig
 from engine_sidecar.gateway.errors import ApiError
-from engine_sidecar.gateway.observer import NO_OBSERVER, NO_TRACE, RequestTrace
+from engine_sidecar.gateway.telemetry import tracing
+from engine_sidecar.gateway.telemetry.observer import NO_OBSERVER, NO_TRACE, RequestTrace
 
 from .conftest import Harness, StubFactory
 from .helpers import WAIT, Keys, http_post, make_policy, tenant, wait_for

@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from engine_sidecar.gateway.upstream_http import (
+from engine_sidecar.gateway.upstream.lean_http import (
     UpstreamConnectError,
     UpstreamPool,
     UpstreamProtocolError,

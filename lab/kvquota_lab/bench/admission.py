@@ -1,6 +1,6 @@
 """The sidecar's admission queue on virtual time: the same code, other inputs.
 
-`engine_sidecar.gateway.admission_queue.AdmissionQueue` (with `admission.decide` and
+`engine_sidecar.gateway.admission.queue.AdmissionQueue` (with `admission.decide` and
 the `ledger` under it) is the whole admission path of the sidecar and has no I/O, so
 the twin runs it as is. Only the inputs differ: the clock is the twin's, and the
 plugin's stats are read as often as the plugin publishes them (every
@@ -22,11 +22,11 @@ from typing import Any
 from engine_sidecar.contract.names import ABOVE_MAX_ARG, RESERVED_BLOCKS_ARG
 from engine_sidecar.contract.policy import EnginePolicy
 from engine_sidecar.contract.stats import EngineStats
-from engine_sidecar.gateway.admission import RequestShape, sequence_blocks
-from engine_sidecar.gateway.admission_queue import AdmissionQueue, Ticket
-from engine_sidecar.gateway.ledger import Ledger, Reservation
-from engine_sidecar.gateway.openai_request import Kind
-from engine_sidecar.gateway.prefix import block_fingerprints
+from engine_sidecar.gateway.admission.ledger import Ledger, Reservation
+from engine_sidecar.gateway.admission.queue import AdmissionQueue, Ticket
+from engine_sidecar.gateway.admission.rules import RequestShape, sequence_blocks
+from engine_sidecar.gateway.counting.prefix import block_fingerprints
+from engine_sidecar.gateway.intake.openai_request import Kind
 from kvquota_lab.bench.charges import ChargeReading
 
 TWIN_ROUTE = Kind.CHAT.value

@@ -2,7 +2,7 @@
 they outgrew it (README: reservations).
 
 A tenant is charged once for its requests together: what they take now plus a joint
-bound on how far that will still grow (`engine_sidecar.gateway.joint_charge`). Two
+bound on how far that will still grow (`engine_sidecar.gateway.admission.joint_charge`). Two
 questions about that rule, per tenant, while it has requests in flight inside the load
 window, read each time the plugin publishes its stats:
 

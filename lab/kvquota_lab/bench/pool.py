@@ -45,13 +45,18 @@ from typing import TYPE_CHECKING, Any
 from engine_sidecar.contract.files import write_atomically
 from engine_sidecar.contract.policy import EnginePolicy, Isolation, PoolLimits, Tier
 from engine_sidecar.contract.stats import SidecarStatus
-from engine_sidecar.gateway.active_policy import ActivePolicy
-from engine_sidecar.gateway.admission import Decision
-from engine_sidecar.gateway.affinity import calls_back
-from engine_sidecar.gateway.auth import Authenticator
-from engine_sidecar.gateway.picker_signals import KV_USAGE, TIER_LABEL, WAITING, tier_signals
-from engine_sidecar.gateway.pool_admission import PoolAdmission
-from engine_sidecar.gateway.status import DecisionCounters, build_status
+from engine_sidecar.gateway.admission.rules import Decision
+from engine_sidecar.gateway.auth.callers import Authenticator
+from engine_sidecar.gateway.policy.active import ActivePolicy
+from engine_sidecar.gateway.pool.admission import PoolAdmission
+from engine_sidecar.gateway.relay.affinity import calls_back
+from engine_sidecar.gateway.telemetry.picker_signals import (
+    KV_USAGE,
+    TIER_LABEL,
+    WAITING,
+    tier_signals,
+)
+from engine_sidecar.gateway.telemetry.status import DecisionCounters, build_status
 from kvquota.runtime import OperatorConfig
 from kvquota.split.demand import PoolSplit, SplitInputs, engine_overrides
 from kvquota.split.rebalance import TenantTotals
@@ -81,7 +86,7 @@ from kvquota_lab.bench.twin import (
 )
 
 if TYPE_CHECKING:
-    from engine_sidecar.gateway.admission_queue import Ticket
+    from engine_sidecar.gateway.admission.queue import Ticket
     from kvquota_lab.bench.cost import CostProfile
     from kvquota_lab.twin.harness import SchedulerHarness
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from engine_sidecar.gateway.pool_store import Limits, Outcome, lean_margin
+from engine_sidecar.gateway.pool.store import Limits, Outcome, lean_margin
 
 DEFAULT_RTT_S = 0.001  # a store in the same zone
 

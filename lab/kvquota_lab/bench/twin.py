@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine_sidecar.contract.files import write_atomically
 from engine_sidecar.contract.policy import EnginePolicy
-from engine_sidecar.gateway.admission import Decision
+from engine_sidecar.gateway.admission.rules import Decision
 from engine_sidecar.plugin.stats_publisher import STEP_INTERVAL_S
 from kvquota_lab.bench.admission import TwinGateway
 from kvquota_lab.bench.charges import ChargeLog
@@ -38,8 +38,8 @@ from kvquota_lab.bench.scenario import Scenario, Session, generate_sessions
 
 if TYPE_CHECKING:
     from engine_sidecar.contract.stats import EngineStats
-    from engine_sidecar.gateway.admission_queue import Ticket
-    from engine_sidecar.gateway.ledger import Reservation
+    from engine_sidecar.gateway.admission.ledger import Reservation
+    from engine_sidecar.gateway.admission.queue import Ticket
     from kvquota_lab.bench.pool import PoolSpec
     from kvquota_lab.twin.harness import SchedulerHarness, SchedulerKind, TwinRequest
 

@@ -91,11 +91,11 @@ async def _cpu(step: Callable[[int], Awaitable[object]], count: int) -> list[flo
 
 
 async def _measure(args: argparse.Namespace, upstream: str, workdir: Path) -> None:
-    from engine_sidecar.gateway.admission import RequestShape
+    from engine_sidecar.gateway.admission.rules import RequestShape
     from engine_sidecar.gateway.app import Gateway, GatewayConfig
-    from engine_sidecar.gateway.openai_request import Kind, parse
-    from engine_sidecar.gateway.policy_source import FilePolicySource
-    from engine_sidecar.gateway.prefix import prompt_fingerprints
+    from engine_sidecar.gateway.counting.prefix import prompt_fingerprints
+    from engine_sidecar.gateway.intake.openai_request import Kind, parse
+    from engine_sidecar.gateway.policy.source import FilePolicySource
 
     idle = {**BENCH_TENANT, "guaranteed_blocks": 16, "max_blocks": 1024}
     bench = BENCH_TENANT

@@ -3,7 +3,7 @@
 vLLM started with `--api-key KEY` (or with `VLLM_API_KEY` in its environment, which it
 reads when the flag is absent) wants that key on /v1/*. Clients send the sidecar their
 tenant's token, so the sidecar must send vLLM's key upstream instead
-(`engine_sidecar.gateway.engine_auth`), and it reads it from its own `VLLM_API_KEY`.
+(`engine_sidecar.gateway.auth.engine_key`), and it reads it from its own `VLLM_API_KEY`.
 
 - `--api-key VALUE` (the last one; of its values, the first): the sidecar gets
   `VLLM_API_KEY: VALUE`. Kubernetes expands `$(NAME)` in args from the container's

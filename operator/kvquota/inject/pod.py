@@ -64,7 +64,7 @@ CHECK = "kvquota-check-plugin"  # the pre-flight check, in the engine's image
 PLUGIN_DIR = "/opt/kvquota/python"
 RUN_DIR = "/var/run/kvquota"
 SECRETS_DIR = "/etc/kvquota/secrets"
-# Paths the sidecar forwards without credentials (engine_sidecar.gateway.passthrough).
+# Paths the sidecar forwards without credentials (engine_sidecar.gateway.relay.passthrough).
 PROBE_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
 ENGINE_PORT = 8001  # vLLM's loopback port, or the next free one
 _RESTRICTED = {

@@ -1,0 +1,1 @@
+"""Whether an authenticated, counted request runs now, waits, or is refused."""

@@ -1,0 +1,427 @@
+"""Bounded admission queues: a request that cannot be admitted now waits, it is not
+refused at once.
+
+One `AdmissionQueue` per sidecar (and per twin engine: the benchmark runs this very
+code on virtual time). Every request becomes a `Ticket`: `submit()` queues it behind
+its tenant's earlier requests and `pump()` admits, in order, whatever `admission.decide`
+lets in. Order:
+
+- tiers strictly by priority: premium heads are tried before standard, standard before
+  free;
+- within a tier, tenants share in proportion to their guarantees by virtual-token
+  counting (VTC, Sheng et al., OSDI 2024): each tenant's counter grows by the blocks it
+  is admitted divided by its weight (its guaranteed blocks, at least 1), the backlogged
+  tenant with the lowest counter goes first, and a tenant that becomes backlogged is
+  lifted to the lowest counter among those already waiting, so idleness banks no
+  credit. VTC rather than Kueue's fair sharing (dominant-resource share with
+  preemption inside a cohort) because here the one resource is KV blocks, admission
+  is per request in sub-millisecond decisions, and preemption is the plugin's job;
+- within a tenant, first come, first served, best effort (Kueue's BestEffortFIFO): a
+  request that waits for blocks (quota or capacity) lets the smaller ones behind it go
+  first if they fit (a request within the tenant's guarantee never waits behind one
+  that borrows); one that waits for a concurrency slot holds the line, as every request
+  behind it waits for the same slot;
+- work conserving: a head that does not fit (its tenant at its quota or concurrency
+  limit, or too large for the capacity its class may take) does not hold back the
+  others, and capacity a lower tier takes is capacity a higher tier can still reclaim
+  (admission counts lower classes' borrowing as available to it).
+
+A ticket leaves the queue when it is admitted (it holds a ledger reservation), when its
+client goes away (`cancel`, nothing held), or when it is refused: by `decide` for good
+(400), or with the error it has been waiting on (429 quota or concurrency, 503
+watermark) once its wait would pass its tier's `maxQueueSeconds` — at its deadline, or
+at once when its tenant's queue is full or when the queue's drain rate says it cannot
+get through in time. Retry-After comes from the drain rate too, jittered so refused
+clients do not come back in lockstep.
+
+Single event loop, no awaits: every method runs to completion, so a decision and its
+reservation are atomic. Time comes from `clock`; randomness (jitter) from `rng`.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from engine_sidecar.contract.policy import EnginePolicy, TenantPolicy
+from engine_sidecar.contract.reclaim import watermark_floor
+from engine_sidecar.contract.stats import EngineStats
+from engine_sidecar.gateway import errors
+from engine_sidecar.gateway.admission.joint_charge import RequestGrowth
+from engine_sidecar.gateway.admission.ledger import Ledger, Reservation
+from engine_sidecar.gateway.admission.output_estimate import Outlook, OutputEstimates
+from engine_sidecar.gateway.admission.rules import (
+    Decision,
+    PoolView,
+    RequestShape,
+    Verdict,
+    blocks_for,
+    decide,
+    effective_max_tokens,
+    engine_holders,
+    pool_view,
+    reserved_output,
+)
+from engine_sidecar.gateway.errors import ApiError
+from engine_sidecar.gateway.pool.admission import PoolAdmission
+
+RATE_SAMPLES = 32  # admissions per tenant the drain rate is measured over
+RATE_WINDOW_S = 60.0  # older admissions say nothing about the current drain rate
+MIN_RETRY_AFTER_S, MAX_RETRY_AFTER_S = 1, 120
+JITTER = 0.5  # Retry-After is drawn from [1 - JITTER, 1 + JITTER] times the estimate
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request asking for admission, from `submit()` until it is settled."""
+
+    tenant_id: str
+    shape: RequestShape
+    arrived: float
+    deadline: float
+    payload: Any = None  # the caller's own context (the twin's request, say)
+    size: float = 0.0  # blocks it asks for, before sharing (orders the best-effort scan)
+    verdict: Verdict | None = None  # the last decision: admitted, or what it waits on
+    waited_on: Decision | None = None  # why it last had to wait (None: never waited)
+    reservation: Reservation | None = None
+    error: ApiError | None = None  # set when refused
+    settled_at: float | None = None
+    on_settled: Callable[[Ticket], None] | None = None
+
+    @property
+    def settled(self) -> bool:
+        return self.settled_at is not None
+
+    @property
+    def admitted(self) -> bool:
+        return self.reservation is not None
+
+    @property
+    def waited(self) -> float:
+        """Seconds between arrival and admission or refusal (0 while queued)."""
+        return 0.0 if self.settled_at is None else self.settled_at - self.arrived
+
+
+@dataclass
+class _TenantQueue:
+    tickets: deque[Ticket] = field(default_factory=deque)
+    served: float = 0.0  # VTC counter: blocks admitted / weight
+    admissions: deque[float] = field(default_factory=lambda: deque(maxlen=RATE_SAMPLES))
+
+    def drain_rate(self, now: float) -> float | None:
+        """Admissions per second lately, or None when too few to say."""
+        times = [t for t in self.admissions if now - t <= RATE_WINDOW_S]
+        if len(times) < 4 or times[-1] <= times[0]:
+            return None
+        return (len(times) - 1) / (times[-1] - times[0])
+
+
+class AdmissionQueue:
+    def __init__(
+        self,
+        ledger: Ledger,
+        *,
+        clock: Callable[[], float],
+        stats: Callable[[], EngineStats | None] = lambda: None,
+        max_model_len: Callable[[], int | None] = lambda: None,
+        rng: random.Random | None = None,
+        estimates: OutputEstimates | None = None,
+    ) -> None:
+        self.ledger = ledger
+        # What `Estimated` reservations count: learned from finished requests (the
+        # sidecar's relayed responses, the twin's finished requests).
+        self.estimates = estimates if estimates is not None else OutputEstimates()
+        self.clock = clock
+        self.stats = stats
+        self.max_model_len = max_model_len
+        self.rng = rng or random.Random()
+        self.policy: EnginePolicy | None = None
+        self._queues: dict[str, _TenantQueue] = {}
+        # The view, rebuilt when the ledger, the stats or the policy move; the tenants
+        # the engine reports holding blocks, when the stats or the policy do.
+        self._seen: tuple[EngineStats | None, EnginePolicy | None] | None = None
+        self._holders: frozenset[str] = frozenset()
+        self._view_version = -1
+        self._view: PoolView | None = None
+        # Seconds each tenant's queued requests waited on its maxBlocks beside idle KV.
+        self.idle_waits: dict[str, float] = {}
+        self._last_pump: float | None = None
+        # The pool-wide ledger on a shared store, when the pool names one.
+        self.pool: PoolAdmission | None = None
+
+    # -- the caller's side ----------------------------------------------------------
+
+    def set_policy(self, policy: EnginePolicy) -> None:
+        """A new policy applies to queued tickets too; tenants it dropped are refused
+        (and their learned estimates forgotten)."""
+        self.policy = policy
+        self.estimates.retain(policy.tenants)
+        self._seen = None
+
+    def submit(self, tenant_id: str, shape: RequestShape, payload: Any = None) -> Ticket:
+        """Queue a request of a tenant the policy knows; it may settle right away."""
+        assert self.policy is not None
+        now = self.clock()
+        tenant = self.policy.tenants[tenant_id]
+        ticket = Ticket(tenant_id, shape, now, now + tenant.max_queue_seconds, payload)
+        max_tokens = effective_max_tokens(tenant, shape, self.max_model_len())
+        output = self.estimates.output_tokens(tenant, shape.route, self.policy)
+        ticket.size = blocks_for(shape, reserved_output(max_tokens, output),
+                                 self.policy.block_size)
+        queue = self._queues.get(tenant_id)
+        if queue is None:
+            queue = self._queues[tenant_id] = _TenantQueue()
+        if not queue.tickets:
+            self._lift(tenant_id, queue)
+        queue.tickets.append(ticket)
+        self.pump()
+        if not ticket.settled:  # still last in its tenant's queue
+            position = len(queue.tickets) - 1
+            rate = queue.drain_rate(now)
+            full = position >= tenant.max_queued_requests
+            too_slow = rate is not None and (position + 1) / rate > tenant.max_queue_seconds
+            if full or too_slow:
+                queue.tickets.remove(ticket)
+                self._refuse(ticket, now)
+        return ticket
+
+    def cancel(self, ticket: Ticket) -> None:
+        """The client went away while queued: drop the ticket (it holds nothing)."""
+        queue = self._queues.get(ticket.tenant_id)
+        if not ticket.settled and queue is not None and ticket in queue.tickets:
+            queue.tickets.remove(ticket)
+            ticket.settled_at = self.clock()
+
+    def pump(self) -> list[Ticket]:
+        """Admit what fits now, refuse what waited too long; returns the settled."""
+        settled: list[Ticket] = []
+        if self.policy is None or not self._queues:
+            return settled
+        now = self.clock()
+        self._expire(now, settled)
+        while True:
+            # Within ceilings first; then, while nobody waits for capacity, a tenant at
+            # its maxBlocks may take the idle blocks (aboveMax: Reclaimable).
+            ticket = self._admit_next(now) or (
+                None if self._capacity_wanted() else self._admit_next(now, beyond_max=True))
+            if ticket is None:
+                break
+            settled.append(ticket)
+        self._note_idle_waits(now)
+        return settled
+
+    def next_deadline(self) -> float | None:
+        """When the first queued ticket times out (heads: a tenant's queue is FIFO)."""
+        return min((q.tickets[0].deadline for q in self._queues.values() if q.tickets),
+                   default=None)
+
+    def depth(self, tenant_id: str) -> int:
+        queue = self._queues.get(tenant_id)
+        return len(queue.tickets) if queue else 0
+
+    def oldest_wait(self, tenant_id: str) -> float:
+        queue = self._queues.get(tenant_id)
+        if not queue or not queue.tickets:
+            return 0.0
+        return max(0.0, self.clock() - queue.tickets[0].arrived)
+
+    def waiting(self) -> int:
+        return sum(len(q.tickets) for q in self._queues.values())
+
+    def tenants(self) -> list[str]:
+        return [t for t, q in self._queues.items() if q.tickets]
+
+    def view(self) -> PoolView:
+        """The pool as admission sees it now (cached until the stats or ledger move)."""
+        assert self.policy is not None
+        stats = self.stats()
+        seen = self._seen
+        if seen is None or seen[0] is not stats or seen[1] is not self.policy:
+            self._seen = (stats, self.policy)
+            self._holders = engine_holders(self.policy, stats)
+            self._view = None
+        if self._view is None or self._view_version != self.ledger.version:
+            self._view = pool_view(self.policy, stats, self.ledger, self._holders)
+            self._view_version = self.ledger.version
+        return self._view
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _lift(self, tenant_id: str, queue: _TenantQueue) -> None:
+        """VTC: a tenant joining the backlog starts level with the least served one of
+        its tier, so time spent idle is not credit."""
+        assert self.policy is not None
+        tier = self.policy.tenants[tenant_id].priority
+        counters = [
+            q.served for t, q in self._queues.items()
+            if q.tickets and t in self.policy.tenants and self.policy.tenants[t].priority == tier
+        ]
+        if counters:
+            queue.served = max(queue.served, min(counters))
+
+    def _order(self) -> list[tuple[str, _TenantQueue]]:
+        assert self.policy is not None
+        tenants = self.policy.tenants
+        backlog = [(t, q) for t, q in self._queues.items() if q.tickets and t in tenants]
+        backlog.sort(key=lambda item: (tenants[item[0]].priority, item[1].served))
+        return backlog
+
+    def _capacity_wanted(self) -> bool:
+        """Some queued request waits for capacity within its tenant's ceiling (the
+        watermark): idle blocks are wanted, so nobody may take them beyond maxBlocks."""
+        return any(ticket.waited_on is Decision.REJECTED_WATERMARK
+                   for queue in self._queues.values() for ticket in queue.tickets)
+
+    def _note_idle_waits(self, now: float) -> None:
+        """Charge the time since the last pump to the requests that waited on their
+        tenant's maxBlocks while the blocks they asked for sat idle above the watermark
+        and nobody waited for capacity ("waited beside idle KV", `idle_waits`)."""
+        since, self._last_pump = self._last_pump, now
+        if since is None or now <= since or self.policy is None:
+            return
+        capped = [(tenant_id, ticket.verdict.new_blocks)
+                  for tenant_id, queue in self._queues.items() for ticket in queue.tickets
+                  if ticket.verdict is not None and ticket.waited_on is Decision.REJECTED_QUOTA]
+        if not capped or self._capacity_wanted():
+            return
+        view = self.view()
+        if view.total_blocks is None:
+            return
+        idle = view.free_blocks - watermark_floor(self.policy.watermark, view.total_blocks)
+        for tenant_id, new_blocks in capped:
+            if new_blocks <= idle:
+                self.idle_waits[tenant_id] = self.idle_waits.get(tenant_id, 0.0) + now - since
+
+    def _admit_next(self, now: float, beyond_max: bool = False) -> Ticket | None:
+        """Settle the first request in order that can settle now (admitted, or refused
+        for good); None when every one must keep waiting. `beyond_max`: only tickets
+        waiting on their tenant's maxBlocks are tried, allowed past it (`decide`)."""
+        for tenant_id, queue in self._order():
+            smallest_waiting = math.inf  # a request at least this large waits too
+            for index, ticket in enumerate(queue.tickets):
+                if ticket.size >= smallest_waiting:
+                    continue
+                if beyond_max and ticket.waited_on is not Decision.REJECTED_QUOTA:
+                    break
+                if self._try(tenant_id, queue, ticket, index, now, beyond_max):
+                    return ticket
+                verdict = ticket.verdict
+                if verdict is not None and verdict.decision is Decision.REJECTED_CONCURRENCY:
+                    break
+                smallest_waiting = ticket.size
+        return None
+
+    def _try(
+        self, tenant_id: str, queue: _TenantQueue, ticket: Ticket, index: int, now: float,
+        beyond_max: bool = False,
+    ) -> bool:
+        """Decide one queued ticket; settle it (True) unless it must keep waiting."""
+        assert self.policy is not None
+        verdict = self._decide_now(ticket, beyond_max)
+        ticket.verdict = verdict
+        if verdict.waits:
+            ticket.waited_on = verdict.decision
+            return False
+        del queue.tickets[index]
+        if verdict.admitted:
+            weight = max(1, self.policy.tenants[tenant_id].guaranteed_blocks)
+            queue.served += verdict.blocks / weight
+            queue.admissions.append(now)
+            shape = ticket.shape
+            ticket.reservation = self.ledger.reserve(
+                tenant_id, verdict.extra, shape.session, shape.prefix,
+                verdict.remainder, self.growth(tenant_id, shape, verdict.max_tokens),
+                verdict.above_max,
+            )
+        else:
+            ticket.error = verdict.error
+        self._settle(ticket, now)
+        return True
+
+    def _expire(self, now: float, settled: list[Ticket]) -> None:
+        """Refuse heads past their deadline (or of tenants the policy dropped) with what
+        they wait on; a head that fits by now is admitted instead."""
+        assert self.policy is not None
+        for tenant_id, queue in list(self._queues.items()):
+            gone = tenant_id not in self.policy.tenants
+            if gone and not queue.tickets:
+                del self._queues[tenant_id]
+                continue
+            while queue.tickets and (gone or queue.tickets[0].deadline <= now):
+                ticket = queue.tickets[0]
+                if not gone and (self._try(tenant_id, queue, ticket, 0, now) or (
+                        not self._capacity_wanted()
+                        and self._try(tenant_id, queue, ticket, 0, now, beyond_max=True))):
+                    settled.append(ticket)
+                    continue
+                queue.tickets.popleft()
+                self._refuse(ticket, now)
+                settled.append(ticket)
+
+    def _refuse(self, ticket: Ticket, now: float) -> None:
+        """Refuse with what the ticket waited on, Retry-After from the drain rate."""
+        queue = self._queues.get(ticket.tenant_id)
+        verdict = ticket.verdict
+        gone = self.policy is None or ticket.tenant_id not in self.policy.tenants
+        if verdict is None or verdict.error is None or gone:
+            verdict = ticket.verdict = self._decide_now(ticket)
+        if verdict.error is None and queue is not None and queue.tickets:
+            # It would fit, but waits behind its tenant's earlier requests (first come,
+            # first served): it is refused for what the first of them waits on.
+            head = queue.tickets[0].verdict
+            if head is not None and head.error is not None:
+                verdict = ticket.verdict = replace(verdict, decision=head.decision,
+                                                   error=head.error)
+        assert verdict.error is not None, "refusing a request that fits"
+        rate = queue.drain_rate(now) if queue else None
+        ahead = len(queue.tickets) + 1 if queue else 1
+        tenant = self.policy.tenants.get(ticket.tenant_id) if self.policy else None
+        estimate = ahead / rate if rate else (tenant.max_queue_seconds if tenant else 1.0)
+        jittered = estimate * self.rng.uniform(1 - JITTER, 1 + JITTER)
+        retry_after = min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, math.ceil(jittered)))
+        error = verdict.error
+        ticket.error = ApiError(error.status, error.code, error.message, param=error.param,
+                                retry_after=retry_after, headers=dict(error.headers))
+        self._settle(ticket, now)
+
+    def _decide_now(self, ticket: Ticket, beyond_max: bool = False) -> Verdict:
+        assert self.policy is not None
+        tenant = self.policy.tenants.get(ticket.tenant_id)
+        if tenant is None:
+            error = ApiError(403, errors.UNKNOWN_TENANT,
+                             f"tenant {ticket.tenant_id!r} is no longer in the pool's policy")
+            return Verdict(Decision.REJECTED_AUTH, 0, 0, error)
+        policy, view = self.policy, self.view()
+
+        def run(tenant: TenantPolicy) -> Verdict:
+            return decide(tenant, ticket.shape, block_size=policy.block_size,
+                          watermark=policy.watermark, view=view,
+                          max_model_len=self.max_model_len(),
+                          outlook=self.estimates.outlook(tenant, ticket.shape.route, policy),
+                          beyond_max=beyond_max)
+
+        return self.pool.decide(tenant, view, run) if self.pool is not None else run(tenant)
+
+    def growth(self, tenant_id: str, shape: RequestShape, max_tokens: int) -> RequestGrowth:
+        """How an admitted request's take and remainder follow what it decodes (its
+        tenant's learned lengths beyond that point, as they stand at each update)."""
+        assert self.policy is not None
+        policy, estimates = self.policy, self.estimates
+        tenant = policy.tenants[tenant_id]
+
+        def outlook(decoded: int) -> Outlook:
+            ahead = estimates.outlook(tenant, shape.route, policy, decoded)
+            room = max_tokens - decoded
+            return Outlook.exactly(room) if ahead is None else ahead.capped(room)
+
+        full = len(shape.prefix)
+        return RequestGrowth(shape.prompt_tokens, shape.n, full, policy.block_size, outlook)
+
+    def _settle(self, ticket: Ticket, now: float) -> None:
+        ticket.settled_at = now
+        if ticket.on_settled is not None:
+            ticket.on_settled(ticket)

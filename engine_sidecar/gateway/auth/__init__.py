@@ -1,0 +1,1 @@
+"""Who is calling (JWT, anonymous, trusted header), and the engine's own API key."""

@@ -1,0 +1,1 @@
+"""The engine policy the sidecar enforces, and where it comes from."""

@@ -1,0 +1,135 @@
+"""Pool-wide admission on the shared ledger (`pool_store`), for what routing cannot see.
+
+Admission on one engine holds a tenant to its per-engine split of the pool-wide quota.
+When routing concentrates a tenant on a few engines, its guarantee idles on the others
+while it is refused here. With a store, a request that the split would refuse (blocks
+or concurrency) is decided again against the tenant's pool-wide maxBlocks and
+maxConcurrentRequests (so the engine's capacity checks still apply), and admitted if
+one check-and-charge on the store says the pool-wide total allows it.
+
+The request path stays cheap: within what this sidecar has claimed of the tenant's
+share (its allowance) nothing goes to the store. A store that is down or slow leaves
+the sidecar to what it had claimed, at most its per-engine ceiling: never above the
+pool-wide maxBlocks. A sidecar that never reached its store keeps the split, as
+without one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+from engine_sidecar.contract.policy import EnginePolicy, TenantPolicy
+from engine_sidecar.gateway import errors
+from engine_sidecar.gateway.admission.rules import Decision, PoolView, Verdict
+from engine_sidecar.gateway.errors import ApiError
+from engine_sidecar.gateway.pool.store import Limits, Outcome
+
+
+class ClaimStore(Protocol):
+    """What admission needs of the ledger (`pool_store.PoolStore`; the twin's model)."""
+
+    @property
+    def ttl_s(self) -> float: ...
+    @property
+    def ever_reached(self) -> bool: ...
+    @property
+    def reachable(self) -> bool: ...
+    def sync(self, tenant: str, blocks: int, requests: int) -> None: ...
+    def charge(self, tenant: str, blocks: int, limits: Limits,
+               requests: int = 1) -> Outcome: ...
+    def refresh(self, limits: Mapping[str, Limits] | None = None) -> bool: ...
+
+
+_SPLIT_REFUSALS = (Decision.REJECTED_QUOTA, Decision.REJECTED_CONCURRENCY)
+
+
+def limits_of(tenant: TenantPolicy) -> Limits | None:
+    """The store's limits for `tenant`: pool-wide, and this engine's split as the most
+    its allowance may grow to (None: the policy has no pool-wide quota for it)."""
+    pool = tenant.pool_wide
+    if pool is None:
+        return None
+    return Limits(max_blocks=pool.max_blocks, ceiling_blocks=tenant.max_blocks,
+                  max_requests=pool.max_concurrent_requests,
+                  ceiling_requests=tenant.max_concurrent_requests,
+                  guaranteed_blocks=pool.guaranteed_blocks)
+
+
+def pool_wide(tenant: TenantPolicy) -> TenantPolicy:
+    """The tenant as admission sees it when the store has granted it the pool's room."""
+    assert tenant.pool_wide is not None
+    return tenant.model_copy(update={
+        "max_blocks": max(tenant.max_blocks, tenant.pool_wide.max_blocks),
+        "max_concurrent_requests": tenant.pool_wide.max_concurrent_requests,
+    })
+
+
+class PoolAdmission:
+    """Wraps one sidecar's decisions with the pool-wide ledger."""
+
+    def __init__(self, store: ClaimStore) -> None:
+        self.store = store
+        self.charges = {outcome: 0 for outcome in Outcome}  # what decisions needed
+        # Tenants the store refused since the last refresh: their queued requests do not
+        # ask again at every pump, only once the claims have moved.
+        self._refused: set[str] = set()
+
+    def decide(self, tenant: TenantPolicy, view: PoolView,
+               run: Callable[[TenantPolicy], Verdict]) -> Verdict:
+        """`run(tenant)`: `admission.decide` for this request with that tenant policy."""
+        verdict = run(tenant)
+        limits = limits_of(tenant)
+        if limits is None or not (verdict.admitted or verdict.decision in _SPLIT_REFUSALS):
+            return verdict
+        load = view.tenant(tenant.tenant_id)
+        if verdict.admitted and not verdict.above_max:
+            return self._charge(tenant, load.charged, load.inflight, verdict, limits)
+        # Refused by the split (or admitted only into idle KV beyond it): try the pool.
+        if tenant.tenant_id in self._refused:
+            return verdict
+        wide = run(pool_wide(tenant))
+        if not wide.admitted or wide.above_max:
+            return verdict
+        granted = self._charge(tenant, load.charged, load.inflight, wide, limits)
+        if not granted.admitted:
+            self._refused.add(tenant.tenant_id)
+            return verdict
+        return granted
+
+    def _charge(self, tenant: TenantPolicy, charged: int, inflight: int, verdict: Verdict,
+                limits: Limits) -> Verdict:
+        self.store.sync(tenant.tenant_id, charged, inflight)
+        outcome = self.store.charge(tenant.tenant_id, verdict.blocks, limits)
+        self.charges[outcome] += 1
+        if outcome in (Outcome.LOCAL, Outcome.POOL):
+            return verdict
+        if outcome is Outcome.FALLBACK and not self.store.ever_reached:
+            # Never reached: nothing claimed anywhere for this sidecar; keep the split.
+            return verdict if charged + verdict.blocks <= tenant.max_blocks else _full(
+                tenant, charged, verdict)
+        return _full(tenant, charged, verdict)
+
+    def refresh(self, policy: EnginePolicy, view: PoolView) -> bool:
+        """Republish what this sidecar's requests hold (call 3x per TTL)."""
+        self._refused.clear()
+        limits: dict[str, Limits] = {}
+        for tenant_id, tenant in policy.tenants.items():
+            lim = limits_of(tenant)
+            if lim is None:
+                continue
+            limits[tenant_id] = lim
+            load = view.tenant(tenant_id)
+            self.store.sync(tenant_id, load.charged, load.inflight)
+        return self.store.refresh(limits)
+
+
+def _full(tenant: TenantPolicy, charged: int, verdict: Verdict) -> Verdict:
+    pool = tenant.pool_wide
+    assert pool is not None
+    return Verdict(Decision.REJECTED_QUOTA, verdict.max_tokens, verdict.blocks, ApiError(
+        429, errors.TENANT_BLOCK_QUOTA_EXHAUSTED,
+        f"tenant {tenant.tenant_id!r} holds or has reserved {charged} KV blocks on this "
+        f"engine and its pool-wide total leaves no room for {verdict.blocks} more "
+        f"(pool-wide maxBlocks {pool.max_blocks}). Retry later or lower max_tokens.",
+    ), verdict.borrowing, verdict.new_blocks, verdict.extra, verdict.output_tokens)

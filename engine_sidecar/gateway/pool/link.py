@@ -1,0 +1,71 @@
+"""The sidecar's connection to its pool's shared ledger, as the policy names it.
+
+Built when the policy's `poolStore` appears or changes (the password read from the
+mounted secrets directory, never logged), dropped when it goes; `run` refreshes this
+sidecar's claims three times per TTL so they outlive it by at most one TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+from engine_sidecar.contract.policy import EnginePolicy, PoolStorePolicy
+from engine_sidecar.gateway.admission.rules import PoolView
+from engine_sidecar.gateway.pool.admission import PoolAdmission
+from engine_sidecar.gateway.pool.store import PoolStore, connect
+
+logger = logging.getLogger(__name__)
+
+
+class PoolLink:
+    def __init__(self, secrets_dir: Path | None, engine_id: str | None) -> None:
+        self.secrets_dir = secrets_dir
+        # One hash per sidecar: the pod name, else unique to this process.
+        self.sidecar = engine_id or f"{socket.gethostname()}-{os.getpid()}"
+        self._spec: tuple[str, PoolStorePolicy] | None = None
+        self.admission: PoolAdmission | None = None
+
+    def for_policy(self, policy: EnginePolicy) -> PoolAdmission | None:
+        """The pool-wide admission for `policy` (None: the policy names no store)."""
+        spec = (policy.pool, policy.pool_store) if policy.pool_store is not None else None
+        if spec == self._spec:
+            return self.admission
+        self._spec = spec
+        self.admission = None if spec is None else self._connect(*spec)
+        return self.admission
+
+    def _connect(self, pool: str, store: PoolStorePolicy) -> PoolAdmission | None:
+        password = None
+        if store.password_file is not None:
+            if self.secrets_dir is None:
+                logger.error("kvquota: poolStore names a password file but the sidecar has "
+                             "no --secrets-dir; pool-wide admission off")
+                return None
+            try:
+                password = (self.secrets_dir / store.password_file).read_text().strip()
+            except OSError as error:
+                logger.error("kvquota: cannot read the pool store's password file %s (%s); "
+                             "pool-wide admission off", store.password_file,
+                             type(error).__name__)
+                return None
+        client = connect(store.address, password, timeout_s=store.timeout_ms / 1000)
+        logger.info("kvquota: pool-wide admission on the store at %s", store.address)
+        return PoolAdmission(PoolStore(client, pool, self.sidecar, ttl_s=store.ttl_seconds))
+
+    async def run(self, policy: Callable[[], EnginePolicy | None],
+                  view: Callable[[], PoolView | None]) -> None:
+        """Refresh this sidecar's claims 3x per TTL while the policy names a store."""
+        while True:
+            current = policy()
+            admission = self.for_policy(current) if current is not None else None
+            pool_view = view()
+            if admission is not None and current is not None and pool_view is not None:
+                admission.refresh(current, pool_view)
+                await asyncio.sleep(admission.store.ttl_s / 3)
+            else:
+                await asyncio.sleep(1.0)

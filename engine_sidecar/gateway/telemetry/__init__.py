@@ -1,0 +1,1 @@
+"""What the sidecar tells Prometheus, tracing, the operator and endpoint pickers."""

@@ -1,0 +1,1 @@
+"""The HTTP clients to the engine, and whether it is answering."""

@@ -1,0 +1,64 @@
+"""The data plane through httpx, for installs without httptools.
+
+Same interface and error types as `upstream_http.UpstreamPool`; correct, but several
+times the CPU per streamed chunk (see upstream_http.py), so the sidecar logs a warning
+when it has to use it. Install `uvicorn[standard]` (or `httptools`) for the fast path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpx
+
+from engine_sidecar.gateway.upstream.lean_http import (
+    UpstreamConnectError,
+    UpstreamProtocolError,
+    UpstreamTimeout,
+    find_header,
+)
+
+
+def _mapped(exc: httpx.HTTPError) -> OSError:
+    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+        return UpstreamConnectError(type(exc).__name__)
+    if isinstance(exc, httpx.TimeoutException):
+        return UpstreamTimeout(type(exc).__name__)
+    return UpstreamProtocolError(type(exc).__name__)
+
+
+class HttpxResponse:
+    def __init__(self, response: httpx.Response) -> None:
+        self._response = response
+        self.status_code = response.status_code
+        self.raw_headers = [(k.lower(), v) for k, v in response.headers.raw]
+
+    def header(self, name: bytes) -> bytes | None:
+        return find_header(self.raw_headers, name)
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._response.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as exc:
+            raise _mapped(exc) from None
+
+    async def aclose(self) -> None:
+        await self._response.aclose()
+
+
+class HttpxPool:
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self._client = client
+
+    async def request(
+        self, method: str, target: str, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> HttpxResponse:
+        request = self._client.build_request(method, target, headers=headers, content=body)
+        try:
+            return HttpxResponse(await self._client.send(request, stream=True))
+        except httpx.HTTPError as exc:
+            raise _mapped(exc) from None
+
+    def close(self) -> None:
+        """The shared httpx client is closed by its owner."""
