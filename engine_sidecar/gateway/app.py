@@ -39,7 +39,6 @@ from starlette.types import Receive, Scope, Send
 from engine_sidecar.contract.names import STATUS_ROUTE
 from engine_sidecar.gateway import errors
 from engine_sidecar.gateway.admission.admitter import Admitter
-from engine_sidecar.gateway.admission.ledger import Ledger
 from engine_sidecar.gateway.admission.output_estimate import OutputEstimates
 from engine_sidecar.gateway.admission.rules import PoolView
 from engine_sidecar.gateway.config import GatewayConfig
@@ -90,7 +89,6 @@ class Gateway:
             engine=config.engine_id,
         )
         self.policy_source = policy_source
-        self.ledger = Ledger(on_release=lambda _reservation: self.admitter.wake())
         self.stats = EngineStatsReader(config.stats_path)
         self.monitor = EngineMonitor(interval=config.engine_probe_interval)
         self.estimates = OutputEstimates()  # learned from the responses relayed
@@ -102,15 +100,15 @@ class Gateway:
         self.tokenizers = TokenizerSetup(config, self.upstream, self.monitor, self.holder,
                                          token_counter)
         self.intake = Intake(config, self.holder, self.metrics)
+        self.pool_link = PoolLink(config.secrets_dir, config.engine_id)
         self.admitter = Admitter(
-            intake=self.intake, holder=self.holder, metrics=self.metrics, ledger=self.ledger,
+            intake=self.intake, holder=self.holder, metrics=self.metrics,
             stats=self.stats.current, monitor=self.monitor, estimates=self.estimates,
             tokenizers=self.tokenizers, retry_after=config.retry_after_seconds,
+            pool_link=self.pool_link,
         )
-        self.pool_link = PoolLink(config.secrets_dir, config.engine_id)
-        self.admitter.pool_link = self.pool_link
-        self.relay = Relay(config, self.upstream, self.holder, self.metrics, self.estimates,
-                           self.admitter.capacity)
+        self.ledger = self.admitter.ledger
+        self.relay = Relay(config, self.upstream, self.holder, self.metrics, self.estimates)
         self.queue = self.admitter.queue
         self.prompts = self.admitter.prompts
         self.counters = self.admitter.counters

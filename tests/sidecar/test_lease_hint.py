@@ -8,8 +8,8 @@ import base64
 import httpx
 
 from engine_sidecar.contract.policy import LeasePolicy
+from engine_sidecar.gateway.admission.call_back import calls_back
 from engine_sidecar.gateway.admission.rules import PoolView, _TenantView
-from engine_sidecar.gateway.relay.affinity import calls_back
 
 from .conftest import StubFactory
 from .helpers import FULL_RESERVATION, Keys, http_post, make_policy, tenant

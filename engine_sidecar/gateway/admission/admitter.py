@@ -31,6 +31,7 @@ from starlette.types import Receive
 
 from engine_sidecar.contract.stats import EngineStats
 from engine_sidecar.gateway import errors
+from engine_sidecar.gateway.admission.call_back import calls_back
 from engine_sidecar.gateway.admission.ledger import Ledger, Reservation
 from engine_sidecar.gateway.admission.output_estimate import OutputEstimates
 from engine_sidecar.gateway.admission.queue import AdmissionQueue, Ticket
@@ -70,13 +71,16 @@ class Admitted:
     # Sequences the response's output tokens are spread over (a batch of prompts, n
     # choices each): the output estimate is per sequence.
     sequences: int
+    # A leased session's: is it told to bring its next turn back here (None: no lease).
+    call_back: bool | None = None
 
 
 class Admitter:
     def __init__(
         self, *, intake: Intake, holder: PolicyHolder, metrics: GatewayMetrics,
-        ledger: Ledger, stats: Callable[[], EngineStats | None], monitor: EngineMonitor,
+        stats: Callable[[], EngineStats | None], monitor: EngineMonitor,
         estimates: OutputEstimates, tokenizers: TokenizerSetup, retry_after: int,
+        pool_link: PoolLink | None = None,
     ) -> None:
         self.intake = intake
         self.holder = holder
@@ -86,12 +90,15 @@ class Admitter:
         self.retry_after = retry_after
         self.counters = DecisionCounters()
         self.prompts = PromptCounting()  # size floor, worker pool, token cache
+        self._changed = asyncio.Event()
+        # A released reservation may admit a queued request: it wakes the pump.
+        self.ledger = Ledger(on_release=lambda _reservation: self.wake())
         self.queue = AdmissionQueue(
-            ledger, clock=time.monotonic, stats=stats,
+            self.ledger, clock=time.monotonic, stats=stats,
             max_model_len=lambda: monitor.max_model_len, estimates=estimates,
         )
-        self._changed = asyncio.Event()
-        self.pool_link: PoolLink | None = None  # the pool-wide ledger, when the app sets it
+        self.pool_link = pool_link  # the pool-wide ledger, when the policy names a store
+        holder.subscribe(self.sync_policy)  # reads (`capacity`) see the policy in force
         self.recounts: set[asyncio.Task[None]] = set()
         self.ceiling_admissions = 0  # admitted on a ceiling, counted afterwards (tests)
 
@@ -180,8 +187,12 @@ class Admitter:
             reservation.release("error")
             raise
         self.metrics.tier(tier).reserved_blocks.inc(verdict.blocks)
+        call_back = None
+        if reservation.session and tenant.lease.seconds > 0:
+            call_back = calls_back(self.queue.view(), tenant_id, reservation.session,
+                                   reservation.turn_blocks, tenant.max_blocks)
         return Admitted(reservation, body, tier, ticket.waited,
-                        request.n * max(1, len(shape.prompt_tokens)))
+                        request.n * max(1, len(shape.prompt_tokens)), call_back)
 
     def _count_error(self, error: ApiError, tenant_id: str, tier: str) -> ApiError:
         if error.code == errors.PROMPT_TOO_LONG:
@@ -309,12 +320,9 @@ class Admitter:
         return not left
 
     def capacity(self) -> PoolView | None:
-        """The pool as admission sees it (None before a policy is loaded)."""
-        active = self.holder.active
-        if active is None:
-            return None
-        self.sync_policy(active)
-        return self.queue.view()
+        """The pool as admission sees it (None before a policy is loaded). A read: the
+        queue follows the policy as it changes (`sync_policy`, subscribed)."""
+        return None if self.queue.policy is None else self.queue.view()
 
     def sync_policy(self, active: ActivePolicy) -> None:
         if self.queue.policy is not active.policy:

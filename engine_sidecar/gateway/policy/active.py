@@ -113,11 +113,16 @@ class PolicyHolder:
         self.active: ActivePolicy | None = None
         self.error: str | None = None
         self._on_error = on_error
-        self._on_change = on_change  # after a new policy version became active
+        # Called after a new policy version became active.
+        self._listeners = [on_change] if on_change is not None else []
         self._last_raw: bytes | None = None
         self._latest: EnginePolicy | None = None  # last well-formed policy offered
         self._offered: EnginePolicy | None = None  # the active one, as offered
         self._secret_prints: dict[Path, files.Signature | None] = {}
+
+    def subscribe(self, listener: Callable[[ActivePolicy], None]) -> None:
+        """Call `listener` with each new policy version once it is active."""
+        self._listeners.append(listener)
 
     def offer(self, raw: str | bytes, origin: str) -> bool:
         """Try a policy document; True if it is now the active one."""
@@ -178,8 +183,8 @@ class PolicyHolder:
         if previous is None or previous.version != active.version:
             logger.info("policy %s active (%d tenants, from %s)",
                         active.version, len(policy.tenants), origin)
-            if self._on_change is not None:
-                self._on_change(active)
+            for listener in self._listeners:
+                listener(active)
         self._write_for_plugin(policy)
         return True
 

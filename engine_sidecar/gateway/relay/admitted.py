@@ -12,17 +12,14 @@ teach the tenant's output estimate.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from starlette.types import Receive, Scope, Send
 
 from engine_sidecar.gateway.admission.admitter import Admitted
 from engine_sidecar.gateway.admission.output_estimate import OutputEstimates
-from engine_sidecar.gateway.admission.rules import PoolView
 from engine_sidecar.gateway.config import GatewayConfig
 from engine_sidecar.gateway.intake.openai_request import Kind
 from engine_sidecar.gateway.policy.active import ActivePolicy, PolicyHolder
-from engine_sidecar.gateway.relay.affinity import affinity_headers, calls_back
+from engine_sidecar.gateway.relay.affinity import affinity_headers
 from engine_sidecar.gateway.relay.exchange import (
     REQUEST_DROP,
     Upstream,
@@ -41,14 +38,12 @@ QUEUE_HEADER = b"x-kvquota-queue-ms"  # on admitted responses: time spent in the
 
 class Relay:
     def __init__(self, config: GatewayConfig, upstream: Upstream, holder: PolicyHolder,
-                 metrics: GatewayMetrics, estimates: OutputEstimates,
-                 view: Callable[[], PoolView | None]) -> None:
+                 metrics: GatewayMetrics, estimates: OutputEstimates) -> None:
         self.upstream = upstream
         self.holder = holder
         self.metrics = metrics
         self.estimates = estimates
         self._drop = frozenset(REQUEST_DROP | config.extra_request_drop | {b"content-type"})
-        self.view = view  # admission's view of this engine (the tenant's charge)
         # On a leased session's admitted responses: the engine that will hold its KV,
         # calling the session back (the token) or not (the token cleared).
         self._affinity = {
@@ -65,13 +60,8 @@ class Relay:
         reservation, tier = admitted.reservation, admitted.tier
         extra_headers = [(QUEUE_HEADER, str(round(admitted.waited * 1000)).encode()),
                          server_timing("admit", arrived)]
-        leasing = active.policy.tenants.get(tenant_id)
-        if reservation.session and leasing is not None and leasing.lease.seconds > 0:
-            view = self.view()
-            call_back = view is None or calls_back(
-                view, tenant_id, reservation.session, reservation.turn_blocks,
-                leasing.max_blocks)
-            extra_headers.extend(self._affinity[call_back])
+        if admitted.call_back is not None:  # a leased session: decided at admission
+            extra_headers.extend(self._affinity[admitted.call_back])
         outcome = "cancelled"
         meter = OutputMeter(kind.value)
         upstream = self.upstream

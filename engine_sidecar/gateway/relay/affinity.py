@@ -24,7 +24,7 @@ configuration: 3 against 1 + 1) sends the session back to queue on its tenant's
 per-engine ceiling there. So the token is sent only while the tenant's charge on this
 engine (this turn's included) leaves room below its maxBlocks here for the next turns
 of the sessions it has already called back (those between turns, each at least its
-lease's size) and about one more turn of this one (`calls_back`: this turn's own
+lease's size) and about one more turn of this one (`admission.call_back.calls_back`: this turn's own
 blocks again): each token is a promise of room, and several sessions that were each
 told there is room for one more turn come back together. Otherwise the response
 clears it, so the picker's other scorers decide the next turn: the header
@@ -44,7 +44,6 @@ import base64
 import os
 
 from engine_sidecar.contract.names import ENGINE_NAMESPACE_ENV
-from engine_sidecar.gateway.admission.rules import PoolView
 
 LEASE_ENGINE_HEADER = b"x-kvquota-lease-engine"
 SESSION_TOKEN_HEADER = b"x-session-token"
@@ -61,18 +60,6 @@ def session_token(namespace: str, pod: str) -> str:
     return base64.b64encode(f"{namespace}/{pod}".encode()).decode("ascii")
 
 
-def calls_back(view: PoolView, tenant_id: str, session: str, turn_blocks: int,
-               max_blocks: int) -> bool:
-    """Whether this engine can take the session's next turn under its tenant's ceiling
-    beside the turns it has already called back: the tenant's charge here
-    (`_TenantView.charged`, this turn included), plus the blocks the leases of its
-    other sessions between turns pin (each was told to come back, and its next turn
-    is at least that large), plus about one more turn of this session (this turn's
-    blocks), within its maxBlocks."""
-    seen = view.tenant(tenant_id)
-    promised = sum(blocks for other, blocks in seen.leases.items()
-                   if other != session and other not in seen.sessions)
-    return seen.charged + promised + turn_blocks <= max_blocks
 
 
 def affinity_headers(pod: str | None, namespace: str | None, *, call_back: bool = True

@@ -45,11 +45,11 @@ from typing import TYPE_CHECKING, Any
 from engine_sidecar.contract.files import write_atomically
 from engine_sidecar.contract.policy import EnginePolicy, Isolation, PoolLimits, Tier
 from engine_sidecar.contract.stats import SidecarStatus
+from engine_sidecar.gateway.admission.call_back import calls_back
 from engine_sidecar.gateway.admission.rules import Decision
 from engine_sidecar.gateway.auth.callers import Authenticator
 from engine_sidecar.gateway.policy.active import ActivePolicy
 from engine_sidecar.gateway.pool.admission import PoolAdmission
-from engine_sidecar.gateway.relay.affinity import calls_back
 from engine_sidecar.gateway.telemetry.picker_signals import (
     KV_USAGE,
     TIER_LABEL,
@@ -412,7 +412,7 @@ class PoolRun:
         """The sidecar's response names its engine in the session token when the
         session's tenant has leases, and clears the token instead when the tenant's
         charge there leaves less than the next turns of the sessions it already called
-        back and another of this one below its ceiling (`gateway.affinity.calls_back`,
+        back and another of this one below its ceiling (`gateway.admission.call_back.calls_back`,
         on the engine's own policy and admission view, as the sidecar's relay decides
         it); its client echoes the token with the session's next turns, retries
         included. Behind a configured picker the picker's own scorer writes the token

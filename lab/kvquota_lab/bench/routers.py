@@ -35,7 +35,7 @@ chosen by the pool's `signals` (`SIGNALS`, `kvquota bench --picker-signals`):
   tier's, which a configured picker maps to attributes. With these signals and a
   router other than the configured picker, the pool hands the router the session token
   the sidecar writes on a leased session's admitted responses
-  (`gateway.affinity.calls_back`; `RouteRequest.token_engine`).
+  (`gateway.admission.call_back.calls_back`; `RouteRequest.token_engine`).
 
 Ties go to the lowest engine index, so a run is deterministic.
 """
