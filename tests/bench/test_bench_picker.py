@@ -18,7 +18,8 @@ from kvquota_lab.bench.picker_config import (
     parse_picker_config,
 )
 from kvquota_lab.bench.picker_router import ConfiguredPicker
-from kvquota_lab.bench.routers import EngineLoad, RouteRequest, make_router
+from kvquota_lab.bench.router_choice import make_router
+from kvquota_lab.bench.routers import EngineLoad, RouteRequest
 
 KV, WAITING = "kvquota:kv_cache_usage_perc", "kvquota:num_requests_waiting"
 

@@ -9,13 +9,13 @@ from typing import Any
 import pytest
 
 from kvquota_lab.bench.pool import PoolSpec, run_pool, scale_load
+from kvquota_lab.bench.router_choice import make_router
 from kvquota_lab.bench.routers import (
     EngineLoad,
     PrefixAffinity,
     RoundRobin,
     RouteRequest,
     SessionAffinity,
-    make_router,
     prefix_hashes,
 )
 from kvquota_lab.bench.runner import BenchOptions, run_bench

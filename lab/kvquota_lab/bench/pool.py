@@ -63,6 +63,7 @@ from kvquota.split.rebalance import TenantTotals
 from kvquota_lab.bench.metrics import Outcome, RunResult, Timeline
 from kvquota_lab.bench.picker_config import PickerConfig, load_picker_config
 from kvquota_lab.bench.pool_ledger import TwinLedger, TwinPoolStore
+from kvquota_lab.bench.router_choice import make_router
 from kvquota_lab.bench.routers import (
     KVQUOTA_SIGNALS,
     SIGNALS,
@@ -71,7 +72,6 @@ from kvquota_lab.bench.routers import (
     Router,
     RouteRequest,
     SeriesKey,
-    make_router,
 )
 from kvquota_lab.bench.scenario import Bursts, Scenario, Session, generate_sessions
 from kvquota_lab.bench.twin import (

@@ -5,7 +5,7 @@
   requests (the inference extension's kv-cache-utilization scorer alone).
 - `prefix-affinity`: the endpoint picker. Reading KVQuota's series, it is llm-d Router
   running the shipped picker configuration (`picker_router.ConfiguredPicker`, built by
-  `make_router` from a `picker_config.PickerConfig`). Reading vLLM's series (stock
+  `router_choice.make_router` from a `picker_config.PickerConfig`). Reading vLLM's series (stock
   engines, or `--picker-signals vllm`), it is `PrefixAffinity`, a model of the
   pickers' stock scorers: the prompt is cut into `blockSize`-token blocks; block i's
   hash chains block i's content with block i-1's hash, and the chain starts from the
@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from kvquota_lab.bench.picker_config import PickerConfig
+    pass
 
 MAX_PREFIX_BLOCKS = 256  # the extension's default: longer prompts are matched this far
 PREFIX_WEIGHT, KV_WEIGHT, QUEUE_WEIGHT = 2.0, 1.0, 1.0
@@ -193,30 +193,3 @@ class PrefixAffinity:
         best = max(candidates, key=lambda i: (score(i), -i))
         self._index[best].add(hashes)
         return best
-
-
-ROUTERS = ("round-robin", "least-kv", "prefix-affinity", "session-affinity")
-
-
-def make_router(name: str, engines: int, *, block_size: int, capacity_blocks: int,
-                model: str, kv_filter: float | None = None,
-                config: PickerConfig | None = None) -> Router:
-    """With `config`, `prefix-affinity` is llm-d Router running it (`picker_router`);
-    without, the model of the pickers' stock scorers on vLLM's series (`PrefixAffinity`)."""
-    if name == "round-robin":
-        return RoundRobin()
-    if name == "least-kv":
-        return LeastKv()
-    if name == "prefix-affinity":
-        if config is not None:
-            from kvquota_lab.bench.picker_router import ConfiguredPicker
-
-            if kv_filter is not None:
-                config = config.with_threshold(kv_filter)
-            return ConfiguredPicker(config, engines, block_size=block_size,
-                                    capacity_blocks=capacity_blocks, model=model)
-        return PrefixAffinity(engines, block_size=block_size,
-                              capacity_blocks=capacity_blocks, model=model, kv_filter=kv_filter)
-    if name == "session-affinity":
-        return SessionAffinity()
-    raise ValueError(f"unknown router {name!r}; choose from {', '.join(ROUTERS)}")
