@@ -5,18 +5,10 @@ for the operator, Prometheus and the kubelet (/kvquota/status, /metrics, /health
 /readyz with its reasons). Nothing on the client port shows another tenant's usage,
 the policy's errors or a server path.
 
-Request path for POST /v1/completions, /v1/chat/completions and /v1/responses:
-policy loaded? -> authenticate (headers only) -> read the body (capped for the tenant,
-with a deadline) -> parse, and refuse a prompt too long by its size alone -> count
-prompt tokens (cached; long ones in worker processes) -> decide + reserve (synchronously, so
-atomic) -> rewrite -> stream to the engine -> release the reservation whatever
-happened. A refusal sent before the body was read closes the connection.
-
-`Gateway` wires the parts and routes to them; calls go one way, from the gateway to
-its parts: `intake` (policy, authentication, body), `admitter` (count, queue, decide,
-rewrite), `relay` (to the engine and back), `passthrough` and `models_route` (vLLM's
-other routes), `tokenizer_setup`. Each generation request's steps are told to the
-observer given in the config (`observer`; spans in `tracing`).
+A generation request goes through intake (policy, caller, capped body), counting,
+admission (decide and reserve, synchronously, so atomic) and the relay, which releases
+the reservation whatever happened. `Gateway` builds those parts in dependency order and
+tells each request's steps to the configured observer (`telemetry.observer`).
 """
 
 from __future__ import annotations

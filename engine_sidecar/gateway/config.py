@@ -34,7 +34,7 @@ class GatewayConfig:
     # POD_NAMESPACE: with engine_id, the pod a picker's session token names (`affinity`)
     engine_namespace: str | None = field(default_factory=engine_namespace)
     data_plane: str = "auto"  # "httptools" (fast), "httpx" (fallback), "auto"
-    engine_key: EngineKey | None = None  # vLLM's --api-key, sent upstream (`engine_auth`)
+    engine_key: EngineKey | None = None  # vLLM's --api-key, sent upstream (`auth.engine_key`)
     # Hears each generation request's steps (`observer`): OpenTelemetry spans when an
     # OTLP endpoint is configured (`tracing`), else nothing.
     observer: Observer = field(default_factory=observer_from_env)

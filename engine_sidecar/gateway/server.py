@@ -1,28 +1,14 @@
 """The sidecar's two HTTP servers, and what one connection may hold on either.
 
 The client port serves /v1/* and health; the admin port serves status, metrics and
-health (`Gateway.admin_app`) to the operator and Prometheus only. Each is its own
-uvicorn server in one event loop, so a flood on the client port never starves the
-operator's status poll or the kubelet's probes.
+health to the operator, Prometheus and the kubelet. Each is its own uvicorn server in
+one event loop, so a flood on the client port never starves the operator's status poll
+or the kubelet's probes.
 
-What is enforced where:
-- request head (request line and headers): `GuardedHttpToolsProtocol` below. It must
-  be complete within `head_timeout` seconds of the connection opening, or of its first
-  byte on a kept-alive connection, and within `max_head_bytes`; else 408 / 431 and the
-  connection is closed. uvicorn has no head deadline of its own on httptools, and
-  httptools buffers a header of any length.
-- an idle kept-alive connection: uvicorn's `timeout_keep_alive`.
-- connections open at once, per server: uvicorn's `limit_concurrency` (set to
-  `max_connections` + 1: uvicorn counts the connection asking). Beyond it, a request is
-  answered 503 (text/plain, `connection: close`) as soon as its head is in; until then
-  the head deadline bounds how long it holds its file descriptor.
-- the request body: the app (`request_body.read_body`): a size cap (413) and a deadline
-  (408); a refusal sent before the body was read closes the connection.
-
-The event loop is uvloop's where it is installed (uvicorn[standard] brings it), asyncio's
-otherwise (`run`): per streamed chunk and per request, uvloop's transports and callbacks
-cost a fraction of asyncio's (issue #18, measured with `python -m
-kvquota_lab.perf.sidecar`).
+uvicorn has no deadline for a request head on httptools, and httptools buffers a header
+of any length, so `GuardedHttpToolsProtocol` bounds the head in time and size (408 /
+431, then closed). The connection limit, keep-alive timeout and the event loop (uvloop
+where installed: it costs less per chunk) are uvicorn's; docs/gateway.md lists them.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """vLLM's own API key (`--api-key`, `VLLM_API_KEY`) on every call the sidecar makes to it.
 
 Clients send their tenant's token to the sidecar; vLLM started with an API key wants
-its key instead. The sidecar never forwards a client's Authorization header
-(`forward.REQUEST_DROP`), and sends `Authorization: Bearer <key>` on every upstream
-call: the data plane (generation, the passthrough routes, /v1/models, /tokenize) and
-the control client (the engine monitor's probes).
-
-An engine that answers 401 refused the sidecar, not the tenant: the client gets a 502
-that says which setting to check, never vLLM's bare "Unauthorized" (which would read
-as a bad tenant token). Neither the key nor any token appears in an error or a log
-line; `EngineKey` does not show it in a repr.
-
-Where the key comes from (`kvquota sidecar`): `--engine-api-key-file` (or
-$KVQUOTA_ENGINE_API_KEY_FILE), else $VLLM_API_KEY, the variable vLLM itself reads and
-the one injection copies from the vLLM container (`kvquota.inject.engine_key`).
+its key instead. The client's Authorization header is never forwarded
+(`relay.exchange.REQUEST_DROP`); `Authorization: Bearer <key>` goes on every upstream
+call, data plane and control client alike. An engine that answers 401 refused the
+sidecar, not the tenant: the client gets a 502 naming the setting to check. The key
+appears in no error, log line or repr. It comes from `--engine-api-key-file`
+($KVQUOTA_ENGINE_API_KEY_FILE), else $VLLM_API_KEY, which injection copies from the
+vLLM container.
 """
 
 from __future__ import annotations

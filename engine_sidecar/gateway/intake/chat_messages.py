@@ -1,7 +1,7 @@
 """Which chat messages, content parts, tools and template arguments the sidecar forwards.
 
 Every part of a chat request that the engine renders into the prompt must be one the
-sidecar counts exactly: the count comes from the engine's own renderer (`tokens.py`),
+sidecar counts exactly: the count comes from the engine's own renderer (`counting.tokens`),
 so what is vetted here is that the rendering is all there is to the request's cost.
 Media parts (image, audio, video, file, embeddings) add tokens and encoder work after
 rendering and are refused, as are tool references and any part or key vLLM may read

@@ -59,7 +59,7 @@ class Intake:
         return tenant_id
 
     def body_limit(self, active: ActivePolicy, tenant_id: str, *, chat: bool) -> int:
-        """The largest body the tenant may send (`request_body.body_limit`)."""
+        """The largest body the tenant may send (`body.body_limit`)."""
         return body_limit(
             active.policy.tenants[tenant_id], block_size=active.policy.block_size,
             chat=chat, cap=self.config.max_body_bytes,

@@ -1,19 +1,13 @@
 """Parse the parts of an OpenAI request body that admission needs, vet it, and rewrite it.
 
-Every field the sidecar forwards is one it has vetted (DESIGN.md section 4): a field
-reaches the engine only if the route's allow-list below names it, and its value passed
-the listed check. A listed field is one of
-- part of the prompt, counted (`tokens.py`): `prompt`, `messages`, `tools`, and what
-  the chat template reads (`chat_template_kwargs`, `documents`, `reasoning_effort`,
-  `add_generation_prompt`, `continue_final_message`, `add_special_tokens`);
-- a sampling or output option that changes neither KV usage nor the request's
-  identity, type-checked and bounded where it costs the engine (`n`, logprobs);
-- set by the sidecar whatever the client sent: `priority`, `vllm_xargs`, `cache_salt`
-  (clients cannot choose their own priority, tenant attribution or prefix-cache
-  namespace) and the max-tokens fields (clamped).
-Fields vLLM reads that would let a request escape admission are refused with their
-reason (`REFUSED`); any other field is refused as unknown. Both are a 400 naming the
-field. A null value means the field's default and is not forwarded.
+A field reaches the engine only if the route's allow-list below names it and its value
+passed the listed check (DESIGN.md section 4). Listed fields are part of the prompt
+(counted: `prompt`, `messages`, `tools` and what the chat template reads), sampling or
+output options that change neither KV usage nor the request's identity (bounded where
+they cost the engine), or set by the sidecar whatever the client sent (`priority`,
+`vllm_xargs`, `cache_salt`, the clamped max-tokens fields). Fields that would let a
+request escape admission are refused with their reason (`REFUSED`), any other as
+unknown: a 400 naming the field. A null value means the default and is not forwarded.
 """
 
 from __future__ import annotations
@@ -80,7 +74,7 @@ class ParsedRequest:
     n: int
     # The body is standard JSON (`json_codec.loads_strict`): the fast encoder writes it.
     strict: bool = True
-    # The engine /tokenize body for this chat request, encoded once (`tokens.py`).
+    # The engine /tokenize body for this chat request, encoded once (`counting.tokens`).
     tokenize_body: bytes | None = None
 
     @property
@@ -132,7 +126,7 @@ SHARED_FIELDS: dict[str, Check] = {
     "echo": boolean,  # prompt text (and its logprobs) in the output: no KV of its own
     "return_token_ids": boolean,
     "return_tokens_as_token_ids": boolean,
-    "add_special_tokens": boolean,  # counted (`tokens.py`)
+    "add_special_tokens": boolean,  # counted (`counting.tokens`)
     "priority": anything,  # overwritten
     "vllm_xargs": anything,  # overwritten
     "cache_salt": anything,  # overwritten (or dropped when the tenant shares the cache)

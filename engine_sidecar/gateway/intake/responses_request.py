@@ -1,33 +1,13 @@
 """A /v1/responses body as the chat prompt vLLM renders from it, so it is admitted exactly.
 
-vLLM 0.32 serves the Responses API by turning `instructions` and `input` into chat
-messages (`construct_input_messages` in vllm/entrypoints/openai/responses/utils.py) and
-rendering them with the same chat renderer as /v1/chat/completions
-(`OnlineRenderer.render_responses`). The sidecar makes the same messages here and counts
-them with the engine's /tokenize, like any chat prompt (`tokens.py`); the parsed request
-is that chat prompt (`kind` CHAT), and the vetted Responses body is forwarded.
-
-The conversion follows vLLM's, item by item:
-- `instructions` (non-empty) -> a system message first; string `input` -> one user
-  message;
-- a user, system or developer message -> itself (text content; `input_text` parts are
-  text parts);
-- an assistant message -> its text (a list: its first `output_text` part), merged into
-  the assistant message before it when that one has no content yet;
-- `function_call` -> a tool call, appended to the assistant message before it if any;
-  `function_call_output` -> a tool message; `reasoning` -> the assistant's reasoning
-  (its first content text, else its first summary text), merged the same way;
-- a last assistant message or reasoning item with status `in_progress`/`incomplete` is
-  continued (`continue_final_message`) instead of getting a generation prompt;
-- function tools -> chat tools; `reasoning.effort` -> the template's `reasoning_effort`
-  (and `enable_thinking`); `add_special_tokens` is vLLM's Responses default, true.
-
-Refused with a 400 naming the field, because the sidecar could not count what vLLM would
-run: stored history (`previous_response_id`, `previous_input_messages`), stored prompt
-templates (`prompt`), `background` (its work outlives the request that admitted it),
-`truncation: auto`, media parts, tools other than functions (built-in tools run more
-turns), custom tool calls and encrypted reasoning. Not covered: gpt-oss models, which
-vLLM renders with Harmony instead of the chat template.
+vLLM 0.32 turns `instructions` and `input` into chat messages
+(`construct_input_messages`) and renders them with the /v1/chat/completions renderer.
+The sidecar makes the same messages, item by item (`responses_input`), and counts them
+like any chat prompt: the parsed request is that chat prompt (`kind` CHAT) and the
+vetted Responses body is forwarded. What vLLM would run beyond the rendered prompt is
+refused with a 400 naming the field: stored history and prompts, `background`,
+`truncation: auto`, media, non-function tools, custom tool calls, encrypted reasoning.
+gpt-oss (Harmony) rendering is not covered. The item-by-item mapping: docs/gateway.md.
 """
 
 from __future__ import annotations

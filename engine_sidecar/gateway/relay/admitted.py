@@ -1,8 +1,8 @@
 """An admitted request to the engine and its answer back to the client.
 
 The rewritten body goes to the engine with the client's allowed headers
-(`forward.request_headers`, minus the policy's trusted tenant header); the answer
-streams back untouched (`forward.exchange`) with the time queued, and for a leased
+(`exchange.request_headers`, minus the policy's trusted tenant header); the answer
+streams back untouched (`exchange.exchange`) with the time queued, and for a leased
 session the engine that will hold its KV (`affinity`), its session token only while
 a next turn of the session fits under its tenant's ceiling here. The reservation is
 released as soon as the engine is done, whatever happened; the output tokens counted

@@ -1,41 +1,15 @@
 """Session affinity in the form the shipped endpoint pickers already honour.
 
-llm-d's `session-affinity-scorer` (llm-d/llm-d-inference-scheduler,
-pkg/plugins/scorer/session_affinity.go, since moved to
-pkg/epp/framework/plugins/scheduling/scorer/sessionaffinity/session_affinity.go) scores
-1 the pod named by the request header `x-session-token`, whose value is the pod's
-`<namespace>/<name>` in standard, padded base64 (Go's base64.StdEncoding), and 0 every
-other pod. Between those two versions the same scorer read the same value from the
-cookie `llm-d-session` instead (pkg/plugins/scorer/session_affinity.go at llm-d
-commit 0b592cd3), set with `Path=/; HttpOnly; SameSite=Lax`.
+On the response head of an admitted request of a leased session, the sidecar names the
+engine that keeps the session's KV: `x-session-token` (base64 of `<namespace>/<pod>`,
+Go's StdEncoding), which llm-d's `session-affinity-scorer` scores 1, the cookie
+`llm-d-session` that earlier versions of that scorer read, and
+`x-kvquota-lease-engine: <pod>` for routers that match the plain name.
 
-The sidecar sends both on the response head of every admitted request of a session
-whose tenant has leases, naming the engine that will keep the session's KV pinned:
-a client that echoes the header, or keeps cookies, brings the session's next turn
-back to that pod through the picker's own scorer, with configuration only. Only the
-engine's sidecar knows a lease lives there; the picker's scorer, where it writes the
-token itself, does so at the end of the response (after a stream's head has gone out)
-and for every request, leased or not. `x-kvquota-lease-engine: <pod>` stays beside
-them for routers that match a header on the pod's plain name.
-
-The token names the engine that keeps the session's KV, which is not always one where
-its next turn fits: a picker that weighs the token above its load scorers (the example
-configuration: 3 against 1 + 1) sends the session back to queue on its tenant's
-per-engine ceiling there. So the token is sent only while the tenant's charge on this
-engine (this turn's included) leaves room below its maxBlocks here for the next turns
-of the sessions it has already called back (those between turns, each at least its
-lease's size) and about one more turn of this one (`admission.call_back.calls_back`: this turn's own
-blocks again): each token is a promise of room, and several sessions that were each
-told there is room for one more turn come back together. Otherwise the response
-clears it, so the picker's other scorers decide the next turn: the header
-goes out empty (the scorer scores no pod for an empty token; a client that echoes the
-last token it was given stops naming this pod) and the cookie is expired
-(`llm-d-session=; Max-Age=0`, the standard way to delete a cookie, which a client that
-keeps cookies honours by dropping it). In the cookie version the scorer sets the
-cookie itself after each response only when the request's cookie does not already
-name the pod it picked, so a cleared cookie stays cleared until the picker, on its
-own scores, picks another pod. The lease hint still names the lease's engine: it says
-where the KV is, for routers that weigh that themselves.
+The token is a promise of room: it is sent only while the tenant's charge here leaves
+room below its maxBlocks for the sessions already called back plus one more turn of
+this one (`admission.call_back`); otherwise the header goes out empty and the cookie is
+expired. Which scorer versions read what, and why: docs/gateway.md (relay).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The streaming proxy to the engine: status and headers first, then chunks untouched.
 
 Two clients, each for what it is good at: the data plane (generation requests) goes
-through `UpstreamPool` (upstream_http.py, C-parsed, one callback per chunk); control
+through `UpstreamPool` (`upstream.lean_http`, C-parsed, one callback per chunk); control
 calls (health probes, model card, /tokenize) go through one long-lived, cookieless
 httpx client. Neither reads proxy settings from the environment.
 
@@ -128,8 +128,8 @@ def upstream_error(exc: BaseException, timeout: float) -> tuple[ApiError, str]:
 
 class Upstream:
     """The local engine: `pool` for the data plane, `client` for control calls. Both
-    send `engine_key` (vLLM's --api-key, `engine_auth`) and never a client's
-    credentials; an engine that answers 401 is explained (`engine_auth.refused`)."""
+    send `engine_key` (vLLM's --api-key, `auth.engine_key`) and never a client's
+    credentials; an engine that answers 401 is explained (`engine_key.refused`)."""
 
     def __init__(
         self,

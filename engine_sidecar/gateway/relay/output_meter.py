@@ -1,23 +1,13 @@
 """The output tokens of one relayed response, read as it streams past.
 
-The sidecar relays chunks untouched; the meter only looks. At the end it reads the
-count the engine itself reports when the response carries one: the `usage` of a
-non-streamed answer (always there), of a stream with `stream_options.include_usage`,
-or of the Responses API's final `response.completed` event (`completion_tokens`, or
-`output_tokens` on /v1/responses; the last one in the response's tail wins). A
-stream without usage is counted by its token events: vLLM sends one event per
-decode step per choice (its default stream interval), so the JSON events of a
-completions stream, less the role event a chat stream opens each choice with, are its
-output tokens; on /v1/responses, the `response.output_text.delta` events.
-
-Exact where usage is present; otherwise a floor: a larger `--stream-interval`, or
-vLLM's server merging the deltas it has not sent yet into one event when it lags,
-makes it count low. It feeds the learned estimate (`output_estimate`) at the end, and
-while a response streams, the count so far (`decoded`) re-estimates the request's
-remainder (`Reservation.progress`): a count that runs low leaves more of the request
-charged as growth still to come, and what it holds is charged from the plugin's stats
-whatever the count, so a miscount moves what is reserved ahead, never what is
-accounted as held. Per chunk it costs one `count` and a bounded copy of the tail.
+The meter only looks; chunks pass untouched. At the end it takes the count the engine
+reports when there is one (`usage` of a non-streamed answer, of a stream with
+`include_usage`, or of the Responses API's `response.completed` event); otherwise it
+counts token events (one per decode step per choice at vLLM's default stream interval),
+which can only run low. The count so far re-estimates the request's remainder while it
+streams (`Reservation.progress`), and the final one teaches the tenant's output
+estimate. A low count moves what is reserved ahead, never what is accounted as held
+(that comes from the plugin's stats). Per chunk: one `count` and a bounded tail copy.
 """
 
 from __future__ import annotations

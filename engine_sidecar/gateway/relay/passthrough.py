@@ -1,25 +1,14 @@
 """vLLM's other routes through the sidecar, each handled as its cost warrants.
 
-The sidecar takes over the port clients, routers and scrapers already use, so every
-route vLLM serves there must keep working. Generation that holds KV blocks while it
-decodes (/v1/completions, /v1/chat/completions, /v1/responses) is admitted by
-`admitter` (/v1/responses counted as the chat prompt vLLM renders from it,
-`responses_request`). Here, with tenants known through `intake`:
-
-- `/health`, `/ping`, `/version`: no credentials, not admitted. Probes and routers;
-  no body, no engine work.
-- `/metrics` (vLLM's `vllm:*`): no credentials, not admitted. Scraped by the
-  production-stack router, endpoint pickers and dashboards; it holds no tenant's data.
-  The sidecar appends its per-tier picker signals (`picker_signals`, `metrics_scrape`).
-- `/tokenize`, `/detokenize`: a tenant's credentials, not admitted. CPU work in the
-  API server; no KV blocks.
-- `/v1/embeddings`: a tenant's credentials, tagged, not admitted. One forward pass, no
-  decode, no lease: its blocks live for one step.
-
-"Tagged": the sidecar sets the tenant's `priority` and `cache_salt` and drops
-`request_id` and `kv_transfer_params`, exactly as on admitted routes. Bodies are capped
-like the tenant's generation bodies. Anything else gets a 404 that names the supported
-routes.
+The sidecar owns the port clients, routers and scrapers already use, so every route
+vLLM serves there must keep working. Generation (/v1/completions, /v1/chat/completions,
+/v1/responses) is admitted elsewhere; here:
+- `/health`, `/ping`, `/version`, `/metrics`: no credentials, not admitted (`/metrics`
+  gets the picker signals appended, `metrics_scrape`);
+- `/tokenize`, `/detokenize`: a tenant's credentials, not admitted (no KV blocks);
+- `/v1/embeddings`: a tenant's credentials, tagged as admitted routes are (`priority`,
+  `cache_salt`; `request_id` and `kv_transfer_params` dropped), not admitted: one
+  forward pass, no decode. Bodies are capped as the tenant's; other routes get a 404.
 """
 
 from __future__ import annotations

@@ -146,7 +146,7 @@ class StateCollector(Collector):
     def _reservation_families(
         queue: AdmissionQueue, active: ActivePolicy, label: Callable[[str], str]
     ) -> Iterator[Metric]:
-        """Reserved vs held, and the output estimates reservations count (#29)."""
+        """Reserved vs held, and the output estimates reservations count."""
         charged = GaugeMetricFamily(
             "kvquota_tenant_blocks_charged",
             "KV blocks counted against the tenant's maxBlocks: what its running requests "

@@ -7,8 +7,8 @@ same text format, with a Content-Length of its own; vLLM's series pass untouched
 
 vLLM is asked for the classic text format whatever the scraper accepts: an OpenMetrics
 answer ends with `# EOF`, after which nothing may follow. Compression is never asked
-for upstream (`forward.REQUEST_DROP`), so the body can be extended. Engine failures
-are answered as on every passed-through route (502/503/504, nothing internal).
+for upstream (`relay.exchange.REQUEST_DROP`), so the body can be extended. Engine
+failures are answered as on every passed-through route (502/503/504, nothing internal).
 """
 
 from __future__ import annotations

@@ -1,49 +1,17 @@
 """What the engine really has in front of it, per tier, for an endpoint picker.
 
-The Gateway API Inference Extension's endpoint picker (EPP) and llm-d's scheduler score
-pods from the model server's own metrics, by default `vllm:num_requests_waiting` and
-`vllm:kv_cache_usage_perc`. A request held in the sidecar's admission queue is in
-neither, and a reservation the engine has not allocated yet is not in vLLM's KV usage:
-a picker reading vLLM alone sees an engine with a deep admission queue as idle and
-keeps sending it work. These series count both, and are served beside vLLM's own on
-the scrape of the client port (`metrics_scrape`), the port the picker already reads.
-
-Per tier, because a picker routing premium should see what premium waits behind, not
-the free tier's backlog that premium overtakes (the admission queue and vLLM's
-priority queue both serve lower `priority` first, and the plugin's victim order takes
-blocks from lower tiers first):
-
-- `kvquota:num_requests_waiting{tier=T}`: requests of tier T and of every tier ahead
-  of it (lower or equal priority) waiting in the engine (the plugin's stats) plus those
-  queued in the sidecar.
-- `kvquota:kv_cache_usage_perc{tier=T}`: how close a request of tier T is to not
-  fitting on this engine (0..1): one minus the blocks a request of T can still get
-  here over those it could get on an empty engine under the same policy. What it can
-  get is the smaller of its room under the two limits admission applies, in blocks:
-  - capacity: what the engine keeps above its watermark (a borrower may not go below
-    it), less the KV blocks the tenants of the tiers ahead of T hold (running and
-    leased) plus what they reserved and the engine has not allocated yet, and less
-    what T's own tenants are charged (below); or, if more, what is left of T's
-    guarantee here (a request within it is never refused for capacity). Blocks of lower
-    tiers, of unclassified traffic and T's idle leases are left out: the victim order
-    gives them back before a request of tier T (an idle lease to its own tenant's new
-    work);
-  - quota: the sum of T's tenants' maxBlocks on this engine (the per-engine ceiling the
-    operator's split renders) less what they are charged here (what admission counts
-    against maxBlocks: held by running requests, or reserved where more; idle leases
-    yield to their own tenant's new work and are not charged).
-  A tier's binding limit on an engine is often its own ceiling, not the cache: an
-  engine where premium is at its ceiling reads full to premium's picker however much
-  of the cache is free. The two limits are compared in blocks, never as two fractions
-  of different wholes: the larger of (share of the cache) and (charge over ceiling)
-  weighs a block of a 40% ceiling 2.5 blocks of the cache, so the free tier's series
-  read an engine the tiers ahead nearly filled as emptier than one where free had
-  more blocks left under its own ceiling, and a least-KV picker sent free bursts where
-  the watermark refuses them.
-- `tier="all"`: every request and every block, whichever tier (and unclassified
-  traffic): what a single picker for all tiers should read.
-
-Four label values at most (the three tiers and "all"): never a tenant or a request.
+Pickers (the Gateway API Inference Extension's EPP, llm-d's scheduler) score pods from
+vLLM's `vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc`, which miss the
+sidecar's admission queue and the reservations the engine has not allocated yet.
+These series count both, per tier and for `tier="all"`, and are served on the client
+port's scrape beside vLLM's (`metrics_scrape`):
+- `kvquota:num_requests_waiting{tier=T}`: requests of T and of the tiers served before
+  it, waiting in the engine or queued in the sidecar;
+- `kvquota:kv_cache_usage_perc{tier=T}`: 1 - the blocks a request of T can still get
+  here over those it could get on an empty engine, under the cache above the watermark
+  or T's per-engine maxBlocks, whichever leaves fewer (compared in blocks, never as
+  fractions of different wholes).
+Four label values at most. Why each term is there: docs/gateway.md (telemetry).
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """OpenTelemetry spans for the sidecar's request path, only when asked for.
 
-With `OTEL_EXPORTER_OTLP_ENDPOINT` (or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) set, the
-OpenTelemetry convention, `observer_from_env` exports over OTLP/HTTP (the `tracing`
-extra) and each generation request gets:
-
-- `kvquota.request` (server): the whole request, child of the client's `traceparent`;
-- `kvquota.auth`: authentication, with the tenant or the refusal;
-- `kvquota.admission`: counting, queueing and the decision (`kvquota.decision`,
-  `kvquota.blocks`, `kvquota.tier`, `kvquota.queue_wait_ms`);
-- `kvquota.queue_wait`: the time spent in the tenant's queue, when it had to wait;
-- `kvquota.upstream` (client): the call to vLLM, from sending to the last byte, whose
-  context goes to vLLM as `traceparent`, so vLLM's own spans
-  (`--otlp-traces-endpoint`) hang below it.
-
-Without the variable the gateway gets `observer.NO_OBSERVER` and a request pays a few
-empty calls. With it, `SpanObserver` is the gateway's observer (`observer.RequestTrace`
-names the steps it hears about), passed in at construction: nothing is wrapped or
-replaced.
+With `OTEL_EXPORTER_OTLP_ENDPOINT` (or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) set,
+`observer_from_env` returns a `SpanObserver` that exports over OTLP/HTTP (the `tracing`
+extra): `kvquota.request`, `kvquota.auth`, `kvquota.admission`, `kvquota.queue_wait`
+and `kvquota.upstream`, whose context goes to vLLM as `traceparent` so vLLM's own spans
+hang below it. Without the variable the gateway gets `observer.NO_OBSERVER`. The
+observer is passed in at construction: nothing is wrapped or replaced. The spans and
+their attributes: README, Tracing.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The data plane through httpx, for installs without httptools.
 
-Same interface and error types as `upstream_http.UpstreamPool`; correct, but several
-times the CPU per streamed chunk (see upstream_http.py), so the sidecar logs a warning
-when it has to use it. Install `uvicorn[standard]` (or `httptools`) for the fast path.
+Same interface and error types as `lean_http.UpstreamPool`; correct, but several
+times the CPU per streamed chunk, so the sidecar logs a warning when it has to use it.
+Install `uvicorn[standard]` (or `httptools`) for the fast path.
 """
 
 from __future__ import annotations

@@ -1,26 +1,14 @@
 """A lean HTTP/1.1 client for the data plane: asyncio Protocol + httptools (llhttp).
 
-Why not httpx here: relaying an SSE stream costs one parse and one hand-off per token
-chunk. Through httpx/httpcore/h11/anyio that is ~80 us of Python per chunk; at 16
-concurrent streams of vLLM tokens it alone eats most of a core and pushes the added
-latency into tens of milliseconds on a small node. Here a chunk is one C-level parse
-and one callback (~5 us). httpx stays the client for control calls (health, model
-card, /tokenize), where per-call cost does not matter.
+Relaying an SSE stream costs one parse and one hand-off per token chunk; through httpx
+that is an order of magnitude more Python per chunk than one C-level parse and one
+callback here. httpx stays the client for control calls, where per-call cost does not
+matter. Scope is narrow: one origin, HTTP/1.1, a LIFO keep-alive pool (idle connections
+expire 4 s after their last response, below uvicorn's 5 s), bodies in one write,
+Content-Length or chunked responses, read back-pressure, an inactivity timeout.
 
-Scope is deliberately narrow: one upstream origin, HTTP/1.1, keep-alive pool (LIFO,
-idle connections expire 4 s after their last response, below uvicorn's 5 s), request
-bodies sent in one write, Content-Length or chunked responses, read back-pressure
-(pause the socket when the consumer lags), inactivity timeout between chunks.
-
-A kept-alive connection can still be closed by the engine as a request crosses it:
-uvicorn's idle timer fires before it reads the request, and it closes without a byte
-of response. No clock here can rule that out, because the engine's timer starts when
-it wrote the response, which a loaded sidecar may read seconds later (a 300-stream
-storm on 2 cores met ~50 such closes at 0.7-3.9 s of our idle time). The engine
-answers every request it reads, so such a request has not run (unless the engine died
-meanwhile, and then the fresh connect fails): it goes once more on a fresh connection,
-as Go's net/http does for a reused connection that fails before any response. A
-request on a fresh connection, or one that got any response byte, is never resent.
+A reused connection the engine closed before answering is retried once on a fresh one,
+as Go's net/http does; a fresh connection, or one that got any byte, is never resent.
 """
 
 from __future__ import annotations
@@ -34,7 +22,7 @@ from typing import cast
 
 try:
     import httptools
-except ImportError:  # uvicorn without [standard]: forward.py falls back to httpx
+except ImportError:  # uvicorn without [standard]: relay.exchange falls back to httpx
     httptools = None  # type: ignore[assignment]
 
 AVAILABLE = httptools is not None
