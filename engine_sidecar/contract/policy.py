@@ -89,7 +89,10 @@ class _Model(BaseModel):
 class LeasePolicy(_Model):
     seconds: int = Field(0, ge=0, le=86_400, description="Pin an idle session's KV this long.")
     max_sessions: int = Field(0, ge=0, description="Leased sessions per engine (0: no cap).")
-    max_blocks: int = Field(0, ge=0, description="Leased blocks per engine (0: no cap).")
+    max_leased_blocks: int = Field(
+        0, ge=0, alias="maxBlocks",
+        description="Distinct KV blocks the tenant's leases may pin on this engine (0: no cap).",
+    )
 
 
 class PoolLimits(_Model):
@@ -97,7 +100,7 @@ class PoolLimits(_Model):
     holds every engine's charges to. Rendered only for pools that name a store."""
 
     guaranteed_blocks: int = Field(ge=0)
-    max_blocks: int = Field(ge=0)
+    max_blocks: int = Field(ge=0, description="The tenant's ceiling, pool-wide.")
     max_concurrent_requests: int | None = Field(None, ge=1)
 
 
@@ -120,9 +123,10 @@ class TenantPolicy(_Model):
     tier: Tier
     priority: int = Field(ge=0, le=2, description="vLLM priority; lower runs first.")
     guaranteed_blocks: int = Field(ge=0)
-    max_blocks: int = Field(
-        ge=0, description="Blocks the tenant may hold on this engine (its share of the "
-        "pool-wide maxBlocks); beyond it only as `above_max` allows."
+    max_blocks_per_engine: int = Field(
+        ge=0, alias="maxBlocks",
+        description="Blocks the tenant may hold on this engine (its share of the pool-wide "
+        "maxBlocks); beyond it only as `above_max` allows.",
     )
     above_max: AboveMax = DEFAULT_ABOVE_MAX
     lease: LeasePolicy = LeasePolicy()
@@ -153,9 +157,9 @@ class TenantPolicy(_Model):
 
     @model_validator(mode="after")
     def _check_bounds(self) -> TenantPolicy:
-        if self.max_blocks < self.guaranteed_blocks:
+        if self.max_blocks_per_engine < self.guaranteed_blocks:
             raise ValueError(
-                f"tenant {self.tenant_id}: maxBlocks ({self.max_blocks}) must be >= "
+                f"tenant {self.tenant_id}: maxBlocks ({self.max_blocks_per_engine}) must be >= "
                 f"guaranteedBlocks ({self.guaranteed_blocks})"
             )
         if self.default_max_tokens > self.max_tokens:
@@ -169,20 +173,21 @@ class TenantPolicy(_Model):
     def ceiling(self) -> int | None:
         """Usage beyond which the tenant's work is reclaimable above-max work (None: it
         runs none; maxBlocks is a hard ceiling)."""
-        return self.max_blocks if self.above_max is AboveMax.RECLAIMABLE else None
+        return self.max_blocks_per_engine if self.above_max is AboveMax.RECLAIMABLE else None
 
 
 class EngineShare(_Model):
     """A tenant's blocks on one engine when they differ from the even split."""
 
     guaranteed_blocks: int = Field(ge=0)
-    max_blocks: int = Field(ge=0)
+    max_blocks_per_engine: int = Field(ge=0, alias="maxBlocks",
+                                       description="The tenant's ceiling on this engine.")
 
     @model_validator(mode="after")
     def _check_bounds(self) -> EngineShare:
-        if self.max_blocks < self.guaranteed_blocks:
-            raise ValueError(f"maxBlocks ({self.max_blocks}) must be >= guaranteedBlocks "
-                             f"({self.guaranteed_blocks})")
+        if self.max_blocks_per_engine < self.guaranteed_blocks:
+            raise ValueError(f"maxBlocks ({self.max_blocks_per_engine}) must be >= "
+                             f"guaranteedBlocks ({self.guaranteed_blocks})")
         return self
 
 
@@ -301,7 +306,8 @@ class EnginePolicy(_Model):
         tenants = dict(self.tenants)
         for tenant_id, share in shares.items():
             tenants[tenant_id] = tenants[tenant_id].model_copy(update={
-                "guaranteed_blocks": share.guaranteed_blocks, "max_blocks": share.max_blocks})
+                "guaranteed_blocks": share.guaranteed_blocks,
+                "max_blocks_per_engine": share.max_blocks_per_engine})
         return self.model_copy(update={"tenants": tenants})
 
     def blocks_on(self, engine: str, tenant_id: str) -> tuple[int, int]:
@@ -309,9 +315,9 @@ class EnginePolicy(_Model):
         `for_engine(engine)` gives them, without copying the policy."""
         share = self.engines.get(engine, {}).get(tenant_id)
         if share is not None:
-            return share.guaranteed_blocks, share.max_blocks
+            return share.guaranteed_blocks, share.max_blocks_per_engine
         even = self.tenants[tenant_id]
-        return even.guaranteed_blocks, even.max_blocks
+        return even.guaranteed_blocks, even.max_blocks_per_engine
 
     def content_hash(self) -> str:
         body = self.model_dump(mode="json", by_alias=True, exclude={"version"})

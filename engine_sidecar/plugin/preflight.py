@@ -93,10 +93,10 @@ def write_policy(path: Path) -> Path:
 
     tenants = [
         TenantPolicy(tenant_id="premium", tier=Tier.PREMIUM, priority=0,
-                     guaranteed_blocks=NUM_BLOCKS, max_blocks=NUM_BLOCKS,
+                     guaranteed_blocks=NUM_BLOCKS, max_blocks_per_engine=NUM_BLOCKS,
                      lease=LeasePolicy(seconds=300), max_tokens=64, default_max_tokens=8),
         TenantPolicy(tenant_id="free", tier=Tier.FREE, priority=2, guaranteed_blocks=0,
-                     max_blocks=NUM_BLOCKS, max_tokens=64, default_max_tokens=8),
+                     max_blocks_per_engine=NUM_BLOCKS, max_tokens=64, default_max_tokens=8),
     ]
     policy = EnginePolicy(pool="preflight/check", model="tiny", block_size=BLOCK_SIZE,
                           tenants={t.tenant_id: t for t in tenants}).with_version()

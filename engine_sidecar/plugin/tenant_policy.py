@@ -219,7 +219,7 @@ def lease_seconds(policy: EnginePolicy | None, tenant: str | None) -> int:
 def lease_block_cap(policy: EnginePolicy | None, tenant: str) -> int:
     """The most blocks one lease of `tenant` may pin (0: no cap)."""
     tenant_policy = policy.tenant(tenant) if policy is not None else None
-    return tenant_policy.lease.max_blocks if tenant_policy is not None else 0
+    return tenant_policy.lease.max_leased_blocks if tenant_policy is not None else 0
 
 
 class SessionPauses:
@@ -511,7 +511,7 @@ class LeaseTable(Generic[B]):
         if tenant_policy is None:
             return []
         max_sessions = tenant_policy.lease.max_sessions
-        max_blocks = tenant_policy.lease.max_blocks
+        max_blocks = tenant_policy.lease.max_leased_blocks
         if not max_sessions and not max_blocks:
             return []
         # The oldest activity goes first: with irregular (say exponential) pauses, the

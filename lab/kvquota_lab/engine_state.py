@@ -160,7 +160,8 @@ class QuotaGauge:
         running = engine.running if engine and fresh else 0
         held = engine.running_blocks if engine and fresh else 0
         ceiling = self._ceiling(status, inflight, reserved)
-        self._last = (f"sidecar: free tier {reserved}/{self.free.max_blocks} blocks reserved "
+        cap = self.free.max_blocks_per_engine
+        self._last = (f"sidecar: free tier {reserved}/{cap} blocks reserved "
                       f"for {inflight} requests; engine: {running} free requests running on "
                       f"{held} blocks{'' if fresh else ' (stats stale)'}, {load.describe()}; "
                       f"{pending} free requests not placed, {unanswered} not answered "
@@ -173,7 +174,7 @@ class QuotaGauge:
         # turn one of its requests over, so one admitted request may be in transit.
         in_transit = inflight - running
         if unanswered <= queued and pending and ceiling and running >= 1 and in_transit <= 1:
-            return Hold(f"free tier at its {ceiling} ({reserved}/{self.free.max_blocks} "
+            return Hold(f"free tier at its {ceiling} ({reserved}/{self.free.max_blocks_per_engine} "
                         f"blocks for {inflight} requests, {running} running on {held} "
                         f"blocks), {pending} held back", load.waiting, load.kv_usage)
         return None
@@ -186,7 +187,7 @@ class QuotaGauge:
         limit = self.free.max_concurrent_requests
         if limit is not None and inflight >= limit:
             return "concurrency limit"
-        if reserved + per_request > self.free.max_blocks:
+        if reserved + per_request > self.free.max_blocks_per_engine:
             return "block quota"
         floor = watermark_floor(self.policy.watermark, status.total_blocks)
         if status.total_blocks and status.free_blocks - per_request < floor:

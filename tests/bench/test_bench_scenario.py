@@ -57,8 +57,8 @@ def test_the_baseline_keeps_the_premium_sessions_exactly() -> None:
 def test_quotas_render_into_the_policy_production_applies(tiny_scenario: Path) -> None:
     policy = load_scenario(str(tiny_scenario)).engine_policy()
     acme, free = policy.tenants["acme"], policy.tenants["hobbyist"]
-    assert (acme.guaranteed_blocks, acme.max_blocks) == (400, 560)  # 50% / 70% of 800
-    assert acme.lease.max_blocks == 240
+    assert (acme.guaranteed_blocks, acme.max_blocks_per_engine) == (400, 560)  # 50% / 70% of 800
+    assert acme.lease.max_leased_blocks == 240
     assert acme.priority == 0 and acme.lease.seconds == 300  # premium tier defaults
     assert free.priority == 2 and free.lease.seconds == 0
     assert free.max_concurrent_requests == 8

@@ -91,7 +91,7 @@ def test_a_victim_order_variant_changes_who_is_preempted(
 
     policy_path = tmp_path / "policy.json"
     gold = TenantPolicy(tenant_id="gold", tier="premium", priority=0, guaranteed_blocks=100,
-                        max_blocks=100, max_tokens=4096, default_max_tokens=64)
+                        max_blocks_per_engine=100, max_tokens=4096, default_max_tokens=64)
     write_atomically(policy_path, EnginePolicy(
         pool="default/pool", model="tiny", block_size=16, tenants={"gold": gold},
     ).with_version().to_json())

@@ -24,7 +24,7 @@ class _Turn:  # what the twin passes as a ticket's payload: its outcome is fille
 
 def _gateway() -> TwinGateway:
     acme = TenantPolicy(tenant_id="acme", tier=Tier.PREMIUM, priority=0, guaranteed_blocks=0,
-                        max_blocks=1000, max_tokens=4096, default_max_tokens=1024)
+                        max_blocks_per_engine=1000, max_tokens=4096, default_max_tokens=1024)
     policy = EnginePolicy(pool="default/p", model="m", block_size=16,
                           tenants={"acme": acme}).with_version()
     return TwinGateway(policy, clock=lambda: 0.0, stats=lambda: None, stats_interval=0.1,

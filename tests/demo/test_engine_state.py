@@ -60,7 +60,7 @@ async def test_stock_holds_when_requests_wait_for_a_full_cache(
 
 def _policy() -> EnginePolicy:
     free = TenantPolicy(tenant_id="hobbyist", tier=Tier.FREE, priority=2, guaranteed_blocks=0,
-                        max_blocks=160, max_tokens=64, default_max_tokens=32,
+                        max_blocks_per_engine=160, max_tokens=64, default_max_tokens=32,
                         max_concurrent_requests=8)
     return EnginePolicy(pool="default/demo", model="tiny", block_size=32, tenants={
         "hobbyist": free})

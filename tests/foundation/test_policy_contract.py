@@ -11,7 +11,7 @@ from engine_sidecar.contract.policy import EnginePolicy, TenantPolicy, Tier
 def _tenant(tenant_id: str = "acme", **overrides: object) -> TenantPolicy:
     fields: dict[str, object] = {
         "tenant_id": tenant_id, "tier": Tier.PREMIUM, "priority": 0,
-        "guaranteed_blocks": 10, "max_blocks": 20, "max_tokens": 256,
+        "guaranteed_blocks": 10, "max_blocks_per_engine": 20, "max_tokens": 256,
         "default_max_tokens": 64, **overrides,
     }
     return TenantPolicy.model_validate(fields)
@@ -31,7 +31,7 @@ def test_round_trip_keeps_content_and_version() -> None:
 def test_version_changes_with_content_only() -> None:
     a, b = _policy(acme=_tenant()), _policy(acme=_tenant())
     assert a.version == b.version and a.version.startswith("sha256:")
-    assert _policy(acme=_tenant(max_blocks=21)).version != a.version
+    assert _policy(acme=_tenant(max_blocks_per_engine=21)).version != a.version
 
 
 def test_tampered_policy_is_refused() -> None:
@@ -42,6 +42,6 @@ def test_tampered_policy_is_refused() -> None:
 
 def test_invalid_tenant_says_which_and_why() -> None:
     with pytest.raises(ValidationError, match=r"tenant acme: maxBlocks \(5\) must be >= "):
-        _tenant(max_blocks=5)
+        _tenant(max_blocks_per_engine=5)
     with pytest.raises(ValidationError, match="holds tenantId 'acme'"):
         EnginePolicy(pool="p", model="m", tenants={"other": _tenant()})

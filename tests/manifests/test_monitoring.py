@@ -257,7 +257,7 @@ def _sidecar_exposition() -> str:
     from engine_sidecar.gateway.policy.active import build as build_active
 
     acme = TenantPolicy(tenant_id="acme", tier="premium", priority=0, guaranteed_blocks=8,
-                        max_blocks=16, max_tokens=64, default_max_tokens=32,
+                        max_blocks_per_engine=16, max_tokens=64, default_max_tokens=32,
                         prefix_cache_isolation="Shared")
     active = build_active(
         EnginePolicy(pool="default/demo-pool", model="m", tenants={"acme": acme}).with_version(),

@@ -17,7 +17,7 @@ SPLIT = {"namespace": "default", "pool": "demo-pool", "tenant_id": "acme"}
 
 def _on(policy: EnginePolicy, pod: str) -> tuple[int, int]:
     entry = policy.for_engine(pod).tenants["acme"]
-    return entry.guaranteed_blocks, entry.max_blocks
+    return entry.guaranteed_blocks, entry.max_blocks_per_engine
 
 
 async def test_split_follows_demand_over_poll_rounds_and_keeps_the_totals(

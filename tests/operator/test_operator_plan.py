@@ -34,7 +34,7 @@ def test_samples_render_one_policy_with_every_tier() -> None:
     assert plan.policy is not None
     assert sorted(plan.policy.tenants) == ["acme", "globex", "hobbyist"]
     acme = plan.policy.tenants["acme"]
-    assert (acme.guaranteed_blocks, acme.max_blocks, acme.priority) == (128, 224, 0)
+    assert (acme.guaranteed_blocks, acme.max_blocks_per_engine, acme.priority) == (128, 224, 0)
     assert plan.oversubscribed is False
 
 
@@ -52,7 +52,7 @@ def test_oversubscription_refuses_the_newest_by_creation_time_not_list_order() -
     # The refused tenant keeps serving traffic, borrowing only.
     assert plan.policy is not None
     assert plan.policy.tenants["newest"].guaranteed_blocks == 0
-    assert plan.policy.tenants["newest"].max_blocks == 500
+    assert plan.policy.tenants["newest"].max_blocks_per_engine == 500
     assert plan.guaranteed_blocks == 800
 
 
@@ -164,7 +164,7 @@ def test_a_pool_store_renders_its_address_and_each_tenants_pool_wide_quota() -> 
     assert plan.policy.pool_store.address == "redis.infra:6379"
     assert plan.policy.pool_store.password_file == "redis-password"
     acme = plan.policy.tenants["acme"]
-    assert (acme.max_blocks, acme.max_concurrent_requests) == (100, 2)
+    assert (acme.max_blocks_per_engine, acme.max_concurrent_requests) == (100, 2)
     assert acme.pool_wide is not None
     assert (acme.pool_wide.guaranteed_blocks, acme.pool_wide.max_blocks,
             acme.pool_wide.max_concurrent_requests) == (400, 800, 16)

@@ -18,7 +18,7 @@ from kvquota.reconcile.configmap import HASH_ANNOTATION, build_configmap, config
 
 def _tenant(tenant_id: str, guaranteed: int = 10) -> TenantPolicy:
     return TenantPolicy(tenant_id=tenant_id, tier=Tier.FREE, priority=2,
-                        guaranteed_blocks=guaranteed, max_blocks=50,
+                        guaranteed_blocks=guaranteed, max_blocks_per_engine=50,
                         max_tokens=512, default_max_tokens=256)
 
 

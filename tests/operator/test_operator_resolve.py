@@ -56,8 +56,8 @@ def test_pool_wide_budgets_are_split_across_ready_replicas() -> None:
     assert (eff.guaranteed_blocks, eff.max_blocks, eff.replicas) == (100, 250, 3)
     assert (eff.guaranteed_blocks_per_engine, eff.max_blocks_per_engine) == (33, 84)
     entry = tenant_policy(eff)
-    assert (entry.guaranteed_blocks, entry.max_blocks) == (33, 84)
-    assert entry.lease.max_blocks == 11  # ceil(31 / 3)
+    assert (entry.guaranteed_blocks, entry.max_blocks_per_engine) == (33, 84)
+    assert entry.lease.max_leased_blocks == 11  # ceil(31 / 3)
     assert entry.max_concurrent_requests == 3
 
 

@@ -20,12 +20,12 @@ SPEC = InferencePoolSpec.model_validate(pool()["spec"])
 
 def _tenant(tenant_id: str, guaranteed: int = 100, maximum: int = 150) -> TenantPolicy:
     return TenantPolicy(tenant_id=tenant_id, tier=Tier.STANDARD, priority=1,
-                        guaranteed_blocks=guaranteed, max_blocks=maximum,
+                        guaranteed_blocks=guaranteed, max_blocks_per_engine=maximum,
                         max_tokens=512, default_max_tokens=256)
 
 
 def _share(guaranteed: int, maximum: int) -> EngineShare:
-    return EngineShare(guaranteed_blocks=guaranteed, max_blocks=maximum)
+    return EngineShare(guaranteed_blocks=guaranteed, max_blocks_per_engine=maximum)
 
 
 def test_per_engine_entries_are_part_of_the_versioned_text_and_absent_when_even() -> None:

@@ -30,10 +30,10 @@ def tenant(
         tier=tier,
         priority=TIERS[tier],
         guaranteed_blocks=guaranteed,
-        max_blocks=max(max_blocks, guaranteed),
+        max_blocks_per_engine=max(max_blocks, guaranteed),
         above_max=above_max,
         lease=LeasePolicy(seconds=lease_seconds, max_sessions=lease_sessions,
-                          max_blocks=lease_blocks),
+                          max_leased_blocks=lease_blocks),
         max_tokens=4096,
         default_max_tokens=64,
     )

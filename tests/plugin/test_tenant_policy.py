@@ -356,8 +356,8 @@ def test_policy_watcher_enforces_its_own_engines_split_else_the_even_one(
     even = tenant("acme", guaranteed=200, max_blocks=300)
     policy = EnginePolicy.model_validate({
         **engine_policy(even, tenant("other", guaranteed=50)).model_dump(),
-        "engines": {"engine-a": {"acme": {"guaranteed_blocks": 350, "max_blocks": 450}},
-                    "engine-b": {"acme": {"guaranteed_blocks": 50, "max_blocks": 150}}},
+        "engines": {"engine-a": {"acme": {"guaranteed_blocks": 350, "max_blocks_per_engine": 450}},
+                    "engine-b": {"acme": {"guaranteed_blocks": 50, "max_blocks_per_engine": 150}}},
         "version": "",
     }).with_version()
     write_policy(path, policy)
@@ -367,7 +367,7 @@ def test_policy_watcher_enforces_its_own_engines_split_else_the_even_one(
         watcher.poll()
         assert watcher.policy is not None
         acme = watcher.policy.tenants["acme"]
-        return (acme.guaranteed_blocks, acme.max_blocks,
+        return (acme.guaranteed_blocks, acme.max_blocks_per_engine,
                 watcher.policy.tenants["other"].guaranteed_blocks, watcher.version)
 
     assert seen(engine="engine-a") == (350, 450, 50, policy.version)  # same version

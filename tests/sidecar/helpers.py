@@ -36,7 +36,7 @@ def tenant(tenant_id: str, **overrides: Any) -> TenantPolicy:
     max_blocks = max(10_000, overrides.get("guaranteed_blocks", 0))
     fields: dict[str, Any] = {
         "tenant_id": tenant_id, "tier": "standard", "priority": 1,
-        "guaranteed_blocks": 0, "max_blocks": max_blocks, "max_tokens": 64,
+        "guaranteed_blocks": 0, "max_blocks_per_engine": max_blocks, "max_tokens": 64,
         "default_max_tokens": min(8, overrides.get("max_tokens", 64)), **overrides,
     }
     return TenantPolicy.model_validate(fields)

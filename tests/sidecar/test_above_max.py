@@ -32,10 +32,11 @@ def _queue(capped: str = "Reclaimable", *, held: dict[str, int] | None = None,
     """`acme` (premium) may hold 30 blocks; `cheap` (free) is guaranteed 100. `held`:
     the blocks each tenant's running requests hold, as the plugin reports them (read
     at every decision: a test may change it)."""
-    acme = tenant("acme", tier="premium", priority=0, max_tokens=32, max_blocks=30,
+    acme = tenant("acme", tier="premium", priority=0, max_tokens=32, max_blocks_per_engine=30,
                   above_max=capped, prefix_cache_isolation="Shared", max_queue_seconds=30)
     cheap = tenant("cheap", tier="free", priority=2, max_tokens=32, guaranteed_blocks=100,
-                   max_blocks=2_000, prefix_cache_isolation="Shared", max_queue_seconds=30)
+                   max_blocks_per_engine=2_000, prefix_cache_isolation="Shared",
+                   max_queue_seconds=30)
     holding = held if held is not None else {}
 
     def stats() -> EngineStats:

@@ -87,7 +87,7 @@ def test_prompt_limits_are_400() -> None:
 
 
 def test_quota_and_concurrency_wait_as_429() -> None:
-    acme = tenant("acme", max_blocks=10, max_concurrent_requests=2)
+    acme = tenant("acme", max_blocks_per_engine=10, max_concurrent_requests=2)
     policy = make_policy(acme)
     ledger = Ledger()
     ledger.reserve("acme", 9)
@@ -103,14 +103,14 @@ def test_quota_and_concurrency_wait_as_429() -> None:
 
 
 def test_a_request_larger_than_the_whole_quota_is_400_not_429() -> None:
-    verdict = _decide(tenant("acme", max_blocks=2), 10, 100)
+    verdict = _decide(tenant("acme", max_blocks_per_engine=2), 10, 100)
     assert verdict.error is not None and not verdict.waits
     assert (verdict.error.status, verdict.error.code) == (400, "REQUEST_EXCEEDS_TENANT_QUOTA")
 
 
 def test_watermark_refuses_borrowers_only() -> None:
-    borrower = tenant("free", guaranteed_blocks=0, max_blocks=50)
-    guaranteed = tenant("premium", guaranteed_blocks=20, max_blocks=50)
+    borrower = tenant("free", guaranteed_blocks=0, max_blocks_per_engine=50)
+    guaranteed = tenant("premium", guaranteed_blocks=20, max_blocks_per_engine=50)
     policy = make_policy(borrower, guaranteed)
     nearly_full = _view(policy, _stats(100, 12))  # the floor keeps 10 free
     refused = _decide(borrower, 10, 86, view=nearly_full)  # 3 blocks: 12 - 3 < 10
@@ -125,9 +125,10 @@ def test_watermark_refuses_borrowers_only() -> None:
 def test_a_premium_borrower_counts_what_lower_borrowers_would_give_back() -> None:
     """The rule that agrees with preemption: the free tenant's blocks above its guarantee
     are reclaimable for premium, not for the free tenant itself."""
-    premium = tenant("acme", tier="premium", priority=0, guaranteed_blocks=20, max_blocks=90,
+    premium = tenant("acme", tier="premium", priority=0, guaranteed_blocks=20,
+                     max_blocks_per_engine=90,
                      max_tokens=4096)
-    free = tenant("hobby", tier="free", priority=2, guaranteed_blocks=5, max_blocks=60,
+    free = tenant("hobby", tier="free", priority=2, guaranteed_blocks=5, max_blocks_per_engine=60,
                   max_tokens=4096)
     policy = make_policy(premium, free)
     ledger = Ledger()
@@ -150,12 +151,15 @@ def test_idle_tenants_change_no_decision_and_stay_out_of_the_view() -> None:
     """A policy of hundreds of tenants, most idle: the same decisions as without them,
     and the view (rebuilt on every reservation) holds only the tenants that hold
     something, in the ledger or in the engine (a lease without a request in flight)."""
-    premium = tenant("acme", tier="premium", priority=0, guaranteed_blocks=20, max_blocks=90,
+    premium = tenant("acme", tier="premium", priority=0, guaranteed_blocks=20,
+                     max_blocks_per_engine=90,
                      max_tokens=4096)
-    free = tenant("hobby", tier="free", priority=2, guaranteed_blocks=5, max_blocks=60,
+    free = tenant("hobby", tier="free", priority=2, guaranteed_blocks=5, max_blocks_per_engine=60,
                   max_tokens=4096)
-    leased = tenant("lessee", tier="free", priority=2, guaranteed_blocks=0, max_blocks=60)
-    idle = [tenant(f"idle-{i}", tier="free", priority=2, max_blocks=60) for i in range(300)]
+    leased = tenant("lessee", tier="free", priority=2, guaranteed_blocks=0,
+                    max_blocks_per_engine=60)
+    idle = [tenant(f"idle-{i}", tier="free", priority=2,
+                   max_blocks_per_engine=60) for i in range(300)]
     ledger = Ledger()
     ledger.reserve("acme", 20)
     ledger.reserve("hobby", 50)
@@ -184,8 +188,8 @@ def test_idle_tenants_change_no_decision_and_stay_out_of_the_view() -> None:
 
 
 def test_a_borrower_of_the_same_tier_is_not_reclaimable_but_its_idle_leases_are() -> None:
-    a = tenant("a", guaranteed_blocks=10, max_blocks=90)
-    b = tenant("b", guaranteed_blocks=10, max_blocks=90)
+    a = tenant("a", guaranteed_blocks=10, max_blocks_per_engine=90)
+    b = tenant("b", guaranteed_blocks=10, max_blocks_per_engine=90)
     policy = make_policy(a, b)
     ledger = Ledger()
     ledger.reserve("a", 10)
@@ -200,7 +204,7 @@ def test_a_borrower_of_the_same_tier_is_not_reclaimable_but_its_idle_leases_are(
 
 
 def test_a_follow_up_turn_does_not_pay_twice_for_its_leased_prefix() -> None:
-    acme = tenant("acme", guaranteed_blocks=0, max_blocks=20, max_tokens=64)
+    acme = tenant("acme", guaranteed_blocks=0, max_blocks_per_engine=20, max_tokens=64)
     policy = make_policy(acme)
     stats = _stats(1000, 900, acme=TenantEngineStats(leased_blocks=12, pinned_blocks=12,
                                                       leases={"chat-1": 12}))
@@ -216,7 +220,7 @@ def test_a_follow_up_turn_does_not_pay_twice_for_its_leased_prefix() -> None:
 
 
 def test_a_prefix_the_tenants_requests_share_is_reserved_once() -> None:
-    acme = tenant("acme", guaranteed_blocks=0, max_blocks=30, max_tokens=64)
+    acme = tenant("acme", guaranteed_blocks=0, max_blocks_per_engine=30, max_tokens=64)
     policy = make_policy(acme)
     system = _prompt(10 * BLOCK)  # a 10-block system prompt
     ledger = Ledger()
@@ -260,8 +264,9 @@ def test_never_503_within_the_guaranteed_share(
     guaranteed: int, used: int, prompt: int, max_tokens: int, free: int, watermark: float,
     others: int,
 ) -> None:
-    acme = tenant("acme", guaranteed_blocks=guaranteed, max_blocks=10_000, max_tokens=500)
-    rival = tenant("rival", guaranteed_blocks=0, max_blocks=10_000)
+    acme = tenant("acme", guaranteed_blocks=guaranteed, max_blocks_per_engine=10_000,
+                  max_tokens=500)
+    rival = tenant("rival", guaranteed_blocks=0, max_blocks_per_engine=10_000)
     policy = make_policy(acme, rival)
     ledger = Ledger()
     ledger.reserve("acme", used)

@@ -44,7 +44,7 @@ def _t(name: str, **overrides: object) -> TenantPolicy:
 
 
 def test_a_request_over_its_quota_waits_and_is_admitted_when_blocks_free() -> None:
-    queue, clock, _ = _queue(_t("acme", max_blocks=10))
+    queue, clock, _ = _queue(_t("acme", max_blocks_per_engine=10))
     first = queue.submit("acme", _shape(8))
     second = queue.submit("acme", _shape(5))
     assert first.admitted and not second.settled
@@ -58,7 +58,7 @@ def test_a_request_over_its_quota_waits_and_is_admitted_when_blocks_free() -> No
 
 
 def test_a_refusal_comes_at_the_deadline_with_what_it_waited_on() -> None:
-    queue, clock, _ = _queue(_t("acme", max_blocks=10, max_queue_seconds=5))
+    queue, clock, _ = _queue(_t("acme", max_blocks_per_engine=10, max_queue_seconds=5))
     queue.submit("acme", _shape(10))
     waiting = queue.submit("acme", _shape(4))
     clock.now = 4.9
@@ -71,14 +71,14 @@ def test_a_refusal_comes_at_the_deadline_with_what_it_waited_on() -> None:
 
 
 def test_zero_wait_bound_refuses_at_once() -> None:
-    queue, _, _ = _queue(_t("acme", max_blocks=10, max_queue_seconds=0))
+    queue, _, _ = _queue(_t("acme", max_blocks_per_engine=10, max_queue_seconds=0))
     queue.submit("acme", _shape(10))
     refused = queue.submit("acme", _shape(1))
     assert refused.settled and refused.error is not None and refused.error.status == 429
 
 
 def test_a_full_tenant_queue_refuses_at_once() -> None:
-    queue, _, _ = _queue(_t("acme", max_blocks=10, max_queued_requests=2))
+    queue, _, _ = _queue(_t("acme", max_blocks_per_engine=10, max_queued_requests=2))
     queue.submit("acme", _shape(10))
     waiting = [queue.submit("acme", _shape(1)) for _ in range(2)]
     third = queue.submit("acme", _shape(1))
@@ -88,7 +88,7 @@ def test_a_full_tenant_queue_refuses_at_once() -> None:
 
 
 def test_a_client_that_leaves_the_queue_holds_nothing() -> None:
-    queue, _, ledger = _queue(_t("acme", max_blocks=10))
+    queue, _, ledger = _queue(_t("acme", max_blocks_per_engine=10))
     holder = queue.submit("acme", _shape(10))
     waiting = queue.submit("acme", _shape(3))
     queue.cancel(waiting)
@@ -99,8 +99,8 @@ def test_a_client_that_leaves_the_queue_holds_nothing() -> None:
 
 
 def test_tiers_are_served_in_order_when_capacity_frees() -> None:
-    premium = _t("acme", tier="premium", priority=0, max_blocks=100)
-    free = _t("hobby", tier="free", priority=2, max_blocks=100)
+    premium = _t("acme", tier="premium", priority=0, max_blocks_per_engine=100)
+    free = _t("hobby", tier="free", priority=2, max_blocks_per_engine=100)
     queue, _, _ = _queue(premium, free)
     capacity = make_policy(premium, free)
     stats = {"now": EngineStats(timestamp=0, total_blocks=100, free_blocks=0)}
@@ -118,8 +118,8 @@ def test_tiers_are_served_in_order_when_capacity_frees() -> None:
 def test_fair_share_within_a_tier_follows_the_guarantees() -> None:
     """VTC: with both tenants backlogged and room for one request at a time, the tenant
     with three times the guarantee is admitted three times as often."""
-    big = _t("big", guaranteed_blocks=3, max_blocks=10_000)
-    small = _t("small", guaranteed_blocks=1, max_blocks=10_000)
+    big = _t("big", guaranteed_blocks=3, max_blocks_per_engine=10_000)
+    small = _t("small", guaranteed_blocks=1, max_blocks_per_engine=10_000)
     queue, _, _ = _queue(big, small)
     # 14 free, 10 kept by the watermark floor: room for one 4-block request at a time.
     queue.stats = lambda: EngineStats(timestamp=0, total_blocks=100, free_blocks=14)
@@ -141,7 +141,7 @@ def test_fair_share_within_a_tier_follows_the_guarantees() -> None:
 
 
 def test_a_request_within_its_guarantee_does_not_wait_behind_a_borrowing_one() -> None:
-    acme = _t("acme", guaranteed_blocks=10, max_blocks=100)
+    acme = _t("acme", guaranteed_blocks=10, max_blocks_per_engine=100)
     queue, _, _ = _queue(acme)
     queue.stats = lambda: EngineStats(timestamp=0, total_blocks=100, free_blocks=12)
     queue.set_policy(make_policy(acme))
@@ -152,8 +152,8 @@ def test_a_request_within_its_guarantee_does_not_wait_behind_a_borrowing_one() -
 
 
 def test_a_lower_tier_uses_capacity_no_one_above_it_can_take() -> None:
-    premium = _t("acme", tier="premium", priority=0, max_blocks=10)
-    free = _t("hobby", tier="free", priority=2, max_blocks=100)
+    premium = _t("acme", tier="premium", priority=0, max_blocks_per_engine=10)
+    free = _t("hobby", tier="free", priority=2, max_blocks_per_engine=100)
     queue, _, _ = _queue(premium, free)
     queue.submit("acme", _shape(10))
     over_quota = queue.submit("acme", _shape(5))  # premium waits on its own quota
@@ -162,7 +162,7 @@ def test_a_lower_tier_uses_capacity_no_one_above_it_can_take() -> None:
 
 
 def test_retry_after_follows_the_drain_rate_and_is_jittered() -> None:
-    acme = _t("acme", max_blocks=10, max_concurrent_requests=1, max_queue_seconds=3)
+    acme = _t("acme", max_blocks_per_engine=10, max_concurrent_requests=1, max_queue_seconds=3)
     queue, clock, _ = _queue(acme)
     holder = queue.submit("acme", _shape(1))
     # Drain at 2 per second: release and re-admit eight times, half a second apart.
@@ -185,7 +185,7 @@ def test_retry_after_follows_the_drain_rate_and_is_jittered() -> None:
 
 
 def test_a_tenant_the_new_policy_drops_is_refused_from_the_queue() -> None:
-    acme = _t("acme", max_blocks=10)
+    acme = _t("acme", max_blocks_per_engine=10)
     queue, _, _ = _queue(acme, _t("other"))
     queue.submit("acme", _shape(10))
     waiting = queue.submit("acme", _shape(1))

@@ -145,7 +145,7 @@ def test_a_request_that_fits_only_at_its_count_is_counted_first(
     block = make_policy(tenant("acme")).block_size
     needs = math.ceil((exact + 4) / block)
     assert math.ceil((ceiling + 4) / block) > needs  # the bound alone would not fit
-    harness.apply(make_policy(tenant("acme", max_blocks=needs, max_queue_seconds=0)))
+    harness.apply(make_policy(tenant("acme", max_blocks_per_engine=needs, max_queue_seconds=0)))
     reserved = _held(harness, stub, keys.hs("acme"), {"prompt": PROMPT})
     assert harness.gateway.admitter.ceiling_admissions == 0
     assert 0 < reserved <= needs
@@ -229,7 +229,7 @@ def test_a_tokenizer_without_a_ceiling_counts_before_admitting(
     exact = len(ids)
     block = make_policy(tenant("acme")).block_size
     needs = math.ceil((exact + 4) / block)
-    harness.apply(make_policy(tenant("acme", max_blocks=needs, max_queue_seconds=0)))
+    harness.apply(make_policy(tenant("acme", max_blocks_per_engine=needs, max_queue_seconds=0)))
     token = keys.hs("acme")
     assert 0 < _held(harness, stub, token, {"prompt": PROMPT}) <= needs
     assert 0 < _held(harness, stub, token, {"messages": CHAT[1:]}) <= needs

@@ -170,7 +170,7 @@ def test_a_body_over_the_tenants_cap_is_413_before_it_is_read(
 ) -> None:
     """100 blocks of 32 tokens: no admissible prompt needs 1 MiB of JSON."""
     harness, stub = stub_sidecar()
-    harness.apply(make_policy(tenant("acme", max_blocks=100)))
+    harness.apply(make_policy(tenant("acme", max_blocks_per_engine=100)))
     with _connect(harness) as sock:
         sock.sendall(_head("/v1/completions", f"Authorization: Bearer {keys.hs('acme')}",
                            length=MIB))

@@ -238,7 +238,7 @@ def test_block_quota_is_429_while_a_stream_is_held(sidecar: Harness, keys: Keys)
     # ceil((6 + 2000) / 32) = 63 blocks held; another 63 would exceed 100.
     # maxQueueSeconds 0: refused at once (see the concurrency test above).
     # aboveMax Never: a hard ceiling (the engine's idle KV would take it otherwise).
-    sidecar.apply(make_policy(tenant("acme", max_tokens=2000, max_blocks=100,
+    sidecar.apply(make_policy(tenant("acme", max_tokens=2000, max_blocks_per_engine=100,
                                      max_queue_seconds=0, above_max="Never"),
                               reservation=FULL_RESERVATION))
     token = keys.hs("acme")
@@ -262,7 +262,7 @@ def test_a_capped_tenant_runs_beyond_max_blocks_in_kv_nobody_else_wants(
     # The same two requests with aboveMax Reclaimable (the default): the engine's KV is
     # idle and nobody else waits for it, so the second runs beyond maxBlocks and the
     # status shows the blocks charged above it. A tenant of its own (see below).
-    sidecar.apply(make_policy(tenant("capped", max_tokens=2000, max_blocks=100,
+    sidecar.apply(make_policy(tenant("capped", max_tokens=2000, max_blocks_per_engine=100,
                                      max_queue_seconds=0), reservation=FULL_RESERVATION))
     token = keys.hs("capped")
     with (_held_stream(sidecar, token, {"max_tokens": 2000}),
@@ -281,7 +281,7 @@ def test_an_estimated_reservation_admits_what_max_tokens_refused(
     # stream the test above left can still hold its 63 blocks in the engine (vLLM
     # aborts it a step after the sidecar's ledger let it go, later on a busy machine),
     # and a tenant is charged the blocks its running requests hold.
-    sidecar.apply(make_policy(tenant("estimated", max_tokens=2000, max_blocks=100,
+    sidecar.apply(make_policy(tenant("estimated", max_tokens=2000, max_blocks_per_engine=100,
                                      max_queue_seconds=0)))
     token = keys.hs("estimated")
     with _held_stream(sidecar, token, {"max_tokens": 2000}):

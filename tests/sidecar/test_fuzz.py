@@ -98,7 +98,7 @@ def _fuzz_policy() -> Any:
     return make_policy(
         tenant("acme", tier="premium", priority=0, max_tokens=4, max_prompt_tokens=500,
                max_concurrent_requests=8, guaranteed_blocks=20_000),
-        tenant("free", tier="free", priority=2, max_tokens=2, max_blocks=40,
+        tenant("free", tier="free", priority=2, max_tokens=2, max_blocks_per_engine=40,
                prefix_cache_isolation="Shared"),
     )
 
@@ -196,8 +196,8 @@ def test_the_engine_never_processes_more_than_the_reservation(
     sequences holds the prompt, plus every completion token) fit in the KV blocks the
     sidecar reserved at max_tokens (`Full`; an `Estimated` reservation may be outgrown by
     design, but never by a miscounted prompt); refused ones never reach the engine."""
-    policy = sidecar.apply(make_policy(tenant("free", tier="free", priority=2, max_tokens=16,
-                                              max_blocks=5000), reservation=FULL_RESERVATION))
+    free = tenant("free", tier="free", priority=2, max_tokens=16, max_blocks_per_engine=5000)
+    policy = sidecar.apply(make_policy(free, reservation=FULL_RESERVATION))
     before = _reserved_blocks(sidecar, "free")
     with openai.OpenAI(base_url=sidecar.url + "/v1", api_key=keys.hs("free"),
                        max_retries=0, timeout=60) as client:

@@ -32,7 +32,7 @@ from .helpers import make_policy, tenant
 BLOCK = 16
 PROMPT = 96  # six full blocks: no free slots in the prompt's last block
 ACME = tenant("acme", tier="premium", priority=0, max_tokens=4096, default_max_tokens=512,
-              max_blocks=100_000, guaranteed_blocks=100_000, max_queued_requests=1000,
+              max_blocks_per_engine=100_000, guaranteed_blocks=100_000, max_queued_requests=1000,
               prefix_cache_isolation="Shared")
 POLICY = make_policy(ACME, block_size=BLOCK)
 

@@ -132,8 +132,8 @@ def test_an_engine_without_room_for_another_turn_stops_calling_the_session_back(
     harness, _ = stub_sidecar(engine_id="vllm-pool-7f9c-2", engine_namespace="inference")
     lease = LeasePolicy(seconds=60)
     harness.apply(make_policy(
-        tenant("acme", lease=lease, max_tokens=2000, max_blocks=125),  # 62 left after
-        tenant("globex", lease=lease, max_tokens=2000, max_blocks=126),  # 63 left
+        tenant("acme", lease=lease, max_tokens=2000, max_blocks_per_engine=125),  # 62 left after
+        tenant("globex", lease=lease, max_tokens=2000, max_blocks_per_engine=126),  # 63 left
         reservation=FULL_RESERVATION))
     pod_token = base64.b64encode(POOL[1].encode()).decode()
     replies = {}

@@ -185,8 +185,9 @@ def _signals(stats: EngineStats, reserved: dict[str, int]) -> dict[str, float | 
     queue = AdmissionQueue(ledger, clock=lambda: 0.0, stats=lambda: stats)
     policy = make_policy(
         tenant("acme", tier="premium", priority=0, guaranteed_blocks=400,
-               max_blocks=PREMIUM_MAX),
-        tenant("initech", tier="free", priority=2, guaranteed_blocks=50, max_blocks=FREE_MAX))
+               max_blocks_per_engine=PREMIUM_MAX),
+        tenant("initech", tier="free", priority=2, guaranteed_blocks=50,
+               max_blocks_per_engine=FREE_MAX))
     queue.set_policy(policy)
     return {s.tier: s.kv_usage for s in tier_signals(policy, stats, queue, queue.view())}
 

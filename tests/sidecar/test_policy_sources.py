@@ -161,16 +161,16 @@ def test_the_sidecar_enforces_its_engines_split_and_hands_the_plugin_the_whole_p
 ) -> None:
     secrets_dir = Keys(tmp_path / "secrets").write().dir
     plugin_file = tmp_path / "run" / "policy.json"
-    even = make_policy(tenant("acme", guaranteed_blocks=200, max_blocks=300))
+    even = make_policy(tenant("acme", guaranteed_blocks=200, max_blocks_per_engine=300))
     split = EnginePolicy.model_validate({
         **even.model_dump(), "version": "",
-        "engines": {"engine-a": {"acme": {"guaranteed_blocks": 320, "max_blocks": 420}}},
+        "engines": {"engine-a": {"acme": {"guaranteed_blocks": 320, "max_blocks_per_engine": 420}}},
     }).with_version()
     on_a = PolicyHolder(secrets_dir, plugin_file, engine="engine-a")
     assert on_a.offer(split.to_json(), "test")
     assert on_a.active is not None and on_a.active.version == split.version
     acme = on_a.active.policy.tenants["acme"]
-    assert (acme.guaranteed_blocks, acme.max_blocks) == (320, 420)
+    assert (acme.guaranteed_blocks, acme.max_blocks_per_engine) == (320, 420)
     # The plugin reads the policy as the operator rendered it (its hash still checks)
     # and picks the same entry by the same pod name.
     assert EnginePolicy.from_json(plugin_file.read_text()) == split

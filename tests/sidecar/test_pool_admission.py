@@ -25,7 +25,7 @@ from .helpers import make_policy, tenant
 BLOCK = 32
 TTL_S = 0.6
 POLICY = make_policy(tenant(
-    "acme", guaranteed_blocks=5, max_blocks=10, max_tokens=4096, max_queue_seconds=30,
+    "acme", guaranteed_blocks=5, max_blocks_per_engine=10, max_tokens=4096, max_queue_seconds=30,
     max_queued_requests=100,
     pool_wide=PoolLimits(guaranteed_blocks=10, max_blocks=20)))
 

@@ -25,7 +25,7 @@ def test_the_sidecar_refreshes_its_charges_ttl_while_a_request_holds_them(
 ) -> None:
     harness, stub = stub_sidecar(StubEngine(hold=threading.Event()), engine_id="engine-x")
     policy = harness.apply(make_policy(
-        tenant("acme", max_blocks=40, pool_wide=PoolLimits(guaranteed_blocks=40,
+        tenant("acme", max_blocks_per_engine=40, pool_wide=PoolLimits(guaranteed_blocks=40,
                                                            max_blocks=80)),
         pool_store=PoolStorePolicy(address=server.address, ttl_seconds=TTL_S,
                                    timeout_ms=200)))

@@ -53,7 +53,8 @@ def test_a_prompt_too_long_by_its_size_alone_is_never_tokenized(
     stub_sidecar: StubFactory, keys: Keys, size: int
 ) -> None:
     harness, stub = stub_sidecar()
-    harness.apply(make_policy(tenant("big", max_blocks=1_000_000, max_prompt_tokens=1000)))
+    harness.apply(make_policy(tenant("big", max_blocks_per_engine=1_000_000,
+                                     max_prompt_tokens=1000)))
     reply = _post(harness, keys.hs("big"), {"model": "tiny", "prompt": _text(size)})
     assert reply.status_code == 400, reply.text
     assert harness.counter.counts == [] and stub.received == []
@@ -80,7 +81,7 @@ def test_the_models_context_bounds_a_prompt_by_its_size(
     stub_sidecar: StubFactory, keys: Keys
 ) -> None:
     harness, _stub = stub_sidecar()
-    harness.apply(make_policy(tenant("big", max_blocks=1_000_000)))  # no maxPromptTokens
+    harness.apply(make_policy(tenant("big", max_blocks_per_engine=1_000_000)))  # no maxPromptTokens
     reply = _post(harness, keys.hs("big"), {"model": "tiny", "prompt": _text(200_000)})
     assert reply.status_code == 400
     assert "the model's context is 2048 tokens" in reply.json()["error"]["message"]
@@ -127,7 +128,7 @@ def test_a_long_prompt_being_tokenized_does_not_hold_up_another_tenant(
     for a slow machine."""
     harness, _stub = stub_sidecar(StubEngine(max_model_len=10_000_000))
     wait_for(lambda: harness.gateway.monitor.max_model_len == 10_000_000, WAIT, "model len")
-    harness.apply(make_policy(tenant("big", max_blocks=1_000_000), tenant("acme")))
+    harness.apply(make_policy(tenant("big", max_blocks_per_engine=1_000_000), tenant("acme")))
     long_body = httpx.Request("POST", harness.url + "/v1/completions", json={
         "model": "tiny", "prompt": _varied_text(1_500_000), "max_tokens": 1},
         headers={"Authorization": f"Bearer {keys.hs('big')}"})

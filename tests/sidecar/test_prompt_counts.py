@@ -54,7 +54,7 @@ async def test_hidden_parts_count_against_the_tenant_quota(
     thinking parts carry ~1,900 tokens. Each is refused (by the sidecar, before the
     engine sees it) as larger than the tenant's whole quota, counted as the engine
     counts its prompt."""
-    sidecar.apply(make_policy(tenant("issue-13", tier="free", priority=2, max_blocks=40,
+    sidecar.apply(make_policy(tenant("issue-13", tier="free", priority=2, max_blocks_per_engine=40,
                                      max_tokens=8, max_queue_seconds=0)))
     hidden = PHRASE * 316
     rendered = http_post(engine.url + "/tokenize", timeout=30, json={

@@ -37,7 +37,7 @@ def _queue(
     stats: Callable[[], EngineStats | None] = lambda: None, **limits: object,
 ) -> AdmissionQueue:
     acme = tenant("acme", tier="premium", priority=0, max_tokens=GENEROUS,
-                  default_max_tokens=1024, max_blocks=300,
+                  default_max_tokens=1024, max_blocks_per_engine=300,
                   prefix_cache_isolation="Shared", max_queue_seconds=30,
                   max_queued_requests=100, **limits)
     reservation = {Tier.PREMIUM: mode} if mode is not None else {}
@@ -160,10 +160,10 @@ def _engine(running_blocks: int) -> EngineStats:
 
 def test_a_full_tier_and_an_estimated_tier_side_by_side() -> None:
     premium = tenant("prem", tier="premium", priority=0, max_tokens=GENEROUS,
-                     default_max_tokens=1024, max_blocks=300,
+                     default_max_tokens=1024, max_blocks_per_engine=300,
                   prefix_cache_isolation="Shared")
     free = tenant("cheap", tier="free", priority=2, max_tokens=GENEROUS,
-                  default_max_tokens=1024, max_blocks=300,
+                  default_max_tokens=1024, max_blocks_per_engine=300,
                   prefix_cache_isolation="Shared")
     policy = make_policy(premium, free, reservation={Tier.PREMIUM: ReservationMode.FULL})
     queue = AdmissionQueue(Ledger(), clock=lambda: 0.0, max_model_len=lambda: None)
@@ -247,7 +247,7 @@ def _status(mode: ReservationMode | None = None) -> SidecarStatus:
     """acme has one request in flight, reserved 9 blocks at its estimate; the plugin
     reports its running requests holding 25 blocks, one of 3 victims outgrown."""
     acme = tenant("acme", tier="premium", priority=0, max_tokens=GENEROUS,
-                  default_max_tokens=1024, max_blocks=300,
+                  default_max_tokens=1024, max_blocks_per_engine=300,
                   prefix_cache_isolation="Shared")
     policy = make_policy(acme, reservation={Tier.PREMIUM: mode} if mode else {}, auth={})
     stats = _engine(running_blocks=25)

@@ -93,7 +93,7 @@ def test_a_response_reserves_its_blocks_and_over_quota_is_429(
     # One held response: ceil((prompt + 2000) / 32) = 63 or 64 of 100 blocks; another
     # of the same size would exceed 100. maxQueueSeconds 0: refused at once, no race
     # with the held stream's end.
-    sidecar.apply(make_policy(tenant("acme", max_tokens=LONG, max_blocks=100,
+    sidecar.apply(make_policy(tenant("acme", max_tokens=LONG, max_blocks_per_engine=100,
                                      max_queue_seconds=0, above_max="Never"),
                               reservation=FULL_RESERVATION))
     client = _client(sidecar, keys)

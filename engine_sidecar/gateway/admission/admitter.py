@@ -190,7 +190,7 @@ class Admitter:
         call_back = None
         if reservation.session and tenant.lease.seconds > 0:
             call_back = calls_back(self.queue.view(), tenant_id, reservation.session,
-                                   reservation.turn_blocks, tenant.max_blocks)
+                                   reservation.turn_blocks, tenant.max_blocks_per_engine)
         return Admitted(reservation, body, tier, ticket.waited,
                         request.n * max(1, len(shape.prompt_tokens)), call_back)
 

@@ -352,14 +352,14 @@ def decide(
             "tokens, including the completion. Shorten the prompt.",
             param=shape.prompt_param,
         ))
-    if full > tenant.max_blocks:
+    if full > tenant.max_blocks_per_engine:
         # Retrying can never help, so this is not a 429: even reserved at an estimate,
         # it may decode to max_tokens, more than its tenant may ever hold.
         return refuse(Decision.REJECTED_QUOTA, ApiError(
             400, errors.REQUEST_EXCEEDS_TENANT_QUOTA,
             f"this request needs {full} KV blocks (prompt + max_tokens={max_tokens}), "
             f"more than tenant {tenant.tenant_id!r} may hold on one engine "
-            f"({tenant.max_blocks}). Lower max_tokens or shorten the prompt.",
+            f"({tenant.max_blocks_per_engine}). Lower max_tokens or shorten the prompt.",
             param=shape.max_tokens_param,
         ))
     # The leases of sessions in flight are their requests' prefixes, reserved with them;
@@ -374,7 +374,7 @@ def decide(
             f"tenant {tenant.tenant_id!r} already has {load.inflight} requests in flight "
             f"(limit {limit} per engine). Retry after one finishes.",
         ), borrowing)
-    if used + blocks > tenant.max_blocks:
+    if used + blocks > tenant.max_blocks_per_engine:
         if beyond_max and tenant.ceiling is not None and view.known:
             assert view.total_blocks is not None
             idle = view.free_blocks - watermark_floor(watermark, view.total_blocks)
@@ -385,7 +385,7 @@ def decide(
         return refuse(Decision.REJECTED_QUOTA, ApiError(
             429, errors.TENANT_BLOCK_QUOTA_EXHAUSTED,
             f"tenant {tenant.tenant_id!r} holds or has reserved {used} of its "
-            f"{tenant.max_blocks} KV blocks; this request needs {blocks} more. "
+            f"{tenant.max_blocks_per_engine} KV blocks; this request needs {blocks} more. "
             "Retry later or lower max_tokens.",
         ), borrowing)
     if borrowing and view.known:

@@ -34,7 +34,7 @@ def body_limit(
     bytes_per_token: int = BODY_BYTES_PER_TOKEN,
 ) -> int:
     """The largest body an admissible request of `tenant` can need, at most `cap`."""
-    tokens = tenant.max_blocks * block_size  # larger prompts are refused (400) anyway
+    tokens = tenant.max_blocks_per_engine * block_size  # larger prompts are refused (400) anyway
     if chat and tenant.max_prompt_tokens is not None:  # one prompt per chat request
         tokens = min(tokens, tenant.max_prompt_tokens)
     return min(cap, BODY_OVERHEAD_BYTES + bytes_per_token * tokens)

@@ -50,7 +50,7 @@ def limits_of(tenant: TenantPolicy) -> Limits | None:
     pool = tenant.pool_wide
     if pool is None:
         return None
-    return Limits(max_blocks=pool.max_blocks, ceiling_blocks=tenant.max_blocks,
+    return Limits(max_blocks=pool.max_blocks, ceiling_blocks=tenant.max_blocks_per_engine,
                   max_requests=pool.max_concurrent_requests,
                   ceiling_requests=tenant.max_concurrent_requests,
                   guaranteed_blocks=pool.guaranteed_blocks)
@@ -60,7 +60,7 @@ def pool_wide(tenant: TenantPolicy) -> TenantPolicy:
     """The tenant as admission sees it when the store has granted it the pool's room."""
     assert tenant.pool_wide is not None
     return tenant.model_copy(update={
-        "max_blocks": max(tenant.max_blocks, tenant.pool_wide.max_blocks),
+        "max_blocks_per_engine": max(tenant.max_blocks_per_engine, tenant.pool_wide.max_blocks),
         "max_concurrent_requests": tenant.pool_wide.max_concurrent_requests,
     })
 
@@ -106,7 +106,7 @@ class PoolAdmission:
             return verdict
         if outcome is Outcome.FALLBACK and not self.store.ever_reached:
             # Never reached: nothing claimed anywhere for this sidecar; keep the split.
-            return verdict if charged + verdict.blocks <= tenant.max_blocks else _full(
+            return verdict if charged + verdict.blocks <= tenant.max_blocks_per_engine else _full(
                 tenant, charged, verdict)
         return _full(tenant, charged, verdict)
 

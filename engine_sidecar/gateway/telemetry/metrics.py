@@ -177,7 +177,7 @@ class StateCollector(Collector):
             row = rows.setdefault(label(tenant_id), [0, 0, 0])
             row[0] += seen.charged
             row[1] += seen.growth
-            row[2] += max(0, seen.charged - tenant.max_blocks) if tenant else 0
+            row[2] += max(0, seen.charged - tenant.max_blocks_per_engine) if tenant else 0
         for name, (blocks, growth, beyond) in sorted(rows.items()):
             charged.add_metric([name], blocks)
             pending.add_metric([name], growth)

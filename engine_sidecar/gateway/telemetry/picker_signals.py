@@ -109,7 +109,7 @@ def _tier_usage(view: PoolView, tenants: Mapping[str, TenantPolicy], tier: Tier,
     if members:
         charged = sum(view.tenant(t.tenant_id).charged for t in members)
         guaranteed = sum(t.guaranteed_blocks for t in members)
-        ceiling = sum(t.max_blocks for t in members)
+        ceiling = sum(t.max_blocks_per_engine for t in members)
         room = min(max(room, guaranteed - charged), ceiling - charged)
         whole = min(max(whole, guaranteed), ceiling)
     return _fraction(whole - room, whole)

@@ -92,7 +92,7 @@ def build_status(
             reserved_blocks=reserved,
             pending_blocks=view.growth if view else reserved,
             charged_blocks=view.charged if view else reserved,
-            above_max_blocks=max(0, view.charged - tenant.max_blocks)
+            above_max_blocks=max(0, view.charged - tenant.max_blocks_per_engine)
             if view and tenant else 0,
             output_estimate_tokens=queue.estimates.in_use(tenant, policy)
             if tenant is not None and policy is not None else 0,

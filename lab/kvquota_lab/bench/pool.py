@@ -361,7 +361,7 @@ class PoolRun:
             policy = policy.model_copy(update={"tenants": {
                 tid: t.model_copy(update={"pool_wide": PoolLimits(
                     guaranteed_blocks=t.guaranteed_blocks * pool.replicas,
-                    max_blocks=t.max_blocks * pool.replicas,
+                    max_blocks=t.max_blocks_per_engine * pool.replicas,
                     max_concurrent_requests=(t.max_concurrent_requests * pool.replicas
                                              if t.max_concurrent_requests else None))})
                 for tid, t in policy.tenants.items()}})
@@ -372,8 +372,8 @@ class PoolRun:
             for tid, t in policy.tenants.items()
         }
         self.totals = [
-            TenantTotals(tid, t.guaranteed_blocks * pool.replicas, t.max_blocks * pool.replicas,
-                         t.priority)
+            TenantTotals(tid, t.guaranteed_blocks * pool.replicas,
+                         t.max_blocks_per_engine * pool.replicas, t.priority)
             for tid, t in sorted(policy.tenants.items())
         ]
         self.pool_guarantee = {t.tenant_id: t.guaranteed for t in self.totals}
@@ -430,7 +430,7 @@ class PoolRun:
         assert enforced is not None
         own = enforced.tenants[ticket.tenant_id]
         if calls_back(gateway.queue.view(), ticket.tenant_id, session, reservation.turn_blocks,
-                      own.max_blocks):
+                      own.max_blocks_per_engine):
             self.token_engines[session] = engine.index
         else:
             self.token_engines.pop(session, None)

@@ -308,7 +308,7 @@ class TenantLease(_Model):
         return LeaseSpec(
             seconds=self.seconds,
             max_sessions=self.max_sessions,
-            max_blocks=None if self.max_blocks is None
+            max_leased_blocks=None if self.max_blocks is None
             else resolve_blocks(self.max_blocks, capacity),
         )
 

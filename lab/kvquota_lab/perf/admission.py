@@ -97,7 +97,7 @@ async def _measure(args: argparse.Namespace, upstream: str, workdir: Path) -> No
     from engine_sidecar.gateway.intake.openai_request import Kind, parse
     from engine_sidecar.gateway.policy.source import FilePolicySource
 
-    idle = {**BENCH_TENANT, "guaranteed_blocks": 16, "max_blocks": 1024}
+    idle = {**BENCH_TENANT, "guaranteed_blocks": 16, "max_blocks_per_engine": 1024}
     bench = BENCH_TENANT
     chat = chat_body(args.tokenizer, args.chat_tokens)
     if args.near_limit:  # the exact count fits (one block to spare), the ceiling does not
@@ -106,7 +106,7 @@ async def _measure(args: argparse.Namespace, upstream: str, workdir: Path) -> No
         exact = len(render_chat(AutoTokenizer.from_pretrained(args.tokenizer),
                                 chat["messages"], True)) + 8
         needs = -(-(exact + chat["max_tokens"]) // 32) + 1
-        bench = {**BENCH_TENANT, "guaranteed_blocks": needs, "max_blocks": needs}
+        bench = {**BENCH_TENANT, "guaranteed_blocks": needs, "max_blocks_per_engine": needs}
     tenants = {"bench": bench, **{f"idle-{i}": idle for i in range(args.tenants - 1)}}
     policy_file, secrets_dir, tokens = write_policy(workdir, "stub", tenants)
     gateway = Gateway(GatewayConfig(upstream=upstream, secrets_dir=secrets_dir),

@@ -37,7 +37,7 @@ from kvquota_lab.processes import memory_kb, with_children
 
 VICTIM_BODY = {"model": "stub", "prompt": "tenant quota cache block lease premium standard",
                "max_tokens": 16, "stream": True}
-ATTACKER = {"tier": "free", "priority": 2, "guaranteed_blocks": 0, "max_blocks": 8192,
+ATTACKER = {"tier": "free", "priority": 2, "guaranteed_blocks": 0, "max_blocks_per_engine": 8192,
             "max_tokens": 64, "default_max_tokens": 16, "max_prompt_tokens": 4096}
 TOKEN_ENV = "KVQUOTA_BENCH_TOKEN"  # the attacker's JWT (not on its command line)
 WORDS = "tenant quota cache block lease premium standard free engine scheduler".split()

@@ -44,7 +44,7 @@ class Setup:
 
 BENCH_TENANT: dict[str, Any] = {
     "tier": "premium", "priority": 0, "guaranteed_blocks": 1_000_000,
-    "max_blocks": 1_000_000, "max_tokens": 4096, "default_max_tokens": 16,
+    "max_blocks_per_engine": 1_000_000, "max_tokens": 4096, "default_max_tokens": 16,
 }
 
 

@@ -40,7 +40,8 @@ def _policy(num_blocks: int) -> EnginePolicy:
         tenants={
             name: TenantPolicy(
                 tenant_id=name, tier=tier, priority=priority, guaranteed_blocks=share // 2,
-                max_blocks=num_blocks, lease=LeasePolicy(seconds=3600), max_tokens=1 << 20,
+                max_blocks_per_engine=num_blocks, lease=LeasePolicy(seconds=3600),
+                max_tokens=1 << 20,
                 default_max_tokens=64,
             )
             for name, tier, priority in TENANTS

@@ -40,8 +40,8 @@ class LeaseSpec(ApiModel):
         None, ge=0, le=1_000_000,
         description="Sessions that may hold a lease at once, pool-wide (unset or 0: no cap).",
     )
-    max_blocks: int | None = Field(
-        None, ge=0, le=100_000_000,
+    max_leased_blocks: int | None = Field(
+        None, ge=0, le=100_000_000, alias="maxBlocks",
         description="Distinct KV blocks the tenant's leases may pin, pool-wide (unset or 0: "
         "no cap).",
     )
@@ -186,8 +186,9 @@ class EffectiveSettings(ApiModel):
     lease_max_sessions: int | None = Field(
         None, description="Leased sessions at once, pool-wide (0: no cap)."
     )
-    lease_max_blocks: int | None = Field(
-        None, description="KV blocks the leases may pin, pool-wide (0: no cap)."
+    max_leased_blocks: int | None = Field(
+        None, alias="leaseMaxBlocks",
+        description="KV blocks the leases may pin, pool-wide (0: no cap).",
     )
     max_tokens: int | None = Field(None, description="Ceiling max_tokens is clamped to.")
     default_max_tokens: int | None = Field(
@@ -315,7 +316,8 @@ class EngineSplitStatus(ApiModel):
 
     pod: str = Field(max_length=253, description="The engine pod.")
     guaranteed_blocks: int = Field(0, ge=0, description="Blocks guaranteed on this engine.")
-    max_blocks: int = Field(0, ge=0, description="The tenant's ceiling on this engine.")
+    max_blocks_per_engine: int = Field(0, ge=0, alias="maxBlocks",
+                                       description="The tenant's ceiling on this engine.")
 
 
 MAX_STATUS_ENGINES = 1024  # a longer pool lists its first engines by name

@@ -47,7 +47,7 @@ class ResolvedTenant:
     max_blocks_per_engine: int
     lease_seconds: int
     lease_max_sessions: int
-    lease_max_blocks: int
+    max_leased_blocks: int
     max_tokens: int
     default_max_tokens: int
     max_prompt_tokens: int | None
@@ -95,7 +95,7 @@ def resolve_tenant(
         max_blocks_per_engine=split.maximum,
         lease_seconds=lease.seconds if lease.seconds is not None else tier.lease_seconds,
         lease_max_sessions=lease.max_sessions or 0,
-        lease_max_blocks=lease.max_blocks or 0,
+        max_leased_blocks=lease.max_leased_blocks or 0,
         max_tokens=max_tokens,
         default_max_tokens=min(spec.limits.default_max_tokens or tier.default_max_tokens,
                                max_tokens),
@@ -125,11 +125,11 @@ def tenant_policy(resolved: ResolvedTenant, *, pool_wide: bool = False) -> Tenan
         tier=resolved.tier,
         priority=resolved.priority,
         guaranteed_blocks=resolved.guaranteed_blocks_per_engine,
-        max_blocks=resolved.max_blocks_per_engine,
+        max_blocks_per_engine=resolved.max_blocks_per_engine,
         lease=LeasePolicy(
             seconds=resolved.lease_seconds,
             max_sessions=split_ceiling(resolved.lease_max_sessions, replicas) or 0,
-            max_blocks=split_ceiling(resolved.lease_max_blocks, replicas) or 0,
+            max_leased_blocks=split_ceiling(resolved.max_leased_blocks, replicas) or 0,
         ),
         max_tokens=resolved.max_tokens,
         default_max_tokens=resolved.default_max_tokens,

@@ -101,15 +101,16 @@ def engine_overrides(
         split = splits.get(tenant_id)
         if not split or len(split) != replicas:
             continue
-        headroom = even.max_blocks - even.guaranteed_blocks
+        headroom = even.max_blocks_per_engine - even.guaranteed_blocks
         if (sum(s.guaranteed for s in split.values()) != even.guaranteed_blocks * replicas
                 or any(s.maximum - s.guaranteed != headroom for s in split.values())):
             continue  # computed for other totals: even until the next round
         for pod, share in split.items():
-            maximum = max(share.maximum, even.max_blocks)
-            if (share.guaranteed, maximum) != (even.guaranteed_blocks, even.max_blocks):
+            maximum = max(share.maximum, even.max_blocks_per_engine)
+            if (share.guaranteed, maximum) != (even.guaranteed_blocks,
+                                               even.max_blocks_per_engine):
                 out.setdefault(pod, {})[tenant_id] = EngineShare(
-                    guaranteed_blocks=share.guaranteed, max_blocks=maximum)
+                    guaranteed_blocks=share.guaranteed, max_blocks_per_engine=maximum)
     return out
 
 
