@@ -64,17 +64,17 @@ All vLLM private-API access goes through `engine_sidecar.plugin.vllm_compat`.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import Counter
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine_sidecar.contract.names import POLICY_PATH_ENV, STATS_PATH_ENV, UNCLASSIFIED
+from engine_sidecar.contract.names import UNCLASSIFIED
 from engine_sidecar.contract.reclaim import requester_band
 from engine_sidecar.contract.stats import EngineStats, TenantEngineStats
 from engine_sidecar.plugin import vllm_compat as compat
+from engine_sidecar.plugin.allocation_hook import HookedKVCacheManager
+from engine_sidecar.plugin.config import PluginConfig
 from engine_sidecar.plugin.policy_watch import PolicyWatcher
 from engine_sidecar.plugin.stats_publisher import (
     STEP_INTERVAL_S,
@@ -112,8 +112,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_UNSET: Any = object()
-
 # (request, tenant known to the policy or None, priority, computed tokens, arrival)
 _RunningEntry = compat.RunningEntry
 
@@ -136,11 +134,6 @@ class _StepView:
 class TenantAwareScheduler(compat.Scheduler):
     """vLLM's Scheduler plus tenant leases, victim order and degraded mode."""
 
-    # The ranking rules (see engine_sidecar.plugin.tenant_policy). The benchmark's victim-order
-    # variants (kvquota_lab.bench.variants) set a subclass on one instance; not a product
-    # setting.
-    kvq_ranker_cls: type[VictimRanker] = VictimRanker
-
     def __new__(cls, *args: Any, **kwargs: Any) -> TenantAwareScheduler:
         # With async scheduling on, vLLM needs AsyncScheduler's bookkeeping.
         if cls is TenantAwareScheduler and compat.async_scheduling_enabled(
@@ -149,11 +142,15 @@ class TenantAwareScheduler(compat.Scheduler):
             cls = AsyncTenantAwareScheduler
         return super().__new__(cls)
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, plugin_config: PluginConfig | None = None, **kwargs: Any
+    ) -> None:
         compat.check_supported_vllm()
         super().__init__(*args, **kwargs)
         compat.route_logs("engine_sidecar")
-        self._kvq_clock: Callable[[], float] = time.monotonic
+        config = plugin_config or PluginConfig.from_env()
+        self._kvq_clock: Callable[[], float] = config.clock
+        self._kvq_ranker_cls = config.ranker
         self._kvq_ids: dict[str, Identity] = {}
         # Sessions with a request in the engine: their lease is not idle.
         self._kvq_active: Counter[tuple[str, str]] = Counter()
@@ -186,19 +183,23 @@ class TenantAwareScheduler(compat.Scheduler):
         )
         if self._kvq_offloading:
             compat.steer_kv_loads(connector, self._kvq_recompute, self._kvq_on_kv_load)
-        self._kvq_watcher = PolicyWatcher(None)
-        self._kvq_publisher: StatsPublisher | None = None
         self._kvq_next_publish = 0.0
-        self._kvq_alloc_hook = compat.AllocationHook(self, self._kvq_on_alloc_failure)
+        HookedKVCacheManager.adopt(self.kv_cache_manager, self._kvq_on_alloc_failure)
         if not self._kvq_steer_victims:
             logger.warning(
                 "KVQuota: --scheduling-policy is not 'priority'; leases apply but vLLM "
                 "keeps its FCFS victim order"
             )
-        self.kvq_configure(
-            policy_path=os.environ.get(POLICY_PATH_ENV) or None,
-            stats_path=os.environ.get(STATS_PATH_ENV) or None,
-        )
+        self._kvq_watcher = PolicyWatcher(config.policy_path, clock=self._kvq_now,
+                                          engine=config.engine)
+        self._kvq_watcher.poll(force=True)
+        self._kvq_apply_policy()
+        self._kvq_publisher: StatsPublisher | None = None
+        if config.stats_path:
+            self._kvq_publisher = StatsPublisher(
+                config.stats_path, policy_path=self._kvq_watcher.path, clock=self._kvq_now
+            )
+            self._kvq_publish(self._kvq_clock())  # readers see the engine before a step
         logger.info(
             "KVQuota TenantAwareScheduler on vLLM %s: policy %s (%s), stats %s, "
             "preemption mode %s",
@@ -207,39 +208,6 @@ class TenantAwareScheduler(compat.Scheduler):
             self._kvq_publisher.path if self._kvq_publisher else None,
             self._kvq_preemption_mode,
         )
-
-    # -- configuration (also used by the standalone harness) ---------------------------
-
-    def kvq_configure(
-        self,
-        *,
-        policy_path: str | Path | None = _UNSET,
-        stats_path: str | Path | None = _UNSET,
-        clock: Callable[[], float] | None = None,
-        engine: str | None = None,
-    ) -> None:
-        """Point the plugin at a policy file / stats file / clock (virtual time);
-        `engine` names the engine whose entry of the per-engine split it enforces (by
-        default the pod name from the environment, as in a pod)."""
-        if clock is not None:
-            self._kvq_clock = clock
-        if policy_path is not _UNSET or clock is not None or engine is not None:
-            path = self._kvq_watcher.path if policy_path is _UNSET else policy_path
-            self._kvq_watcher = PolicyWatcher(path, clock=self._kvq_now,
-                                              engine=engine or self._kvq_watcher.engine)
-            if self._kvq_watcher.poll(force=True) or self._kvq_watcher.policy is None:
-                self._kvq_apply_policy()
-        if stats_path is not _UNSET or policy_path is not _UNSET or clock is not None:
-            old = self._kvq_publisher
-            path = (old.path if old else None) if stats_path is _UNSET else stats_path
-            if old is not None:
-                old.close()
-            self._kvq_publisher = None
-            if path:
-                self._kvq_publisher = StatsPublisher(
-                    path, policy_path=self._kvq_watcher.path, clock=self._kvq_now
-                )
-                self._kvq_publish(self._kvq_clock())  # readers see the engine before a step
 
     def _kvq_now(self) -> float:
         return self._kvq_clock()
@@ -275,7 +243,6 @@ class TenantAwareScheduler(compat.Scheduler):
             self._kvq_apply_policy()
         if len(self._kvq_leases):
             self._kvq_release_expired(now)
-        self._kvq_alloc_hook.arm_for_step()
         self._kvq_in_step = True
         try:
             if self._kvq_starved is not None:
@@ -438,7 +405,7 @@ class TenantAwareScheduler(compat.Scheduler):
             usage[lease.tenant] = usage.get(lease.tenant, 0) + held
         for tenant, block_ids in shared.items():
             usage[tenant] = usage.get(tenant, 0) + len(block_ids)
-        view = self._kvq_view = _StepView(self.kvq_ranker_cls(policy, usage), entries)
+        view = self._kvq_view = _StepView(self._kvq_ranker_cls(policy, usage), entries)
         return view
 
     def _kvq_running_key(self, ranker: VictimRanker, request: Request) -> RankKey:

@@ -15,14 +15,9 @@ check. The touchpoints:
   `_free_blocks` (private);
 - scheduler attributes `running`, `requests`, `policy`, `vllm_config`,
   `kv_cache_manager`;
-- `KVCacheManager.allocate_slots` (wrapped per instance, for the steps in which an
-  allocation can fail, to hear about failures; `AllocationHook`: vLLM's scheduler
-  passes `request, num_new_tokens` by position and everything else by keyword, always
-  with `num_lookahead_tokens`, whose default is 0), and the scheduler
-  fields its arming reads: `waiting`, `kv_holding_waiting`, `_inflight_prefills`,
-  `max_num_scheduled_tokens`, `num_spec_tokens`, `num_lookahead_tokens`, `block_size`,
-  `connector`, `is_encoder_decoder`, `kv_cache_config`; `KVCacheManager.coordinator
-  .get_blocks`, `KVCacheManager.block_pool`;
+- `KVCacheManager.allocate_slots` (overridden in `allocation_hook`, whose type the
+  scheduler's manager takes once when it is built, to hear about failures);
+  `KVCacheManager.coordinator.get_blocks`, `KVCacheManager.block_pool`;
 - `BlockPool.touch` / `free_blocks` / `get_num_free_blocks` / `num_gpu_blocks`, and
   `KVCacheBlock.block_id` / `block_hash` / `is_null` / `pool` / `ref_cnt`;
 - what a failed allocation lacked (`allocation_shortfall`, mirroring
@@ -454,51 +449,6 @@ def total_block_count(scheduler: Scheduler) -> int:
     return int(scheduler.kv_cache_manager.block_pool.num_gpu_blocks) - 1
 
 
-AllocationFailureHandler = Callable[
-    ["Request", Callable[[], "KVCacheBlocks | None"], Callable[[], int]],
-    "KVCacheBlocks | None",
-]
-
-
-def allocation_shortfall(
-    manager: Any, request: Request, num_new_tokens: int, num_lookahead_tokens: int,
-    kwargs: Mapping[str, Any],
-) -> int:
-    """How many more free blocks the `allocate_slots` call that just failed needed.
-
-    Mirrors `KVCacheManager.allocate_slots` (the same in vLLM 0.32 and 0.33): the
-    blocks its coordinator would allocate, plus vLLM's own admission watermark and the
-    caller's reserve, minus the free blocks. A layout this does not understand falls
-    back to the blocks the new tokens fill."""
-    pool = manager.block_pool
-    try:
-        computed = kwargs.get("new_computed_blocks")
-        blocks = computed.blocks if computed is not None else manager.empty_kv_cache_blocks.blocks
-        num_local = request.num_computed_tokens + kwargs.get("num_new_computed_tokens", 0)
-        num_external = kwargs.get("num_external_computed_tokens", 0)
-        total = min(num_local + num_external, manager.max_model_len)
-        num_main = total + num_new_tokens
-        needed = manager.coordinator.get_num_blocks_to_allocate(
-            request_id=request.request_id,
-            num_tokens=min(num_main + num_lookahead_tokens, manager.max_model_len),
-            new_computed_blocks=blocks,
-            num_encoder_tokens=kwargs.get("num_encoder_tokens", 0),
-            total_computed_tokens=num_local + num_external,
-            num_local_computed_tokens=num_local,
-            num_tokens_main_model=num_main,
-            prefill_end=max(request.num_prompt_tokens, request.num_tokens - 1),
-        )
-        if kwargs.get("has_scheduled_reqs", True) and request.status in (
-            RequestStatus.WAITING, RequestStatus.PREEMPTED
-        ):
-            needed += manager.watermark_blocks
-        needed += kwargs.get("reserved_blocks", 0)
-    except (AttributeError, TypeError):
-        block_size = manager.coordinator.single_type_managers[0].block_size
-        needed = -(-(num_new_tokens + num_lookahead_tokens) // block_size)
-    return max(0, int(needed) - int(pool.get_num_free_blocks()))
-
-
 def step_growth_blocks(scheduler: Scheduler) -> int:
     """About how many blocks the running requests allocate in the next step: one for
     every decoding request whose next token starts a block, plus the chunk of every
@@ -590,123 +540,6 @@ def is_queued(scheduler: Scheduler, request: Request) -> bool:
         request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         and scheduler.requests.get(request.request_id) is request
     )
-
-
-class AllocationHook:
-    """Calls `on_failure(request, retry, shortfall)` whenever `allocate_slots` finds no
-    room.
-
-    The handler may free blocks and `retry()` (allocation has no side effects until it
-    succeeds), or ask `shortfall()` how many free blocks were missing; whatever it
-    returns is what vLLM's scheduler sees. The wrapper costs
-    about 0.1 microseconds per call, so it is only installed for steps in which an
-    allocation can fail. vLLM allocates in exactly two places: admission of waiting
-    requests, and growth of running requests. A running request that is not still
-    prefilling (vLLM's `_inflight_prefills`) computes at most 1 + speculative tokens
-    per step, i.e. at most 2 + ceil((spec + lookahead) / block_size) new blocks; those
-    still prefilling share the step's token budget. So `arm_for_step()` takes the
-    wrapper out when no request waits and the free blocks cover that worst case
-    (unless another wrapper has since been put over it, which must stay). Layouts
-    where the bound is not obviously safe (several KV cache groups, sliding windows,
-    KV connectors, encoder-decoder) keep the hook installed.
-    """
-
-    def __init__(self, scheduler: Scheduler, on_failure: AllocationFailureHandler) -> None:
-        from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-        manager = scheduler.kv_cache_manager
-        self._scheduler = scheduler
-        self._manager = manager
-        self._pool = manager.block_pool
-        self._on_failure = on_failure
-        # While armed: our wrapper, and the instance attribute it replaced (None: it
-        # shadows the class's method). Other wrappers (a profiler, a fault injector)
-        # stay in the chain: arming wraps whatever is there, disarming removes only ours.
-        self._installed: Callable[..., KVCacheBlocks | None] | None = None
-        self._replaced: Callable[..., KVCacheBlocks | None] | None = None
-        self.armed = False
-        groups = scheduler.kv_cache_config.kv_cache_groups
-        spec = groups[0].kv_cache_spec if len(groups) == 1 else None
-        self.always = not (
-            spec is not None
-            and type(spec) is FullAttentionSpec
-            and getattr(spec, "sliding_window", None) is None
-            and getattr(spec, "attention_chunk_size", None) is None
-            and spec.block_size == scheduler.block_size
-            and scheduler.connector is None
-            and not scheduler.is_encoder_decoder
-        )
-        block_size = scheduler.block_size
-        self._step_blocks = -(-scheduler.max_num_scheduled_tokens // block_size)
-        lookahead = scheduler.num_spec_tokens + scheduler.num_lookahead_tokens
-        self._request_blocks = 2 + -(-lookahead // block_size)
-        self._arm(True)
-
-    def arm_for_step(self) -> None:
-        scheduler = self._scheduler
-        needed = (
-            self.always
-            or bool(scheduler.waiting)
-            or bool(scheduler.kv_holding_waiting)
-            or self._pool.get_num_free_blocks()
-            < self._request_blocks * len(scheduler.running)
-            + (self._step_blocks if scheduler._inflight_prefills else 0)
-        )
-        if needed is not self.armed:
-            self._arm(needed)
-
-    def _wrap(
-        self, allocate: Callable[..., KVCacheBlocks | None]
-    ) -> Callable[..., KVCacheBlocks | None]:
-        manager = self._manager
-        on_failure = self._on_failure
-
-        def allocate_slots(
-            request: Request, num_new_tokens: int, *, num_lookahead_tokens: int = 0, **kwargs: Any
-        ) -> KVCacheBlocks | None:
-            # vLLM makes this call, with no other argument, for every running request
-            # in every step: without `**` it costs a third of a microsecond less.
-            if kwargs:
-                blocks = allocate(
-                    request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens, **kwargs
-                )
-            else:
-                blocks = allocate(
-                    request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens
-                )
-            if blocks is None:
-                return on_failure(
-                    request,
-                    lambda: allocate(
-                        request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens,
-                        **kwargs,
-                    ),
-                    lambda: allocation_shortfall(
-                        manager, request, num_new_tokens, num_lookahead_tokens, kwargs
-                    ),
-                )
-            return blocks
-
-        return allocate_slots
-
-    def _arm(self, armed: bool) -> None:
-        manager = self._manager
-        own = vars(manager)
-        if armed:
-            self._replaced = own.get("allocate_slots")
-            self._installed = self._wrap(manager.allocate_slots)
-            manager.allocate_slots = self._installed  # type: ignore[method-assign]
-        elif own.get("allocate_slots") is self._installed:
-            if self._replaced is None:
-                del manager.allocate_slots  # back to the class's allocate_slots
-            else:
-                manager.allocate_slots = self._replaced  # type: ignore[method-assign]
-            self._installed = self._replaced = None
-        else:
-            # Someone wrapped ours since: taking ours out would drop theirs. Staying
-            # armed is always correct, only slower; retried at every step.
-            return
-        self.armed = armed
 
 
 # -- stepping without a model (the pre-flight check, the twin, tests) ---------------------

@@ -86,7 +86,7 @@ def test_a_victim_order_variant_changes_who_is_preempted(
 ) -> None:
     from engine_sidecar.contract.files import write_atomically
     from engine_sidecar.contract.policy import EnginePolicy, TenantPolicy
-    from kvquota_lab.bench.variants import apply_victim_order
+    from kvquota_lab.bench.variants import victim_ranker
     from kvquota_lab.twin.harness import SchedulerHarness, TwinConfig
 
     policy_path = tmp_path / "policy.json"
@@ -96,9 +96,10 @@ def test_a_victim_order_variant_changes_who_is_preempted(
         pool="default/pool", model="tiny", block_size=16, tenants={"gold": gold},
     ).with_version().to_json())
     # 12 + 22 blocks at the end into 30: one of the two must give way.
-    harness = SchedulerHarness(TwinConfig(tiny_model, num_blocks=31, policy_path=policy_path))
-    if variant is not None:
-        apply_victim_order(harness, variant)
+    harness = SchedulerHarness(TwinConfig(
+        tiny_model, num_blocks=31, policy_path=policy_path,
+        ranker=victim_ranker(variant) if variant is not None else None,
+    ))
     try:
         harness.add_request("short", list(range(100, 180)), 100, tenant="gold")
         harness.advance(1)

@@ -583,106 +583,66 @@ def test_async_scheduling_uses_the_async_variant(make_harness, policy_path, toke
     assert turn2.num_cached_tokens == 320
 
 
-def test_allocation_never_fails_while_the_hook_is_disarmed(
-    make_harness, policy_path, monkeypatch
-):
-    """The failure hook is only installed for steps in which an allocation can fail;
-    a failure in any other step would escape the victim order."""
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
+def _victim_order_workload(harness, tokens: Tokens) -> None:
+    """Four 10-block prompts in 40 blocks: decoding forces preemptions, which the plugin
+    turns into its victim order only if it hears of every failed allocation."""
+    harness.add_request("anon", tokens(160), 300, priority=0)
+    harness.add_request("gold", tokens(160), 300, priority=0, tenant="gold")
+    harness.add_request("silver", tokens(160), 300, priority=1, tenant="silver")
+    harness.add_request("bronze", tokens(160), 300, priority=2, tenant="bronze")
 
-    failures: list[bool] = []  # per failed allocation: was the hook armed?
-    allocate = KVCacheManager.allocate_slots
 
-    def counting(self, *args, **kwargs):
-        blocks = allocate(self, *args, **kwargs)
-        if blocks is None:
-            failures.append(hook.armed)
-        return blocks
-
-    monkeypatch.setattr(KVCacheManager, "allocate_slots", counting)
+def _three_tiers(policy_path: Path) -> None:
     write_policy(policy_path, engine_policy(
-        tenant("gold", "premium", guaranteed=30, lease_seconds=30),
+        tenant("gold", "premium", guaranteed=100),
+        tenant("silver", "standard", guaranteed=100),
         tenant("bronze", "free", guaranteed=0),
     ))
-    prompts = Tokens(seed=11)
-    harness = make_harness(num_blocks=79, block_size=BLOCK, policy_path=policy_path,
-                           max_num_batched_tokens=384, max_num_seqs=64,
-                           long_prefill_token_threshold=192)
-    hook = harness.plugin._kvq_alloc_hook
-    disarmed_steps = 0
-
-    def run() -> None:
-        nonlocal disarmed_steps
-        while harness.has_unfinished():
-            harness.step()
-            disarmed_steps += not hook.armed
-            _assert_priorities_untouched(harness)
-        harness.advance(60)  # leases expire: the next phase starts from an empty cache
-
-    # 48 sub-block prompts admitted together cross into their 2nd block in the same
-    # step: 48 blocks needed, 30 free, a step budget of only 24 blocks.
-    for i in range(48):
-        harness.add_request(f"short-{i}", prompts(8), 40, priority=i % 3,
-                            tenant=("gold", "bronze", None)[i % 3], session=f"s{i}")
-    run()
-    # Two long prompts prefill in 192-token chunks side by side: both fit at
-    # admission, not together.
-    for i in range(2):
-        harness.add_request(f"long-{i}", prompts(1000), 8, tenant="bronze")
-    run()
-
-    assert disarmed_steps > 0 and failures, "the workload must exercise both modes"
-    assert all(failures)
 
 
-def test_other_wrappers_of_allocate_slots_survive_the_hook(make_harness, policy_path):
-    """A profiler or fault injector that wraps the KV cache manager's allocate_slots
-    keeps seeing every call while the failure hook arms and disarms around it."""
-    write_policy(policy_path, engine_policy(tenant("acme", guaranteed=50)))
-    prompts = Tokens(seed=5)
-    harness = make_harness(num_blocks=201, block_size=BLOCK, policy_path=policy_path)
-    hook = harness.plugin._kvq_alloc_hook
+def test_the_kv_hook_is_installed_once_when_the_scheduler_is_built(
+    make_harness, policy_path, tokens
+):
+    """vLLM's allocate_slots is never reassigned on the KV cache manager while the
+    engine steps, and the one hook installed at construction applies the victim order."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    _three_tiers(policy_path)
+    harness = make_harness(num_blocks=41, block_size=BLOCK, policy_path=policy_path)
     manager = harness.scheduler.kv_cache_manager
-    calls: dict[str, int] = {}
+    built = (type(manager), type(manager).allocate_slots, dict(vars(manager)).get("allocate_slots"))
+    assert isinstance(manager, KVCacheManager)
+    assert built[2] is None  # no per-instance function shadows the manager's method
+    _victim_order_workload(harness, tokens)
+    while harness.has_unfinished():
+        harness.step()
+        now = (type(manager), type(manager).allocate_slots, vars(manager).get("allocate_slots"))
+        assert now == built
+        assert harness.scheduler.kv_cache_manager is manager
+    assert _first_preemption_order(harness)[:3] == ["anon", "bronze", "silver"]
+    assert harness.requests["gold"].num_preemptions == 0
 
-    def wrap(name: str):
-        inner = manager.allocate_slots
 
-        def counting(*args, **kwargs):
-            calls[name] = calls.get(name, 0) + 1
-            return inner(*args, **kwargs)
+def test_other_wrappers_of_allocate_slots_survive_the_hook(make_harness, policy_path, tokens):
+    """A profiler or fault injector that wraps the KV cache manager's allocate_slots
+    keeps seeing every call, and the plugin keeps its victim order underneath it."""
+    _three_tiers(policy_path)
+    harness = make_harness(num_blocks=41, block_size=BLOCK, policy_path=policy_path)
+    manager = harness.scheduler.kv_cache_manager
+    inner = manager.allocate_slots
+    calls = {"profiler": 0, "failed": 0}
 
-        manager.allocate_slots = counting
-        calls[name] = 0
-        return counting
+    def profiler(*args, **kwargs):
+        calls["profiler"] += 1
+        blocks = inner(*args, **kwargs)
+        calls["failed"] += blocks is None
+        return blocks
 
-    def run(name: str) -> set[bool]:
-        """Steps until idle; whether the hook was armed in steps that allocated."""
-        armed: set[bool] = set()
-        while harness.has_unfinished():
-            before = calls[name]
-            harness.step()
-            if calls[name] > before:
-                armed.add(hook.armed)
-        return armed
-
-    harness.add_request("warm-up", prompts(40), 8, tenant="acme")
-    harness.run_until_done()
-    assert not hook.armed
-
-    # Wrapped while the hook is out: arming wraps the injector, disarming puts it back.
-    injector = wrap("injector")
-    harness.add_request("r1", prompts(40), 8, tenant="acme")
-    assert run("injector") == {True, False}
-    assert manager.allocate_slots is injector
-
-    # Wrapped over the armed hook: the hook must not take the profiler out with it.
-    harness.add_request("r2", prompts(40), 8, tenant="acme")
-    harness.step()
-    assert hook.armed
-    profiler = wrap("profiler")
-    injected = calls["injector"]
-    assert run("profiler") == {True}  # the hook stays under the profiler
-    assert manager.allocate_slots is profiler
-    assert calls["profiler"] == 7  # r2's remaining decode steps
-    assert calls["injector"] - injected == calls["profiler"]
+    manager.allocate_slots = profiler
+    _victim_order_workload(harness, tokens)
+    while harness.has_unfinished():
+        harness.step()
+        assert manager.allocate_slots is profiler
+    assert calls["profiler"] > 0
+    assert _first_preemption_order(harness)[:3] == ["anon", "bronze", "silver"]
+    assert harness.requests["gold"].num_preemptions == 0

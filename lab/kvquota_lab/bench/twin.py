@@ -158,6 +158,7 @@ class TwinRun:
     # -- setup --------------------------------------------------------------------
 
     def _harness(self, tmp: Path) -> SchedulerHarness:
+        from kvquota_lab.bench.variants import victim_ranker
         from kvquota_lab.twin.harness import SchedulerHarness, TwinConfig
 
         engine = self.scenario.engine
@@ -176,12 +177,9 @@ class TwinRun:
             policy_path=policy_path,
             engine_name=self.engine_name,
             step_cost=self.profile,
+            ranker=victim_ranker(self.spec.variant) if self.spec.variant else None,
         )
         harness = SchedulerHarness(config)
-        if self.spec.variant is not None:
-            from kvquota_lab.bench.variants import apply_victim_order
-
-            apply_victim_order(harness, self.spec.variant)
         if self.spec.admission:
             self.gateway = TwinGateway(
                 self.policy.for_engine(self.engine_name),

@@ -14,9 +14,9 @@ what each rule buys:
 - `newest-first`: within a band and tier, preempt the newest running request (vLLM's
   own priority-policy order) instead of the one with the least computed work.
 
-The plugin exposes no switch for its order; a variant sets the ranker class of one
-plugin instance (`TenantAwareScheduler.kvq_ranker_cls`). This is a benchmark
-instrument, not a product setting.
+The plugin exposes no switch for its order; a variant builds one plugin instance with
+its ranker (`PluginConfig.ranker`). This is a benchmark instrument, not a product
+setting.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from engine_sidecar.plugin.tenant_policy import Lease, RankKey, VictimRanker
 
 if TYPE_CHECKING:
     from kvquota_lab.bench.twin import PolicySpec
-    from kvquota_lab.twin.harness import SchedulerHarness
 
 
 class TierFirstRanker(VictimRanker):
@@ -121,9 +120,6 @@ def victim_order_specs(names: tuple[str, ...], bases: tuple[str, ...] = ("kvquot
     return specs
 
 
-def apply_victim_order(harness: SchedulerHarness, name: str) -> None:
-    """Make this harness's plugin rank victims with the variant's ranker."""
-    plugin = harness.plugin
-    if plugin is None:
-        raise ValueError("victim orders apply to the KVQuota scheduler only")
-    plugin.kvq_ranker_cls = VICTIM_ORDERS[name].ranker
+def victim_ranker(name: str) -> type[VictimRanker]:
+    """The ranker the plugin runs the variant `name` with."""
+    return VICTIM_ORDERS[name].ranker

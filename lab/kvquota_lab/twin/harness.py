@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
     from engine_sidecar.contract.stats import EngineStats
     from engine_sidecar.plugin.scheduler import TenantAwareScheduler
+    from engine_sidecar.plugin.tenant_policy import VictimRanker
 
 SchedulerKind = Literal["stock-fcfs", "stock-priority", "kvquota"]
 _FIRST_SAMPLED_TOKEN = 16  # below: special tokens (EOS is 2 in the tiny model)
@@ -61,6 +62,8 @@ class TwinConfig:
     stats_path: Path | None = None
     # The engine's pod name: which entry of the policy's per-engine split it enforces.
     engine_name: str | None = None
+    # KVQuota only: the victim order's rules (None: the plugin's documented order).
+    ranker: type[VictimRanker] | None = None
     # Virtual seconds per step: step_cost(record) if given, else step_seconds.
     step_seconds: float = 0.01
     step_cost: Callable[[StepRecord], float] | None = None
@@ -218,17 +221,26 @@ class SchedulerHarness:
             structured_output_manager=StructuredOutputManager(vllm_config),
             block_size=config.block_size,
             log_stats=True,
+            **self._plugin_arguments(config),
         )
         hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self._block_hasher = get_request_block_hasher(config.block_size, hash_fn)
-        if self.plugin is not None:
-            self.plugin.kvq_configure(
-                policy_path=config.policy_path,
-                stats_path=config.stats_path,
-                clock=lambda: self.now,
-                engine=config.engine_name,
-            )
+
+    def _plugin_arguments(self, config: TwinConfig) -> dict[str, Any]:
+        """KVQuota's scheduler on the harness's files and virtual time."""
+        if config.scheduler != "kvquota":
+            return {}
+        from engine_sidecar.plugin.config import PluginConfig
+        from engine_sidecar.plugin.tenant_policy import VictimRanker
+
+        return {"plugin_config": PluginConfig(
+            policy_path=config.policy_path,
+            stats_path=config.stats_path,
+            clock=lambda: self.now,
+            ranker=config.ranker or VictimRanker,
+            engine=config.engine_name,
+        )}
 
     @staticmethod
     def _scheduler_cls(kind: SchedulerKind) -> type[Scheduler]:
