@@ -279,9 +279,11 @@ class EnginePolicy(_Model):
         return self
 
     @model_serializer(mode="wrap")
-    def _omit_no_engines(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """Settings added after the first release are left out when unused, so a policy
-        that does not use them reads (and hashes) as before."""
+    def _omit_unused(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The canonical form: fields added after v1alpha1's first release are left out
+        while unused. The version is the hash of this form and every sidecar checks it
+        (`from_json`), so emitting them would make each policy an earlier operator wrote
+        fail that check (tests/upgrade/test_policy_upgrade.py)."""
         data: dict[str, Any] = handler(self)
         if not self.engines:
             data.pop("engines", None)
@@ -347,7 +349,3 @@ class EnginePolicy(_Model):
 def version_of(canonical: str) -> str:
     """A policy's version from its canonical JSON (sorted keys, no spaces, no version)."""
     return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()[:16]
-
-
-def dump(obj: BaseModel) -> dict[str, Any]:
-    return obj.model_dump(mode="json", by_alias=True, exclude_none=True)

@@ -190,11 +190,3 @@ def unwrap_shell(container: dict[str, Any]) -> str | None:
                       f"or `python -m {SERVER_MODULE}`)")
     container["command"], container["args"] = tokens[:entry], tokens[entry:]
     return f"{argv[0]} -c '<vLLM command line>' -> exec form (the same command, no shell)"
-
-
-def is_vllm(container: dict[str, Any]) -> bool:
-    try:
-        VllmCommand.parse(container)
-    except NotVllm:
-        return False
-    return True

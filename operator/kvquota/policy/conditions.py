@@ -17,10 +17,6 @@ from kvquota.api import ConditionReason, ConditionType
 
 ConditionStatus = Literal["True", "False", "Unknown"]
 
-# Condition types per kind, in the order they are written.
-TENANT_CONDITIONS = (ConditionType.ACCEPTED, ConditionType.READY, ConditionType.DEGRADED)
-POOL_CONDITIONS = (ConditionType.READY, ConditionType.SYNCED, ConditionType.OVERSUBSCRIBED)
-
 
 @dataclass(frozen=True)
 class Want:

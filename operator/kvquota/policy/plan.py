@@ -228,15 +228,6 @@ def _reuse(table: dict[ObjKey, tuple[tuple[Any, ...], _T]], key: ObjKey,
 _Keyed = tuple[ObjKey, Mapping[str, Any]]
 
 
-def oldest_first(
-    tenants: Sequence[Mapping[str, Any]], memo: PlanMemo | None = None
-) -> list[Mapping[str, Any]]:
-    """Order for admission: by creationTimestamp, objects without one after those with
-    one (they are not created yet), then in the given order (file order, or name)."""
-    keyed = [(_key(body), body) for body in tenants]
-    return [body for _, body in _oldest_first(keyed, memo or PlanMemo())]
-
-
 def _oldest_first(keyed: Sequence[_Keyed], memo: PlanMemo) -> list[_Keyed]:
     epoch = datetime.min.replace(tzinfo=UTC)
 
