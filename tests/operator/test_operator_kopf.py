@@ -236,7 +236,7 @@ async def test_engines_split_sync_and_report_usage(
 
     policy = await _policy_where(cluster, lambda p: p.replicas == 2, "split over 2 replicas")
     assert policy.tenants["acme"].guaranteed_blocks == 150
-    assert policy.tenants["acme"].max_blocks == 301
+    assert policy.tenants["acme"].max_blocks_per_engine == 301
     demo = await cluster.wait_status(
         "InferencePool", "demo-pool", lambda o: _is(o, "Synced", "False", "EnginesNotSynced"),
         "engine-b behind")
