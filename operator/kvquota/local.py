@@ -1,27 +1,11 @@
 """Local mode: the operator's logic on a directory of YAML, no cluster.
 
-`kvquota operator --local DIR` reads the multi-document YAML a user would
-`kubectl apply` (every *.yaml / *.yml below DIR, hidden directories skipped, in path
-order), refuses invalid objects with the messages the CRD validation gives, and
-writes what the operator would into an output directory OUT: each pool's
-EnginePolicy as `OUT/policies/<namespace>.<pool>.json` and each object's metadata and
-status as `OUT/status/<namespace>.<kind>.<name>.yaml`. DIR is only ever read: it is
-often a GitOps checkout or the shipped samples, and a render must not dirty it. OUT
-is `--out`, by default a cache directory of its own per input directory
-(`default_output`), named on start. Files are rewritten only when their content
-changes (a sidecar hot-loading a policy sees no spurious reloads).
-
-`--once` renders and exits non-zero if any object is invalid or any quota is not
-accepted: an offline check of a GitOps repository before Argo CD syncs it. A quota
-that is accepted but worth a look (maxBlocks above the pool's capacity) is printed
-as a warning and does not fail it. Without
-it, files are re-rendered whenever the input changes. The watcher compares file
-content, not mtimes (an edit within the mtime resolution that keeps the size would go
-unseen), and renders exactly the snapshot it compared, so an edit that lands while a
-render runs is seen by the next scan. A change is rendered once two scans in a row
-agree, so a file caught mid-write is not rendered half written. No engines are
-observed here, so the split uses `--replicas` and capacity comes from
-`spec.kvCache.capacityBlocks`.
+`kvquota operator --local DIR` reads the YAML a user would `kubectl apply`, refuses
+invalid objects with the messages the CRD validation gives, and writes what the
+operator would below OUT: each pool's EnginePolicy (`policies/`) and each object's
+status (`status/`), rewriting a file only when its content changes. DIR is only read.
+`--once` renders and exits non-zero if an object is invalid or a quota not accepted;
+without it the directory is watched. Details: docs/operator.md, "Local mode".
 """
 
 from __future__ import annotations

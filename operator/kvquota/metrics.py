@@ -1,31 +1,10 @@
 """The operator's Prometheus metrics (port `metrics`, 9090, `/metrics`).
 
-One module owns every metric name; the reconciler, the handlers and the admission
-webhook record through the helpers below. Metrics live in prometheus-client's default
-registry (one operator per process), served by `serve_metrics` from its own thread,
-so a scrape is answered even while the event loop is busy planning a large pool.
-
-Names and labels (the contract with dashboards and alerts):
-
-    kvquota_operator_reconciles_total{kind,result}        counter
-        kind: InferencePool | TenantQuota (the object whose change or timer ran it)
-        result: ok | error
-    kvquota_operator_reconcile_duration_seconds{kind}     histogram
-    kvquota_operator_change_to_configmap_seconds          histogram
-        from the operator seeing a change to the pool's ConfigMap holding its effect
-    kvquota_operator_policy_writes_total                  counter  ConfigMap writes
-    kvquota_operator_engines_observed{namespace,pool}     gauge    ready engines polled
-    kvquota_operator_engines_stale{namespace,pool}        gauge    ready, not on the
-        current policy (an older version, or no report)
-    kvquota_operator_quotas_refused{namespace,pool,reason} gauge   Accepted=False, by
-        reason (Oversubscribed, InvalidSpec, DuplicateTenant)
-    kvquota_operator_webhook_calls_total{kind,operation,result} counter
-        result: allowed | denied | error (record with `record_webhook_call`)
-    kvquota_operator_engine_guaranteed_blocks{namespace,pool,tenant_id,engine} gauge
-    kvquota_operator_engine_max_blocks{namespace,pool,tenant_id,engine}        gauge
-        the demand-driven split: a tenant's blocks on each ready engine, for the
-        tenants it moved off the even split (at most SPLIT_TENANT_LIMIT per pool, by
-        tenant id; the even share is `status.effective.*PerEngine`)
+One module owns every metric name (the contract with dashboards and alerts, listed in
+docs/operator.md, "Metrics"); the reconciler, the handlers and the admission webhook
+record through the helpers below. Metrics live in prometheus-client's default registry
+(one operator per process), served by `serve_metrics` from its own thread, so a scrape
+is answered even while the event loop is busy planning a large pool.
 """
 
 from __future__ import annotations

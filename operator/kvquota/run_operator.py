@@ -1,28 +1,10 @@
 """`kvquota operator`: run the operator against a cluster, or in local mode on files.
 
-Cluster mode runs kopf with the handlers of `kvquota.handlers`, under the settings
-of `kvquota.settings` (fixed on day one; the startup handler applies them).
-
-High availability: run several replicas with kopf peering (peering name `kvquota`;
-cluster-wide, or per namespace with `--namespace`). The replica with the highest
-`--priority` works; the others pause their watches and timers until it stops
-renewing its entry in the peering object. Give every replica a distinct priority:
-kopf pauses all replicas that share the highest one. Install kopf's peering CRD
-(`clusterkopfpeerings.kopf.dev`, crds/kopf.dev_clusterkopfpeerings.yaml) and a
-ClusterKopfPeering named `kvquota`. Without the CRD, the operator logs a warning and
-runs unpaired (fine for one replica); `--require-peering` instead starts paused and
-stays so until it has seen the peering object: HA installs need it, since an optional
-peering lets a starting replica work until it first hears of its peers. A replica
-that exits cleanly removes itself, so the standby resumes at once; one that dies is
-presumed dead `--peering-lifetime` seconds after its last keep-alive. Everything the
-operator knows lives in CRs and ConfigMaps, so a standby that takes over (or a
-restarted replica) converges from scratch. `--standalone` disables peering.
-
-Metrics: `--metrics HOST:PORT` serves Prometheus metrics (`kvquota.metrics`) on
-`/metrics`; a paused standby serves them too (its reconcile counters stay still).
-
-Local mode (`--local DIR [--out OUT]`, see `kvquota.local`) needs no cluster; it
-reads DIR and writes only below OUT.
+Cluster mode runs kopf with the handlers of `kvquota.handlers`, under the settings of
+`kvquota.settings`. High availability is kopf peering: the replica with the highest
+`--priority` works, the others stay paused (docs/operator.md, "High availability").
+`--metrics HOST:PORT` serves Prometheus metrics, a paused standby's too. Local mode
+(`--local DIR [--out OUT]`, `kvquota.local`) needs no cluster.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """TenantQuota handlers: index quotas by pool, reconcile the pool on any change.
 
-One event handler, not kopf's create/update/resume handlers: those make kopf store
-the handled spec in an annotation after every change, a PATCH and one more watch
-event per edit, and compute a diff on every event. Kopf's bookkeeping was most of
-the operator's CPU per edit at 1,000 quotas, and after a burst of creates the watch
-fell seconds behind. The event handler sees every event, our own status writes
-included; `kvquota.reconcile.quota_changes` lets through the ones that change a
-policy: a new spec, a deletion, the first sight of a quota (a restart re-reconciles
-everything, as resume handlers did).
-
-No finalizer: a quota has nothing to clean up but its entry in the pool's policy,
-which the DELETED event re-renders away (level-triggered), so deleting a quota never
-waits for the operator.
+One event handler, not kopf's create/update/resume handlers, whose bookkeeping (the
+handled spec stored per edit, a diff per event) was most of the operator's CPU at
+1,000 quotas; `kvquota.reconcile.quota_changes` lets through the events that change a
+policy. No finalizer: deleting a quota never waits for the operator. Why:
+docs/operator.md, "TenantQuota events".
 """
 
 # kopf types callbacks as protocols naming every kwarg; ours name only what they use.

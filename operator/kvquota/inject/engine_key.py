@@ -1,21 +1,10 @@
 """vLLM's API key, carried from the vLLM container to the sidecar's environment.
 
-vLLM started with `--api-key KEY` (or with `VLLM_API_KEY` in its environment, which it
-reads when the flag is absent) wants that key on /v1/*. Clients send the sidecar their
-tenant's token, so the sidecar must send vLLM's key upstream instead
-(`engine_sidecar.gateway.auth.engine_key`), and it reads it from its own `VLLM_API_KEY`.
-
-- `--api-key VALUE` (the last one; of its values, the first): the sidecar gets
-  `VLLM_API_KEY: VALUE`. Kubernetes expands `$(NAME)` in args from the container's
-  environment, and in env values from variables defined before them: every variable
-  the value names is copied first, definition and all (a Secret reference stays a
-  reference; no key is ever read here).
-- otherwise the vLLM container's own `VLLM_API_KEY` entry (`value` or `valueFrom`) is
-  copied, with the variables it names.
-
-A key that reaches vLLM only through `envFrom` is not visible in the pod spec: name it
-in `env` (`valueFrom.secretKeyRef`) or the sidecar gets no key, and its clients get a
-502 that says so.
+vLLM started with `--api-key KEY` (or `VLLM_API_KEY`) wants that key on /v1/*, while
+clients send the sidecar their tenant's token; the sidecar sends vLLM's key upstream,
+read from its own `VLLM_API_KEY`. The key's definition is copied (a Secret reference
+stays a reference; no key is ever read here), with every variable it names. A key that
+reaches vLLM only through `envFrom` is not visible: docs/operator.md, "vLLM's API key".
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """What injection adds to a pod spec, as one pure function of the spec.
 
-The sidecar takes over the port vLLM served clients on (its `--port`, 8000 by
-default), so Services, routers and scrapers that pointed there reach the sidecar; vLLM
-moves to a free loopback port. The container port entry moves with it (same name, so
-a Service's named `targetPort` still resolves). Probes of the vLLM container that hit
-that port keep hitting it: the sidecar forwards `/health`, `/ping`, `/version` and
-`/metrics` without credentials; a probe of any other path (e.g. `/v1/models`, which
-needs a tenant's token through the sidecar) is pointed at `/health`, which vLLM only
-answers once its engine is up, and recorded.
-
-vLLM's API key (`--api-key`, `VLLM_API_KEY`) is carried to the sidecar's environment
-(`engine_key`), which sends it upstream in place of the clients' tenant tokens.
-
-Two init containers run before vLLM: `kvquota-install-plugin` (the sidecar's image)
-copies the plugin onto a shared volume, then `kvquota-check-plugin` runs the pre-flight
-check (`engine_sidecar.plugin.preflight`) on that copy in the vLLM container's own image, so a
-vLLM the plugin does not run on stops the pod at init, with the check's message.
-
-Flags the plugin needs are added; a conflicting `--scheduling-policy` or
-`--no-enable-prefix-caching` is replaced and recorded in the annotation
-`kvquota.dev/replaced`. A pod already injected comes back unchanged.
+The sidecar takes over vLLM's client port (so Services, routers and scrapers reach
+it) and vLLM moves to a loopback port; probes keep working; vLLM's API key goes to the
+sidecar (`engine_key`); two init containers copy the plugin and check it in vLLM's own
+image; flags the plugin needs are added and conflicting ones replaced (recorded in
+`kvquota.dev/replaced`). A pod already injected comes back unchanged. The rules in
+full: docs/operator.md, "What injection does to a pod".
 """
 
 from __future__ import annotations

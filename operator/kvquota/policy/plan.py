@@ -336,7 +336,7 @@ def plan_pool(
     kept between calls for the same pool makes re-planning cost what changed.
     `pool_spec`: the pool's spec as the caller parsed it (`PlanMemo.parse_pool`), so
     one reconcile parses it once; parsed from `pool` when absent.
-    `engine_splits` (the demand-driven split, `demand_split.PoolSplit.splits`) become
+    `engine_splits` (the demand-driven split, `split.demand.PoolSplit.splits`) become
     the policy's per-engine overrides where they still fit the quotas."""
     memo = memo if memo is not None else PlanMemo()
     keyed = [(_key(body), body) for body in tenants]

@@ -1,21 +1,12 @@
 """Pool capacity, the per-replica split of quotas, and oversubscription admission.
 
-Quotas in a TenantQuota are pool-wide totals; every engine replica enforces its own
-share. The split rounds so that the replicas together never promise more than the
-pool guarantees, yet a tenant can still reach its ceiling:
-
-- guaranteed: floor-divided. The sum of per-engine guarantees stays <= the pool-wide
-  guarantee that admission checked against capacity, so no engine is oversubscribed
-  by rounding.
-- maximum (and other ceilings: lease caps, concurrency): ceil-divided, so the pool
-  can serve the whole ceiling; borrowing is bounded by free capacity anyway.
-- per-engine maximum is never below per-engine guaranteed.
-
-Admission follows Kueue's StrictFIFO: quotas are considered oldest first and each
-takes its guarantee while the total fits in `capacity * (1 - watermark)`. Once one
-does not fit, every newer quota with a non-zero guarantee waits behind it. This keeps
-admission monotone: more capacity never takes a guarantee away, and adding a quota
-never takes one from an older quota.
+Quotas are pool-wide; every engine enforces its share. Guarantees are floor-divided
+(the engines never promise more than the pool admitted), ceilings ceil-divided (the
+pool can serve the whole ceiling), and an engine's maximum is never below its
+guarantee. Admission is Kueue's StrictFIFO: oldest first, each takes its guarantee
+while the total fits in `capacity * (1 - watermark)`, and once one does not fit every
+newer quota with a guarantee waits. Why: docs/operator.md, "The even split and
+admission".
 """
 
 from __future__ import annotations

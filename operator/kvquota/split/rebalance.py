@@ -1,46 +1,12 @@
 """Demand-driven split of a tenant's pool-wide quota across engines (pure, deterministic).
 
-The even split (`capacity.split_quota`) is right only when a router spreads every
-tenant's traffic evenly. A prefix- or session-affine router does not: a tenant's load
-lands on a few engines, where it is refused, while its guarantee sits unused on the
-others. `rebalance_tenant` moves the tenant's per-engine guarantee toward the engines
-where its demand is, from what each engine's sidecar already reports
-(`SidecarStatus.tenants[...]`: reserved, used and leased blocks, in-flight and queued
-requests, and the
-refusals counted since the previous round). The rules:
-
-- **Totals are invariant.** The per-engine guarantees add up to what the even split
-  gives (`replicas x guaranteed // replicas`), and each engine's maximum is its
-  guarantee plus the even split's headroom (`max - guaranteed` per engine), so the
-  maxima add up to the even split's too. (The policy renders no engine's ceiling
-  below the even one: `demand_split.engine_overrides`.)
-- **Moves only for a shortage (hysteresis).** An engine is short when what the
-  tenant's work there wants (below) exceeds its guarantee by more than `deadband`: it
-  borrows, queues or is refused. Only then does guarantee move: each short engine gains
-  up to its want plus a margin (`deadband` and `margin_fraction` of the want), from
-  engines whose guarantee exceeds their own want plus the same margin by more than
-  `deadband`, and nothing moves while no engine is short. So a router that spreads a
-  tenant (least-KV, round robin) leaves the split where it is, whatever noise its
-  per-engine traffic has; an earlier design shared the unwanted guarantee out by each
-  engine's traffic since the previous round, which at 64 engines under least-KV routing
-  moved most engines every round and took guarantee from exactly the engines the
-  router was about to fill (903 engine updates in 19 rounds).
-- **Bounded rate.** No engine moves by more than `step` blocks a round. The round's
-  gains and losses are scaled to match exactly, so nothing is created.
-- **Held work keeps its room.** An engine's guarantee never drops below
-  min(what the tenant holds there, its current guarantee), so its maximum never drops
-  below min(held, current maximum): no admitted request and no lease is made a borrower
-  or an over-quota holder by a rebalance. Held is what admission counts against the
-  engine's quota (`EngineDemand.held_blocks`): the reservations (or the blocks the
-  engine holds for them, where more) plus the blocks only the tenant's leases pin.
-- **Room per engine.** `ceilings` caps a guarantee (the engine's guaranteeable blocks
-  less the other tenants' guarantees there), so an engine never guarantees more than
-  it has.
-
-What an engine's work wants, in blocks: its held blocks, plus its queued and refused
-requests at the tenant's mean request size (reserved / in flight over the pool; with
-nothing in flight anywhere, one even share per request). Integer rounding is by largest
-remainder, ties broken by engine name: the same input gives the same split.
+A prefix- or session-affine router lands a tenant's load on a few engines, where the
+even split refuses it while its guarantee idles elsewhere. `rebalance_tenant` moves
+the tenant's per-engine guarantee toward the engines where its demand is, from what
+each sidecar reports: totals stay those of the even split, guarantee moves only for a
+shortage (hysteresis) and at most `step` blocks per round, never below what admitted
+work holds, never beyond an engine's room. Same input, same split. The rules and why:
+docs/operator.md, "The demand-driven split".
 """
 
 from __future__ import annotations
