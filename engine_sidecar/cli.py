@@ -73,6 +73,10 @@ def register(subparsers: Any) -> None:
     sidecar.add_argument("--secrets-dir", type=Path, metavar="DIR",
                          help="mounted Secret: the JWT key file named by the policy and the "
                               "'cache-salt' pool secret")
+    sidecar.add_argument("--pool-store-secrets-dir", type=Path, metavar="DIR",
+                         help="mounted Secret holding the pool store's password (the key "
+                              "spec.poolStore.passwordSecretRef names), looked for here "
+                              "first, then in --secrets-dir")
     counting = sidecar.add_mutually_exclusive_group()
     counting.add_argument("--tokenizer", metavar="PATH_OR_NAME",
                           help="tokenizer counting completion prompts, loaded at start (one "
@@ -195,6 +199,7 @@ def build_gateway(args: argparse.Namespace, api_client_factory: Any = None) -> G
     config = GatewayConfig(
         upstream=args.upstream,
         secrets_dir=args.secrets_dir,
+        pool_store_secrets_dir=args.pool_store_secrets_dir,
         plugin_policy_path=plugin_policy_path,
         stats_path=_env_path(STATS_PATH_ENV),
         tokenizer=args.tokenizer,

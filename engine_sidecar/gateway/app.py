@@ -92,7 +92,8 @@ class Gateway:
         self.tokenizers = TokenizerSetup(config, self.upstream, self.monitor, self.holder,
                                          token_counter)
         self.intake = Intake(config, self.holder, self.metrics)
-        self.pool_link = PoolLink(config.secrets_dir, config.engine_id)
+        self.pool_link = PoolLink(config.secrets_dir, config.engine_id,
+                                  store_secrets_dir=config.pool_store_secrets_dir)
         self.admitter = Admitter(
             intake=self.intake, holder=self.holder, metrics=self.metrics,
             stats=self.stats.current, monitor=self.monitor, estimates=self.estimates,

@@ -16,6 +16,7 @@ from engine_sidecar.gateway.telemetry.tracing import observer_from_env
 class GatewayConfig:
     upstream: str = "http://127.0.0.1:8001"
     secrets_dir: Path | None = None
+    pool_store_secrets_dir: Path | None = None  # the store password's own Secret, mounted
     plugin_policy_path: Path | None = None  # KVQUOTA_POLICY_PATH: the plugin reads it
     stats_path: Path | None = None  # KVQUOTA_STATS_PATH: the plugin writes it
     tokenizer: str | None = None  # None: the engine's model, then the policy's model

@@ -105,3 +105,25 @@ def test_a_file_that_is_not_yaml_is_a_clear_error(tmp_path: Path) -> None:
     broken.write_text("kind: Pod\n  spec: [\n")
     result = _inject("-f", str(broken))
     assert result.returncode == 2 and f"cannot read {broken}" in result.stderr
+
+
+def test_the_store_password_comes_from_its_own_optional_secret() -> None:
+    result = _inject("-f", "-", "--pool-store-secret", "redis-password",
+                     stdin=yaml.safe_dump(load("plain-deployment.yaml")))
+    assert result.returncode == 0, result.stderr
+    (out,) = yaml.safe_load_all(result.stdout)
+    pod = _pod(out)
+    (sidecar,) = [c for c in pod["spec"]["containers"] if c["name"] == "kvquota-sidecar"]
+    command = sidecar["command"]
+    mounts = {m["mountPath"]: m["name"] for m in sidecar["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    store = volumes[mounts[command[command.index("--pool-store-secrets-dir") + 1]]]
+    auth = volumes[mounts[command[command.index("--secrets-dir") + 1]]]
+    # Its own Secret, beside the auth one; optional, so pools without a store start.
+    assert store["secret"] == {"secretName": "redis-password", "defaultMode": 0o444,
+                               "optional": True}
+    assert auth["secret"]["secretName"] == "kvquota-auth"
+    # Only the sidecar mounts it.
+    assert [c["name"] for c in pod["spec"]["containers"]
+            if any(m["name"] == store["name"] for m in c.get("volumeMounts", []))] == [
+        "kvquota-sidecar"]

@@ -117,6 +117,16 @@ def test_sidecar_mounts_the_secret_the_pool_verifies_tokens_with() -> None:
     assert not any(o["kind"] == "Secret" for o in objects), "secrets never ship in manifests"
 
 
+def test_sidecar_mounts_the_store_password_from_its_own_optional_secret() -> None:
+    pod = _pod(build(EXAMPLE))
+    sidecar = _container(pod, "kvquota-sidecar")
+    command = sidecar["command"]
+    volume = _mounts(sidecar)[command[command.index("--pool-store-secrets-dir") + 1]]
+    (spec,) = [v for v in pod["spec"]["volumes"] if v["name"] == volume]
+    assert spec["secret"]["secretName"] == "kvquota-pool-store"
+    assert spec["secret"]["optional"] is True  # pools without a store need none
+
+
 def test_clients_reach_the_client_port_and_probes_the_admin_port() -> None:
     objects = build(EXAMPLE)
     sidecar = _container(_pod(objects), "kvquota-sidecar")

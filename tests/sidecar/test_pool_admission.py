@@ -106,22 +106,31 @@ def _refresh_ok(q: AdmissionQueue) -> bool:
     return q.pool.refresh(q.policy, q.view())
 
 
-def test_the_sidecar_reads_the_store_password_from_its_secrets_dir_and_never_logs_it(
+def test_the_sidecar_reads_the_store_password_from_its_own_secret_and_never_logs_it(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     secret = "s3cret-for-the-pool-store"
     srv = RedisServer(tmp_path, password=secret)
     srv.start()
     try:
-        secrets = tmp_path / "secrets"
+        secrets, store_secrets = tmp_path / "secrets", tmp_path / "pool-store"
         secrets.mkdir()
-        (secrets / "redis-password").write_text(secret + "\n")
-        store = PoolStorePolicy(address=srv.address, password_file="redis-password",
+        store_secrets.mkdir()
+        (store_secrets / "password").write_text(secret + "\n")
+        store = PoolStorePolicy(address=srv.address, password_file="password",
                                 ttl_seconds=1, timeout_ms=50)
         policy = POLICY.model_copy(update={"pool_store": store})
         caplog.set_level(logging.DEBUG)
-        admission = PoolLink(secrets, "engine-a").for_policy(policy)
+        admission = PoolLink(secrets, "engine-a", store_secrets_dir=store_secrets).for_policy(
+            policy)
         assert admission is not None
         assert admission.refresh(policy, UNKNOWN_CAPACITY)  # authenticated
+        # Where earlier releases said to put it, in the pool's auth Secret: still read.
+        (secrets / "redis-password").write_text(secret + "\n")
+        legacy = policy.model_copy(update={"pool_store": store.model_copy(
+            update={"password_file": "redis-password"})})
+        admission = PoolLink(secrets, "engine-d", store_secrets_dir=store_secrets).for_policy(
+            legacy)
+        assert admission is not None and admission.refresh(legacy, UNKNOWN_CAPACITY)
         # Without the file the link stays off (today's behaviour), saying why.
         missing = store.model_copy(update={"password_file": "absent"})
         assert PoolLink(secrets, "engine-b").for_policy(

@@ -1,7 +1,8 @@
 """The sidecar's connection to its pool's shared ledger, as the policy names it.
 
 Built when the policy's `poolStore` appears or changes (the password read from the
-mounted secrets directory, never logged), dropped when it goes; `run` refreshes this
+store's own mounted Secret, else from the pool's secrets directory where earlier
+releases told users to put it; never logged), dropped when it goes; `run` refreshes this
 sidecar's claims three times per TTL so they outlive it by at most one TTL.
 """
 
@@ -23,8 +24,10 @@ logger = logging.getLogger(__name__)
 
 
 class PoolLink:
-    def __init__(self, secrets_dir: Path | None, engine_id: str | None) -> None:
+    def __init__(self, secrets_dir: Path | None, engine_id: str | None,
+                 store_secrets_dir: Path | None = None) -> None:
         self.secrets_dir = secrets_dir
+        self.store_secrets_dir = store_secrets_dir
         # One hash per sidecar: the pod name, else unique to this process.
         self.sidecar = engine_id or f"{socket.gethostname()}-{os.getpid()}"
         self._spec: tuple[str, PoolStorePolicy] | None = None
@@ -42,16 +45,20 @@ class PoolLink:
     def _connect(self, pool: str, store: PoolStorePolicy) -> PoolAdmission | None:
         password = None
         if store.password_file is not None:
-            if self.secrets_dir is None:
-                logger.error("kvquota: poolStore names a password file but the sidecar has "
-                             "no --secrets-dir; pool-wide admission off")
+            dirs = [d for d in (self.store_secrets_dir, self.secrets_dir) if d is not None]
+            found = [d / store.password_file for d in dirs
+                     if (d / store.password_file).is_file()]
+            if not found:
+                logger.error("kvquota: the pool store's password (key %s) is in none of %s; "
+                             "pool-wide admission off (mount the Secret that "
+                             "spec.poolStore.passwordSecretRef names)", store.password_file,
+                             ", ".join(str(d) for d in dirs) or "no secrets directory")
                 return None
             try:
-                password = (self.secrets_dir / store.password_file).read_text().strip()
+                password = found[0].read_text().strip()
             except OSError as error:
                 logger.error("kvquota: cannot read the pool store's password file %s (%s); "
-                             "pool-wide admission off", store.password_file,
-                             type(error).__name__)
+                             "pool-wide admission off", found[0], type(error).__name__)
                 return None
         client = connect(store.address, password, timeout_s=store.timeout_ms / 1000)
         logger.info("kvquota: pool-wide admission on the store at %s", store.address)

@@ -162,8 +162,10 @@ class PoolStoreSpec(ApiModel):
         "will do).",
     )
     password_secret_ref: SecretKeyRef | None = Field(
-        None, description="The store's password: a key of a Secret the engine pods mount "
-        "in the sidecar's secrets directory (never logged).",
+        None, description="The store's password: a key of its own Secret, which injection "
+        "mounts in the sidecar (kvquota-pool-store unless `kvquota inject "
+        "--pool-store-secret` names another; a key of the pool's auth Secret is read too). "
+        "Never logged nor shown in any status.",
     )
     ttl_seconds: float = Field(
         10.0, ge=0.5, le=300, description="How long a sidecar's pool-wide charges outlive "

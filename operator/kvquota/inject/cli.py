@@ -28,6 +28,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--image", help="sidecar image (default: the release's)")
     parser.add_argument("--secret", help="the Secret the pool's spec.auth names "
                         "(default: kvquota-auth)")
+    parser.add_argument("--pool-store-secret", help="the Secret the pool's "
+                        "spec.poolStore.passwordSecretRef names (default: kvquota-pool-store; "
+                        "optional: pods start without it)")
     parser.add_argument("--upgrade", action="store_true",
                         help="also rewrite pods injected by an older release to this "
                              "release's names (e.g. the plugin's --scheduler-cls path) and "
@@ -45,7 +48,8 @@ def main(args: argparse.Namespace) -> int:
     from kvquota.inject.upgrade import deprecated_names, upgrade_object
 
     changes: dict[str, Any] = {k: v for k, v in (("image", args.image),
-                                                 ("secret", args.secret)) if v}
+                                                 ("secret", args.secret),
+                                                 ("store_secret", args.pool_store_secret)) if v}
     options = dataclasses.replace(InjectionOptions(), **changes)
     try:
         if args.filename == "-":
@@ -64,7 +68,7 @@ def main(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
         if args.upgrade:
-            upgraded = upgrade_object(doc, options.image)
+            upgraded = upgrade_object(doc, options.image, options.store_secret)
             for change in upgraded.changes:
                 print(f"kvquota inject: upgraded {change}", file=sys.stderr)
             doc = upgraded.obj

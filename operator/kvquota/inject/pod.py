@@ -50,6 +50,8 @@ CHECK = "kvquota-check-plugin"  # the pre-flight check, in the engine's image
 PLUGIN_DIR = "/opt/kvquota/python"
 RUN_DIR = "/var/run/kvquota"
 SECRETS_DIR = "/etc/kvquota/secrets"
+STORE_SECRETS_DIR = "/etc/kvquota/pool-store"  # the pool store's password, its own Secret
+STORE_VOLUME = "kvquota-pool-store"
 # Paths the sidecar forwards without credentials (engine_sidecar.gateway.relay.passthrough).
 PROBE_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
 ENGINE_PORT = 8001  # vLLM's loopback port, or the next free one
@@ -68,6 +70,9 @@ class InjectionRefused(ValueError):
 class InjectionOptions:
     image: str = f"ghcr.io/kvquota/sidecar:v{__version__}"  # this release's
     secret: str = "kvquota-auth"  # the Secret the pool's spec.auth names
+    # The Secret spec.poolStore.passwordSecretRef names; optional, so pools without a
+    # store (or whose store has no password) need none.
+    store_secret: str = "kvquota-pool-store"
     service_account: str = "kvquota-engine"  # set when the pod names none
 
 
@@ -295,6 +300,7 @@ def _sidecar(options: InjectionOptions, serve_port: int, engine_port: int,
             "--upstream", f"http://127.0.0.1:{engine_port}",
             "--policy-configmap", f"$(POD_NAMESPACE)/$(KVQUOTA_POOL){POLICY_CONFIGMAP_SUFFIX}",
             "--secrets-dir", SECRETS_DIR,
+            "--pool-store-secrets-dir", STORE_SECRETS_DIR,
         ],
         "env": [
             {"name": ENGINE_NAMESPACE_ENV, "valueFrom": _field("metadata.namespace")},
@@ -319,6 +325,7 @@ def _sidecar(options: InjectionOptions, serve_port: int, engine_port: int,
         "volumeMounts": [
             {"name": "kvquota-run", "mountPath": RUN_DIR},
             {"name": "kvquota-secrets", "mountPath": SECRETS_DIR, "readOnly": True},
+            {"name": STORE_VOLUME, "mountPath": STORE_SECRETS_DIR, "readOnly": True},
             {"name": "kvquota-tmp", "mountPath": "/tmp"},
         ],
     }
@@ -372,5 +379,7 @@ def _volumes(options: InjectionOptions) -> list[dict[str, Any]]:
         {"name": "kvquota-run", "emptyDir": {"medium": "Memory", "sizeLimit": "16Mi"}},
         {"name": "kvquota-secrets", "secret": {"secretName": options.secret,
                                                 "defaultMode": 0o444}},
+        {"name": STORE_VOLUME, "secret": {"secretName": options.store_secret,
+                                                   "defaultMode": 0o444, "optional": True}},
         {"name": "kvquota-tmp", "emptyDir": {"sizeLimit": "64Mi"}},
     ]

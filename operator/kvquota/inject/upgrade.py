@@ -3,8 +3,10 @@
 An injected pod template kept in Git names the plugin's class path, the pre-flight
 module and the sidecar image of the release that injected it; injecting it again
 leaves it alone (a pod injected twice stays the same). `kvquota inject --upgrade`
-rewrites those names by `engine_sidecar.contract.renamed.RENAMED` and points the
-KVQuota containers at this release's image, and changes nothing else the user wrote.
+rewrites those names by `engine_sidecar.contract.renamed.RENAMED`, points the
+KVQuota containers at this release's image, mounts what this release's sidecar reads
+that the old one did not (the pool store password's own Secret, optional), and changes
+nothing else the user wrote.
 """
 
 from __future__ import annotations
@@ -16,7 +18,15 @@ from typing import Any
 
 from engine_sidecar.contract.renamed import RENAMED, Renamed
 from kvquota.inject.objects import TEMPLATE_KINDS, describe
-from kvquota.inject.pod import INIT, INJECTED_ANNOTATION, SIDECAR
+from kvquota.inject.pod import (
+    INIT,
+    INJECTED_ANNOTATION,
+    SECRETS_DIR,
+    SIDECAR,
+    STORE_SECRETS_DIR,
+    STORE_VOLUME,
+    InjectionOptions,
+)
 
 # An old name as a whole word of an argument: `--scheduler-cls=OLD`, `OLD`, or within a
 # shell command line; never a prefix of a longer dotted name.
@@ -58,7 +68,8 @@ def deprecated_names(obj: dict[str, Any]) -> list[Renamed]:
     return list(found.values())
 
 
-def upgrade_object(obj: dict[str, Any], image: str) -> Upgrade:
+def upgrade_object(obj: dict[str, Any], image: str,
+                   store_secret: str = InjectionOptions.store_secret) -> Upgrade:
     """`obj` (a copy) with its injected pod's renamed names replaced and KVQuota's
     containers on `image`; objects that are not injected pods come back unchanged."""
     pod = _pod(obj)
@@ -84,7 +95,32 @@ def upgrade_object(obj: dict[str, Any], image: str) -> Upgrade:
             result.changes.append(f"{where}: container {container['name']!r}: image "
                                   f"{container.get('image')} -> {image}")
             container["image"] = image
+    _mount_store_secret(pod["spec"], store_secret, result, where)
     annotations = (pod.get("metadata") or {}).get("annotations") or {}
     if INJECTED_ANNOTATION in annotations:
         annotations[INJECTED_ANNOTATION] = image
     return result
+
+
+def _mount_store_secret(spec: dict[str, Any], secret: str, result: Upgrade,
+                        where: str) -> None:
+    """Before 0.2.0 the sidecar read the store's password from the auth Secret only:
+    mount its own Secret where `inject_pod` does, each beside the auth one."""
+    (sidecar,) = [c for c in spec["containers"] if c.get("name") == SIDECAR]
+    command = sidecar.get("command") or []
+    if "--pool-store-secrets-dir" in command or "--secrets-dir" not in command:
+        return
+    at = command.index("--secrets-dir") + 2
+    command[at:at] = ["--pool-store-secrets-dir", STORE_SECRETS_DIR]
+    mounts = sidecar.setdefault("volumeMounts", [])
+    at = next((i + 1 for i, m in enumerate(mounts) if m.get("mountPath") == SECRETS_DIR),
+              len(mounts))
+    mounts.insert(at, {"name": STORE_VOLUME, "mountPath": STORE_SECRETS_DIR,
+                       "readOnly": True})
+    volumes = spec.setdefault("volumes", [])
+    at = next((i + 1 for i, v in enumerate(volumes) if v.get("name") == "kvquota-secrets"),
+              len(volumes))
+    volumes.insert(at, {"name": STORE_VOLUME, "secret": {
+        "secretName": secret, "defaultMode": 0o444, "optional": True}})
+    result.changes.append(f"{where}: container {SIDECAR!r}: mounts the pool store's "
+                          f"password Secret {secret} (optional)")
