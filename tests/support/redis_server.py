@@ -13,10 +13,21 @@ from pathlib import Path
 import pytest
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _free_port(bus: bool = False) -> int:
+    """A free port; `bus`: one whose cluster bus port (+10000) is a free port too."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if not bus:
+            return port
+        if port + 10000 <= 65535:
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port + 10000))
+                except OSError:
+                    continue
+            return port
 
 
 class RedisServer:
@@ -28,7 +39,7 @@ class RedisServer:
                         "(make test does it as root)")
         pytest.importorskip("redis", reason="the redis client: pip install 'kvquota[sidecar]'")
         self.binary = binary
-        self.port = _free_port()
+        self.port = _free_port(bus=cluster)
         self.workdir = workdir
         self.proc: subprocess.Popen[bytes] | None = None
         self.password = password
