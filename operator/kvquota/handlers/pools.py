@@ -35,6 +35,7 @@ from kvquota.reconcile.reconciler import POOLS, PoolKey
 
 KIND = "InferencePool"
 TICK_SECONDS = 0.5  # daemon resolution; the poll interval itself is OperatorConfig's
+STOP_SECONDS = 5.0  # on exit or pause kopf cancels the daemon, then waits this long
 
 
 @kopf.index(GROUP, VERSION, POOLS)
@@ -85,7 +86,7 @@ def _indexed(index: kopf.Index[Any, Any], key: PoolKey, uid: str) -> bool:
 
 
 @_stops_itself
-@kopf.daemon(GROUP, VERSION, POOLS)
+@kopf.daemon(GROUP, VERSION, POOLS, cancellation_timeout=STOP_SECONDS)
 async def poll_engines(
     namespace: str, name: str, uid: str, memo: kopf.Memo, stopped: kopf.DaemonStopped,
     inferencepools_by_key: kopf.Index[Any, Any], **_: Any,
@@ -98,4 +99,4 @@ async def poll_engines(
         if reconciler.poll_due(key):
             with timed_reconcile(KIND):
                 await reconciler.poll(key)
-        await asyncio.sleep(TICK_SECONDS)  # kopf cancels the sleep to stop us
+        await asyncio.sleep(TICK_SECONDS)
