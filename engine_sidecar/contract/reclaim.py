@@ -1,6 +1,6 @@
 """The victim order read the other way: what a new request may count on.
 
-The plugin's victim order (`engine_sidecar.plugin.tenant_policy`) gives blocks back
+The plugin's victim order (`engine_sidecar.plugin.rules.ranking`) gives blocks back
 by (band, tier); the sidecar admits a request into the free blocks above the watermark
 plus what that order would give back before it (`reclaimable_blocks`). Both sides
 import this module, so admission never counts on blocks preemption would not free.

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine_sidecar.contract.names import POLICY_PATH_ENV, STATS_PATH_ENV
-from engine_sidecar.plugin.tenant_policy import VictimRanker
+from engine_sidecar.plugin.rules.ranking import VictimRanker
 
 
 @dataclass(frozen=True)

@@ -3,25 +3,12 @@
     python -m engine_sidecar.plugin.preflight [--strict]
 
 vLLM's scheduler interface is private and changes between releases, and the version
-gate (`vllm_compat.check_supported_vllm`) can only look for touchpoints that exist
-without an instance. This check builds vLLM's real `Scheduler` with the plugin on the
-vLLM it imports -- a throwaway tiny Llama config, no weights, no tokenizer, no GPU, no
-network -- and steps it with fake model outputs through what the plugin does to it:
-
-- admit: two free-tier requests are scheduled and run;
-- preempt: a premium request that finds no room makes a free-tier one give way;
-- lease: once the premium session finishes, its blocks stay pinned (its lease);
-- finish: the preempted request resumes and completes; the lease still holds.
-
-It prints `ok: vLLM <version>: admit, preempt, lease, finish` and exits 0, or names each
-missing touchpoint (and the stage that met it) and exits 1. A vLLM that is not among
-the verified releases is still checked (the check is how a user decides whether to set
-KVQUOTA_ALLOW_UNSUPPORTED_VLLM=1), and the output says it is unverified; `--strict`
-also fails where the plugin would refuse to start: the injected init container uses
-it, so that a pod whose engine would be refused stops at init, with this message.
-
-It imports only vLLM and this package (never `kvquota`): it runs inside the vLLM
-container, from the copy `kvquota install-plugin` made.
+gate can only look for touchpoints that exist without an instance. This check builds
+vLLM's real `Scheduler` with the plugin (a tiny config, no weights, no GPU, no
+network) and steps it through admit, preempt, lease and finish. It prints `ok: ...`
+and exits 0, or names each missing touchpoint and exits 1; `--strict` also fails
+where the plugin would refuse to start (the injected init container uses it). It
+imports only vLLM and this package: it runs inside the vLLM container.
 """
 
 from __future__ import annotations

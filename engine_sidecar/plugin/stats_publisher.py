@@ -2,16 +2,11 @@
 
 The scheduler runs in vLLM's EngineCore process, not next to the sidecar, so it
 publishes through the file at `$KVQUOTA_STATS_PATH` (a shared volume in the pod). The
-engine thread builds a self-contained snapshot at start, at most every
-`STEP_INTERVAL_S` while it steps, and whenever it goes idle; a daemon thread writes
-the latest one, and rewrites it every `HEARTBEAT_S` while the engine idles (vLLM's
-engine loop then blocks on its input queue), so readers always see a fresh timestamp.
-
-The writer thread never reads scheduler state. While the engine idles it reports the
-state the next step will start from: leases past their expiry are off the books (the
-next step returns their blocks to vLLM's LRU before anything else), and a new policy
-file is reported as the policy in force (its version or its error), with the leases
-it ends taken off too. Everything else is as the last step saw it.
+engine thread builds a snapshot at start, at most every `STEP_INTERVAL_S` while it
+steps, and whenever it goes idle; a daemon thread writes the latest one, and rewrites
+it every `HEARTBEAT_S` while the engine idles, so readers always see a fresh
+timestamp. While idle it reports the state the next step will start from: expired
+leases off the books, and a new policy file as the policy in force.
 """
 
 from __future__ import annotations
@@ -28,7 +23,7 @@ from engine_sidecar.contract.names import HEARTBEAT_S
 from engine_sidecar.contract.policy import EnginePolicy
 from engine_sidecar.contract.stats import EngineStats, TenantEngineStats
 from engine_sidecar.plugin.policy_watch import PolicyWatcher
-from engine_sidecar.plugin.tenant_policy import lease_seconds
+from engine_sidecar.plugin.rules.leases import lease_seconds
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import pytest
 from plugin_policies import engine_policy, tenant, write_policy
 
 from engine_sidecar.contract.names import RESERVED_BLOCKS_ARG, RESERVED_OUTPUT_ARG
-from engine_sidecar.plugin.tenant_policy import identity_from_extra_args
+from engine_sidecar.plugin.rules.identity import identity_from_extra_args
 
 BLOCK = 16
 

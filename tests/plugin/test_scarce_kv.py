@@ -8,7 +8,7 @@ import pytest
 from plugin_policies import Tokens, engine_policy, tenant, write_policy
 
 from engine_sidecar.gateway.admission.rules import Decision
-from engine_sidecar.plugin.tenant_policy import SessionPauses
+from engine_sidecar.plugin.rules.pauses import SessionPauses
 from kvquota_lab.bench.admission import TwinGateway
 
 BLOCK = 16

@@ -70,11 +70,13 @@ def test_usage_counts_shared_prefix_blocks_once_behind_null_blocks(null_ref_cnt)
     them per holder, 0.33 none. Either way the shared prefix behind them is shared."""
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
+    from engine_sidecar.plugin.vllm_engine import VllmEngine
+
     null = KVCacheBlock(block_id=0, ref_cnt=null_ref_cnt, is_null=True)
     prefix = KVCacheBlock(block_id=7, ref_cnt=2)
     own = KVCacheBlock(block_id=8, ref_cnt=1)
     shared: set[int] = set()
-    assert vllm_compat.count_unshared_blocks([null, null, prefix, own], shared) == 1
+    assert VllmEngine.count_unshared_blocks([null, null, prefix, own], shared) == 1
     assert shared == {7}
 
 

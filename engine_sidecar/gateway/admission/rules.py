@@ -2,7 +2,7 @@
 
 The rule agrees with preemption. A request may count as available the free blocks
 above the watermark plus every block the plugin's victim order would give back before
-the request's own class (`tenant_policy.reclaimable_blocks`): unclassified traffic,
+the request's own class (`contract.reclaim.reclaimable_blocks`): unclassified traffic,
 borrowers of a lower tier, leases ranked above it, and its own tenant's idle leases.
 The watermark refuses only what would have to come from the request's own class or a
 higher one; a request that stays within its tenant's guarantee is never refused for it.

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 
 from engine_sidecar.contract.stats import EngineStats, TenantEngineStats
 
-ABOVE_MAX = "above_max"  # the plugin's preemption reason (`tenant_policy.Reason`)
+ABOVE_MAX = "above_max"  # the plugin's preemption reason (`ranking.Reason`)
 
 
 def outgrown_by_tier(stats: EngineStats, tier_of: Mapping[str, str]) -> dict[str, int]:

@@ -1,6 +1,6 @@
 """Victim-order variants: ablations of the plugin's documented order, twin only.
 
-The plugin documents one total order (`engine_sidecar.plugin.tenant_policy`): expired leases;
+The plugin documents one total order (`engine_sidecar.plugin.rules.ranking`): expired leases;
 then band (unclassified, borrowers, within guarantee); then tier; then, within a band
 and tier, live leases before running requests, and the running request that loses
 the least work. Each variant below changes one of those rules, so the benchmark shows
@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine_sidecar.contract.reclaim import Band
-from engine_sidecar.plugin.tenant_policy import Lease, RankKey, VictimRanker
+from engine_sidecar.plugin.rules.leases import Lease
+from engine_sidecar.plugin.rules.ranking import RankKey, VictimRanker
 
 if TYPE_CHECKING:
     from kvquota_lab.bench.twin import PolicySpec

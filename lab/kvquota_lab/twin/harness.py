@@ -36,8 +36,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from engine_sidecar.contract.stats import EngineStats
+    from engine_sidecar.plugin.rules.ranking import VictimRanker
     from engine_sidecar.plugin.scheduler import TenantAwareScheduler
-    from engine_sidecar.plugin.tenant_policy import VictimRanker
 
 SchedulerKind = Literal["stock-fcfs", "stock-priority", "kvquota"]
 _FIRST_SAMPLED_TOKEN = 16  # below: special tokens (EOS is 2 in the tiny model)
@@ -232,7 +232,7 @@ class SchedulerHarness:
         if config.scheduler != "kvquota":
             return {}
         from engine_sidecar.plugin.config import PluginConfig
-        from engine_sidecar.plugin.tenant_policy import VictimRanker
+        from engine_sidecar.plugin.rules.ranking import VictimRanker
 
         return {"plugin_config": PluginConfig(
             policy_path=config.policy_path,

@@ -17,20 +17,13 @@ from engine_sidecar.contract.policy import EnginePolicy
 from engine_sidecar.contract.reclaim import Band
 from engine_sidecar.contract.stats import EngineStats, TenantEngineStats
 from engine_sidecar.plugin.policy_watch import PolicyWatcher
+from engine_sidecar.plugin.rules.counters import stats_tenant
+from engine_sidecar.plugin.rules.degraded import DegradedEpisodes
+from engine_sidecar.plugin.rules.identity import NO_IDENTITY, Identity, identity_from_extra_args
+from engine_sidecar.plugin.rules.leases import Lease, LeaseDrop, LeaseTable
+from engine_sidecar.plugin.rules.pauses import SessionPauses
+from engine_sidecar.plugin.rules.ranking import Reason, VictimRanker
 from engine_sidecar.plugin.stats_publisher import LeaseView, StatsPublisher, StatsSnapshot
-from engine_sidecar.plugin.tenant_policy import (
-    NO_IDENTITY,
-    DegradedEpisodes,
-    Identity,
-    Lease,
-    LeaseDrop,
-    LeaseTable,
-    Reason,
-    SessionPauses,
-    VictimRanker,
-    identity_from_extra_args,
-    stats_tenant,
-)
 
 # -- identity -----------------------------------------------------------------------------
 
