@@ -14,8 +14,8 @@ import pytest
 from engine_sidecar.contract.files import write_atomically
 from kvquota_lab.bench.engine_backend import REQUESTS_FILE, RunningEngine, run_engine_policy
 from kvquota_lab.bench.metrics import summarize
+from kvquota_lab.bench.policies import POLICIES
 from kvquota_lab.bench.scenario import generate_sessions, parse_scenario
-from kvquota_lab.bench.twin import POLICIES
 
 pytestmark = pytest.mark.engine
 

@@ -134,10 +134,10 @@ def test_bench_defaults_run_the_shipped_config(tiny_scenario: Path) -> None:
     signals and the shipped picker; the session token names the engine the session's
     previous request went to, as the scorer rewrites it on every response."""
     from kvquota_lab.bench.cost import load_profile
+    from kvquota_lab.bench.policies import POLICIES
     from kvquota_lab.bench.pool import PoolRun, PoolSpec
     from kvquota_lab.bench.runner import BenchOptions
     from kvquota_lab.bench.scenario import parse_scenario
-    from kvquota_lab.bench.twin import POLICIES
 
     options = BenchOptions(scenario=str(tiny_scenario))
     assert options.picker_signals == ("kvquota",) and options.picker_config is None

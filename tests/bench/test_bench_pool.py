@@ -206,7 +206,7 @@ def test_session_affinity_keeps_conversations_cached(
 def hot() -> dict[str, Any]:
     from kvquota_lab.bench.cost import load_profile
     from kvquota_lab.bench.metrics import summarize
-    from kvquota_lab.bench.twin import POLICIES
+    from kvquota_lab.bench.policies import POLICIES
 
     scenario = scale_load(parse_scenario(HOT, source="hot"), 2)
     out = {}
@@ -258,8 +258,8 @@ def test_every_engine_enforces_its_own_entry_of_the_one_rendered_policy() -> Non
     # as the operator does; each engine's sidecar and plugin take their entry by name
     # (`EnginePolicy.for_engine`), as in a pod.
     from kvquota_lab.bench.cost import load_profile
+    from kvquota_lab.bench.policies import POLICIES
     from kvquota_lab.bench.pool import PoolRun
-    from kvquota_lab.bench.twin import POLICIES
 
     scenario = scale_load(parse_scenario(HOT, source="hot"), 2)
     spec = PoolSpec(2, "prefix-affinity", "demand", rebalance_interval=2.0)
@@ -325,8 +325,8 @@ def _picked_with(signals: str, tmp: Path) -> tuple[int, list[EngineLoad]]:
     engine 1: five free turns running. Where does the least-KV picker send premium's
     next turn, and what did it read?"""
     from kvquota_lab.bench.cost import load_profile
+    from kvquota_lab.bench.policies import POLICIES
     from kvquota_lab.bench.pool import PoolRun
-    from kvquota_lab.bench.twin import POLICIES
 
     scenario = parse_scenario(SEEN, source="seen")
     run = PoolRun(scenario, POLICIES["kvquota"], PoolSpec(2, "least-kv", signals=signals),
@@ -371,8 +371,8 @@ def test_with_kvquotas_signals_the_picker_sees_premiums_queue_and_avoids_it(
 
 
 def test_stock_engines_show_vllms_series_whatever_the_switch(tmp_path: Path) -> None:
+    from kvquota_lab.bench.policies import POLICIES
     from kvquota_lab.bench.pool import pool_tasks
-    from kvquota_lab.bench.twin import POLICIES
 
     scenario = parse_scenario(SEEN, source="seen")
     tasks = pool_tasks(scenario, [POLICIES["priority"], POLICIES["kvquota"]], None,
@@ -419,8 +419,8 @@ def test_a_leased_sessions_next_turn_carries_the_engine_that_admitted_the_last(
     configuration that reads KVQuota's series scores it, vLLM's defaults do not (the
     token goes unread), and the shipped llm-d picker's scorer overwrites a cleared one."""
     from kvquota_lab.bench.cost import load_profile
+    from kvquota_lab.bench.policies import POLICIES
     from kvquota_lab.bench.pool import PoolRun
-    from kvquota_lab.bench.twin import POLICIES
 
     seen = SEEN.replace('maxBlocks: "15%"', f'maxBlocks: "{premium_max}"')
     scenario = parse_scenario(seen, source="seen")

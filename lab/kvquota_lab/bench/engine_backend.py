@@ -48,8 +48,9 @@ from engine_sidecar.contract.stats import EngineStats
 from kvquota_lab.bench.metrics import Outcome, RunResult, Timeline
 from kvquota_lab.bench.occupancy import Occupancy
 from kvquota_lab.bench.plugin_counts import above_max_by_tier, outgrown_by_tier
+from kvquota_lab.bench.policies import BASELINE, POLICIES, PolicySpec
 from kvquota_lab.bench.scenario import TIER_ORDER, Scenario, Session, generate_sessions
-from kvquota_lab.bench.twin import BASELINE, POLICIES, PolicySpec, Progress
+from kvquota_lab.bench.twin import Progress
 from kvquota_lab.stream_client import Streamed, Target, completion_body, stream_completion
 
 if TYPE_CHECKING:

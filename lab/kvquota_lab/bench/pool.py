@@ -62,6 +62,7 @@ from kvquota.split.demand import PoolSplit, SplitInputs, engine_overrides
 from kvquota.split.rebalance import TenantTotals
 from kvquota_lab.bench.metrics import Outcome, RunResult, Timeline
 from kvquota_lab.bench.picker_config import PickerConfig, load_picker_config
+from kvquota_lab.bench.policies import BASELINE, PolicySpec
 from kvquota_lab.bench.pool_ledger import TwinLedger, TwinPoolStore
 from kvquota_lab.bench.router_choice import make_router
 from kvquota_lab.bench.routers import (
@@ -77,17 +78,16 @@ from kvquota_lab.bench.scenario import Bursts, Scenario, Session, generate_sessi
 from kvquota_lab.bench.twin import (
     KV_REFUSALS,
     TIMELINE_SAMPLES,
-    PolicySpec,
     Progress,
     TwinEvent,
     TwinRun,
-    TwinTask,
     plugin_extra,
 )
 
 if TYPE_CHECKING:
     from engine_sidecar.gateway.admission.queue import Ticket
     from kvquota_lab.bench.cost import CostProfile
+    from kvquota_lab.bench.tasks import TwinTask
     from kvquota_lab.twin.harness import SchedulerHarness
 
 SPLITS = ("even", "demand")
@@ -729,8 +729,6 @@ def pool_tasks(
     """The runs of a pool bench: every policy (those with admission once per split and
     picker signals; without a sidecar a picker reads vLLM's series), then the baseline
     if any; `scenario` and `baseline` already scaled."""
-    from kvquota_lab.bench.twin import BASELINE
-
     unknown = [s for s in splits if s not in SPLITS]
     if unknown or not splits:
         raise ValueError(f"unknown splits {unknown}; choose from {', '.join(SPLITS)}")

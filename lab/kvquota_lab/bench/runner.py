@@ -14,7 +14,7 @@ from kvquota_lab.bench.report import build_document
 from kvquota_lab.bench.scenario import Scenario, generate_sessions, load_scenario
 
 if TYPE_CHECKING:
-    from kvquota_lab.bench.twin import TwinTask
+    from kvquota_lab.bench.tasks import TwinTask
 
 DEFAULT_POLICIES = ("fcfs", "priority", "kvquota")
 
@@ -85,7 +85,7 @@ class ProgressBar:
 
 
 def _policy_specs(options: BenchOptions) -> list[Any]:
-    from kvquota_lab.bench.twin import POLICIES, PolicySpec
+    from kvquota_lab.bench.policies import POLICIES, PolicySpec
 
     unknown = [p for p in options.policies if p not in POLICIES]
     if unknown:
@@ -133,7 +133,7 @@ def run_bench(options: BenchOptions, out: TextIO | None = None) -> dict[str, Any
     num_requests = sum(len(s.turns) for s in sessions)
     base_scenario = _baseline_scenario(scenario) if options.baseline else None
     specs = _policy_specs(options) if options.backend == "twin" else []
-    from kvquota_lab.bench.twin import BASELINE
+    from kvquota_lab.bench.policies import BASELINE
 
     tasks: list[TwinTask] = [(scenario, spec) for spec in specs]
     if options.replicas is not None:
@@ -160,7 +160,7 @@ def run_bench(options: BenchOptions, out: TextIO | None = None) -> dict[str, Any
     runs: list[RunResult] = []
     baseline: RunResult | None = None
     if options.backend == "twin":
-        from kvquota_lab.bench.twin import run_twin_tasks
+        from kvquota_lab.bench.tasks import run_twin_tasks
 
         profile = load_profile(options.profile or scenario.profile)
         results = run_twin_tasks(tasks, profile, jobs=options.jobs, progress=progress,

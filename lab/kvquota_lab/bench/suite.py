@@ -319,8 +319,9 @@ def run_suite(
     """Run every case; with `seeds` > 1 each case also runs with the next seeds (new
     sessions from the same distributions: the same targets on unseen workloads).
     `overrides` (`--set`) is merged into every scenario, e.g. a tier's reservation."""
-    from kvquota_lab.bench.twin import BASELINE, TwinTask, run_twin_tasks
-    from kvquota_lab.bench.twin import POLICIES as SPECS
+    from kvquota_lab.bench.policies import BASELINE
+    from kvquota_lab.bench.policies import POLICIES as SPECS
+    from kvquota_lab.bench.tasks import TwinTask, run_twin_tasks
 
     cases: list[tuple[str, str | None, Scenario, Scenario | None, int | None]] = []
     for name, scale in suite_cases(names):

@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engine_sidecar.contract.reclaim import Band
 from engine_sidecar.plugin.rules.leases import Lease
 from engine_sidecar.plugin.rules.ranking import RankKey, VictimRanker
-
-if TYPE_CHECKING:
-    from kvquota_lab.bench.twin import PolicySpec
+from kvquota_lab.bench.policies import POLICIES, PolicySpec
 
 
 class TierFirstRanker(VictimRanker):
@@ -102,8 +100,6 @@ VICTIM_ORDERS: dict[str, VictimOrder] = {
 def victim_order_specs(names: tuple[str, ...], bases: tuple[str, ...] = ("kvquota",)
                        ) -> list[PolicySpec]:
     """Policy runs for `names` ('all': every variant) on each KVQuota policy in `bases`."""
-    from kvquota_lab.bench.twin import POLICIES, PolicySpec
-
     # 'all' leaves out `documented`: the base run already is the documented order.
     wanted = [n for n in VICTIM_ORDERS if n != "documented"] if "all" in names else list(names)
     unknown = [n for n in wanted if n not in VICTIM_ORDERS]
