@@ -329,7 +329,10 @@ def _picked_with(signals: str, tmp: Path) -> tuple[int, list[EngineLoad]]:
     from kvquota_lab.bench.pool import PoolRun
 
     scenario = parse_scenario(SEEN, source="seen")
-    run = PoolRun(scenario, POLICIES["kvquota"], PoolSpec(2, "least-kv", signals=signals),
+    # No pool-wide ledger: it would admit these turns within premium's pool-wide
+    # guarantee. Queued at its per-engine ceiling is what the picker must see.
+    run = PoolRun(scenario, POLICIES["kvquota"],
+                  PoolSpec(2, "least-kv", signals=signals, ledger=False),
                   load_profile(scenario.profile))
     premium = [s for s in run.sessions if s.tenant == "acme"]
     free = [s for s in run.sessions if s.tenant == "hobbyist"]
