@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Callable
 
 from engine_sidecar.contract.policy import TenantPolicy
 from engine_sidecar.contract.stats import EngineStats
@@ -30,9 +31,11 @@ def _shape(blocks: int, session: str | None = None) -> RequestShape:
     return RequestShape((blocks * BLOCK - 1,), 1, session=session)
 
 
-def _queue(*tenants: TenantPolicy, **pool: object) -> tuple[AdmissionQueue, Clock, Ledger]:
+def _queue(*tenants: TenantPolicy, stats: Callable[[], EngineStats | None] = lambda: None,
+           **pool: object) -> tuple[AdmissionQueue, Clock, Ledger]:
     clock, ledger = Clock(), Ledger()
-    queue = AdmissionQueue(ledger, clock=clock, rng=random.Random(1), max_model_len=lambda: None)
+    queue = AdmissionQueue(ledger, clock=clock, rng=random.Random(1), stats=stats,
+                           max_model_len=lambda: None)
     queue.set_policy(make_policy(*tenants, **pool))
     return queue, clock, ledger
 
@@ -101,10 +104,9 @@ def test_a_client_that_leaves_the_queue_holds_nothing() -> None:
 def test_tiers_are_served_in_order_when_capacity_frees() -> None:
     premium = _t("acme", tier="premium", priority=0, max_blocks_per_engine=100)
     free = _t("hobby", tier="free", priority=2, max_blocks_per_engine=100)
-    queue, _, _ = _queue(premium, free)
-    capacity = make_policy(premium, free)
     stats = {"now": EngineStats(timestamp=0, total_blocks=100, free_blocks=0)}
-    queue.stats = lambda: stats["now"]
+    queue, _, _ = _queue(premium, free, stats=lambda: stats["now"])
+    capacity = make_policy(premium, free)
     queue.set_policy(capacity)
     # Nothing free and nothing reclaimable (no engine usage is attributed): both wait.
     free_first = queue.submit("hobby", _shape(6))
@@ -120,9 +122,9 @@ def test_fair_share_within_a_tier_follows_the_guarantees() -> None:
     with three times the guarantee is admitted three times as often."""
     big = _t("big", guaranteed_blocks=3, max_blocks_per_engine=10_000)
     small = _t("small", guaranteed_blocks=1, max_blocks_per_engine=10_000)
-    queue, _, _ = _queue(big, small)
+    queue, _, _ = _queue(big, small, stats=lambda: EngineStats(
+        timestamp=0, total_blocks=100, free_blocks=14))
     # 14 free, 10 kept by the watermark floor: room for one 4-block request at a time.
-    queue.stats = lambda: EngineStats(timestamp=0, total_blocks=100, free_blocks=14)
     queue.set_policy(make_policy(big, small))
     tickets = [queue.submit(name, _shape(4)) for _ in range(30) for name in ("big", "small")]
     running = [t for t in tickets if t.admitted]
@@ -142,8 +144,8 @@ def test_fair_share_within_a_tier_follows_the_guarantees() -> None:
 
 def test_a_request_within_its_guarantee_does_not_wait_behind_a_borrowing_one() -> None:
     acme = _t("acme", guaranteed_blocks=10, max_blocks_per_engine=100)
-    queue, _, _ = _queue(acme)
-    queue.stats = lambda: EngineStats(timestamp=0, total_blocks=100, free_blocks=12)
+    queue, _, _ = _queue(acme, stats=lambda: EngineStats(
+        timestamp=0, total_blocks=100, free_blocks=12))
     queue.set_policy(make_policy(acme))
     big = queue.submit("acme", _shape(30))  # borrows: 12 free - 10 floor < 30
     small = queue.submit("acme", _shape(5))  # within its guarantee of 10

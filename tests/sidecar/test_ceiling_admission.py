@@ -25,7 +25,7 @@ from engine_sidecar.gateway.counting.prompt_count import PromptCounting
 from engine_sidecar.gateway.counting.token_pool import TokenizerPool
 from engine_sidecar.gateway.counting.tokens import EngineTokenCounter, HfTokenCounter
 from engine_sidecar.gateway.intake.openai_request import Kind, parse
-from engine_sidecar.plugin.tenant_policy import identity_from_extra_args, outgrew
+from engine_sidecar.plugin.rules.identity import identity_from_extra_args, outgrew
 
 from .conftest import Harness, start_harness
 from .helpers import WAIT, Keys, ServerThread, http_post, make_policy, tenant, wait_for
@@ -104,7 +104,7 @@ def _held(harness: Harness, stub: StubEngine, token: str, body: dict[str, Any]) 
     stub.hold = threading.Event()
     thread, out = _send(harness, token, body)
     wait_for(lambda: stub.active == 1, WAIT, "the request never reached the engine")
-    wait_for(lambda: not harness.gateway.admitter.recounts, WAIT, "count never taken")
+    wait_for(lambda: not harness.gateway.admitter.ceiling.recounts, WAIT, "count never taken")
     reserved = harness.gateway.ledger.reserved_blocks("acme")
     stub.release()
     thread.join(30)
@@ -123,12 +123,12 @@ def test_admitted_on_its_ceiling_then_charged_its_count(
     harness.apply(make_policy(tenant("acme")))
     token = keys.hs("acme")
     on_ceiling = _held(harness, stub, token, body)
-    assert harness.gateway.admitter.ceiling_admissions == 1
+    assert harness.gateway.admitter.ceiling.admissions == 1
     if "messages" in body:  # counted by the engine, not rendered and encoded here
         assert counter.chats_sent == 1 and counter.chats_verified == 0
     ceiling, counter.ceiling = counter.ceiling, None  # the old path: count, then decide
     counted_first = _held(harness, stub, token, body)
-    assert harness.gateway.admitter.ceiling_admissions == 1
+    assert harness.gateway.admitter.ceiling.admissions == 1
     assert on_ceiling == counted_first > 0
     assert ceiling is not None
 
@@ -147,7 +147,7 @@ def test_a_request_that_fits_only_at_its_count_is_counted_first(
     assert math.ceil((ceiling + 4) / block) > needs  # the bound alone would not fit
     harness.apply(make_policy(tenant("acme", max_blocks_per_engine=needs, max_queue_seconds=0)))
     reserved = _held(harness, stub, keys.hs("acme"), {"prompt": PROMPT})
-    assert harness.gateway.admitter.ceiling_admissions == 0
+    assert harness.gateway.admitter.ceiling.admissions == 0
     assert 0 < reserved <= needs
 
 
@@ -162,10 +162,10 @@ def test_a_count_above_its_ceiling_turns_chat_ceilings_off(
     stub.tokenize_repeat = 8
     token = keys.hs("acme")
     first = _held(harness, stub, token, {"messages": CHAT})
-    assert harness.gateway.admitter.ceiling_admissions == 1
+    assert harness.gateway.admitter.ceiling.admissions == 1
     assert counter.renderer is None
     second = _held(harness, stub, token, {"messages": CHAT})
-    assert harness.gateway.admitter.ceiling_admissions == 1  # counted first this time
+    assert harness.gateway.admitter.ceiling.admissions == 1  # counted first this time
     assert first == second
     assert counter.ceiling is not None  # completions keep theirs
 
@@ -188,12 +188,12 @@ def test_the_plugin_is_told_the_ceiling_and_judges_at_the_count(
     at_ceiling = harness.gateway.ledger.reserved_blocks("acme")
     xargs = stub.received[-1]["vllm_xargs"]
     gate.set()
-    wait_for(lambda: not harness.gateway.admitter.recounts, WAIT, "count never taken")
+    wait_for(lambda: not harness.gateway.admitter.ceiling.recounts, WAIT, "count never taken")
     counted = harness.gateway.ledger.reserved_blocks("acme")
     stub.release()
     thread.join(30)
     assert out and out[0].status_code == 200
-    assert harness.gateway.admitter.ceiling_admissions == 1
+    assert harness.gateway.admitter.ceiling.admissions == 1
     request = parse(Kind.CHAT, json.dumps({"messages": CHAT}).encode())
     ceilings = PromptCounting().ceilings(counter, request)
     assert ceilings is not None
@@ -233,5 +233,5 @@ def test_a_tokenizer_without_a_ceiling_counts_before_admitting(
     token = keys.hs("acme")
     assert 0 < _held(harness, stub, token, {"prompt": PROMPT}) <= needs
     assert 0 < _held(harness, stub, token, {"messages": CHAT[1:]}) <= needs
-    assert harness.gateway.admitter.ceiling_admissions == 0
+    assert harness.gateway.admitter.ceiling.admissions == 0
     assert counter.chats_sent == 1  # counted by the engine, before it was admitted

@@ -153,12 +153,12 @@ def test_a_chat_admitted_on_its_ceiling_is_counted_by_the_engine(
     harness, counter = local_sidecar
     gateway = harness.gateway
     gateway.token_counter = counter
-    admitted = gateway.admitter.ceiling_admissions
+    admitted = gateway.admitter.ceiling.admissions
     with openai.OpenAI(base_url=harness.url + "/v1", api_key=keys.hs("acme"),
                        max_retries=0, timeout=60) as client:
         result = create(client, {**copy.deepcopy(CHATS[0]), "max_tokens": 1})
     assert result.usage.prompt_tokens > 0
-    wait_for(lambda: not gateway.admitter.recounts, WAIT, "the count was never taken")
-    assert gateway.admitter.ceiling_admissions == admitted + 1
+    wait_for(lambda: not gateway.admitter.ceiling.recounts, WAIT, "the count was never taken")
+    assert gateway.admitter.ceiling.admissions == admitted + 1
     assert counter.chats_sent == 1 and counter.chats_verified == 0
     assert counter.renderer is not None

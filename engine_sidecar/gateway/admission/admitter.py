@@ -9,7 +9,7 @@ decision granted. `pump` re-runs the queue as capacity frees.
 Counting only when it decides: where the tokenizer bounds a prompt's count by its size
 (`prompt_bounds.TokenCeiling`), a request whose tenant has nothing queued is first
 decided at that ceiling. Admitted there, it goes on at once, and its exact count, taken
-off its path (`_recount`; a chat prompt's by the engine's /tokenize), shrinks its
+off its path (`ceiling`; a chat prompt's by the engine's /tokenize), shrinks its
 reservation to what the engine processes (the ceiling is never below the count, so a
 bound never puts a tenant over its maxBlocks; a count above its ceiling turns that kind
 of ceiling off, `HfTokenCounter.ceiling_missed`).
@@ -25,13 +25,14 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from starlette.types import Receive
 
 from engine_sidecar.contract.stats import EngineStats
 from engine_sidecar.gateway import errors
 from engine_sidecar.gateway.admission.call_back import calls_back
+from engine_sidecar.gateway.admission.ceiling import CeilingAdmission
 from engine_sidecar.gateway.admission.ledger import Ledger, Reservation
 from engine_sidecar.gateway.admission.output_estimate import OutputEstimates
 from engine_sidecar.gateway.admission.queue import AdmissionQueue, Ticket
@@ -57,7 +58,6 @@ from engine_sidecar.gateway.upstream.engine_monitor import EngineMonitor
 logger = logging.getLogger(__name__)
 
 PUMP_INTERVAL_S = 0.05  # while requests queue: re-check capacity (new stats) and deadlines
-RECOUNT_AFTER_S = 0.05  # an admitted request's forward takes well under this
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,8 +99,7 @@ class Admitter:
         )
         self.pool_link = pool_link  # the pool-wide ledger, when the policy names a store
         holder.subscribe(self.sync_policy)  # reads (`capacity`) see the policy in force
-        self.recounts: set[asyncio.Task[None]] = set()
-        self.ceiling_admissions = 0  # admitted on a ceiling, counted afterwards (tests)
+        self.ceiling = CeilingAdmission(self.queue, self.prompts, monitor, self.wake)
 
     def wake(self) -> None:
         """Capacity may have freed (a reservation was released): re-run the queue."""
@@ -219,68 +218,12 @@ class Admitter:
 
     def _admit_at_ceiling(self, counter: TokenCounter, request: ParsedRequest,
                           tenant_id: str, session: str | None, kind: Kind) -> Ticket | None:
-        """The ticket admitted at its prompts' ceiling, its exact count started off the
-        request's path; None when the ceiling does not settle it (nothing is kept: the
-        request is counted and decided as before)."""
+        """Admitted at its prompts' ceiling (`ceiling`), on the policy in force."""
         active = self.holder.active
         if active is None or tenant_id not in active.policy.tenants:
             return None
         self.sync_policy(active)
-        if self.queue.depth(tenant_id):
-            return None  # it would queue behind them anyway: its place needs its count
-        if self.queue.pool is not None:
-            return None  # a pool-wide charge on the store is taken on the count only
-        ceilings = self.prompts.ceilings(counter, request)
-        if ceilings is None:
-            return None
-        tenant = active.policy.tenants[tenant_id]
-        max_model_len = self.monitor.max_model_len
-        if (request.requested_max_tokens is None and max_model_len
-                and max_model_len - max(ceilings, default=0) < tenant.default_max_tokens):
-            return None  # its default max_tokens would follow its count
-        shape = RequestShape(ceilings, request.requested_max_tokens, request.n,
-                             request.prompt_param, request.max_tokens_param, session, (),
-                             kind.value)
-        ticket = self.queue.submit(tenant_id, shape)
-        if not ticket.admitted:
-            if not ticket.settled:
-                self.queue.cancel(ticket)
-            return None
-        reservation, verdict = ticket.reservation, ticket.verdict
-        assert reservation is not None and verdict is not None
-        self.ceiling_admissions += 1
-        task = asyncio.ensure_future(self._recount(
-            reservation, counter, request, tenant_id, shape, verdict.max_tokens))
-        self.recounts.add(task)
-        task.add_done_callback(self.recounts.discard)
-        return ticket
-
-    async def _recount(self, reservation: Reservation, counter: TokenCounter,
-                       request: ParsedRequest, tenant_id: str, shape: RequestShape,
-                       max_tokens: int) -> None:
-        """Off the request's path: its exact count replaces its ceiling's reservation
-        (kept if counting fails: the ceiling is never less). Taken once the request is on
-        its way to the engine: counting at once (rendering, the worker's hand-off) held up
-        the forward of the very request it counts (2.5k-token chats at an engine's pace,
-        16 streams: +2.8 ms added TTFT p50, +0.95 ms with the wait)."""
-        await asyncio.sleep(RECOUNT_AFTER_S)
-        try:
-            prompts = await self.prompts.count(counter, request, self.monitor.model)
-        except Exception as exc:  # a busy pool, an engine that refuses: keep the bound
-            logger.debug("prompt not counted after admission: %s", type(exc).__name__)
-            return
-        counts = tuple(len(p) for p in prompts)
-        if any(count > ceiling for count, ceiling in zip(counts, shape.prompt_tokens,
-                                                          strict=False)):
-            missed = getattr(counter, "ceiling_missed", None)
-            if missed is not None:
-                missed(request.kind, max(shape.prompt_tokens), max(counts))
-        if reservation.released or tenant_id not in (
-                self.queue.policy.tenants if self.queue.policy else {}):
-            return
-        exact = replace(shape, prompt_tokens=counts)
-        reservation.regrow(self.queue.growth(tenant_id, exact, max_tokens))
-        self.wake()  # what it gave back may admit a queued request
+        return self.ceiling.admit(active, counter, request, tenant_id, session, kind)
 
     def count_decision(self, tenant_id: str, tier: str, decision: Decision) -> None:
         self.metrics.admissions.labels(self.tenant_label(tenant_id), tier, decision).inc()

@@ -42,15 +42,16 @@ from __future__ import annotations
 
 import math
 import random
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine_sidecar.contract.policy import EnginePolicy, TenantPolicy
 from engine_sidecar.contract.reclaim import watermark_floor
 from engine_sidecar.contract.stats import EngineStats
 from engine_sidecar.gateway import errors
+from engine_sidecar.gateway.admission.backlog import Backlog, TenantQueue
+from engine_sidecar.gateway.admission.idle_kv import IdleKvWaits
 from engine_sidecar.gateway.admission.joint_charge import RequestGrowth
 from engine_sidecar.gateway.admission.ledger import Ledger, Reservation
 from engine_sidecar.gateway.admission.output_estimate import Outlook, OutputEstimates
@@ -62,15 +63,12 @@ from engine_sidecar.gateway.admission.rules import (
     blocks_for,
     decide,
     effective_max_tokens,
-    engine_holders,
-    pool_view,
     reserved_output,
 )
+from engine_sidecar.gateway.admission.view_cache import ViewCache
 from engine_sidecar.gateway.errors import ApiError
 from engine_sidecar.gateway.pool.admission import PoolAdmission
 
-RATE_SAMPLES = 32  # admissions per tenant the drain rate is measured over
-RATE_WINDOW_S = 60.0  # older admissions say nothing about the current drain rate
 MIN_RETRY_AFTER_S, MAX_RETRY_AFTER_S = 1, 120
 JITTER = 0.5  # Retry-After is drawn from [1 - JITTER, 1 + JITTER] times the estimate
 
@@ -106,21 +104,9 @@ class Ticket:
         return 0.0 if self.settled_at is None else self.settled_at - self.arrived
 
 
-@dataclass
-class _TenantQueue:
-    tickets: deque[Ticket] = field(default_factory=deque)
-    served: float = 0.0  # VTC counter: blocks admitted / weight
-    admissions: deque[float] = field(default_factory=lambda: deque(maxlen=RATE_SAMPLES))
-
-    def drain_rate(self, now: float) -> float | None:
-        """Admissions per second lately, or None when too few to say."""
-        times = [t for t in self.admissions if now - t <= RATE_WINDOW_S]
-        if len(times) < 4 or times[-1] <= times[0]:
-            return None
-        return (len(times) - 1) / (times[-1] - times[0])
 
 
-class AdmissionQueue:
+class AdmissionQueue(Backlog):
     def __init__(
         self,
         ledger: Ledger,
@@ -135,21 +121,13 @@ class AdmissionQueue:
         # What `Estimated` reservations count: learned from finished requests (the
         # sidecar's relayed responses, the twin's finished requests).
         self.estimates = estimates if estimates is not None else OutputEstimates()
-        self.clock = clock
-        self.stats = stats
         self.max_model_len = max_model_len
         self.rng = rng or random.Random()
-        self.policy: EnginePolicy | None = None
-        self._queues: dict[str, _TenantQueue] = {}
-        # The view, rebuilt when the ledger, the stats or the policy move; the tenants
-        # the engine reports holding blocks, when the stats or the policy do.
-        self._seen: tuple[EngineStats | None, EnginePolicy | None] | None = None
-        self._holders: frozenset[str] = frozenset()
-        self._view_version = -1
-        self._view: PoolView | None = None
+        super().__init__(clock)
+        self._views = ViewCache(ledger, stats)
+        self._idle_kv = IdleKvWaits()
         # Seconds each tenant's queued requests waited on its maxBlocks beside idle KV.
-        self.idle_waits: dict[str, float] = {}
-        self._last_pump: float | None = None
+        self.idle_waits = self._idle_kv.seconds
         # The pool-wide ledger on a shared store, when the pool names one.
         self.pool: PoolAdmission | None = None
 
@@ -160,7 +138,7 @@ class AdmissionQueue:
         (and their learned estimates forgotten)."""
         self.policy = policy
         self.estimates.retain(policy.tenants)
-        self._seen = None
+        self._views.forget()
 
     def submit(self, tenant_id: str, shape: RequestShape, payload: Any = None) -> Ticket:
         """Queue a request of a tenant the policy knows; it may settle right away."""
@@ -174,7 +152,7 @@ class AdmissionQueue:
                                  self.policy.block_size)
         queue = self._queues.get(tenant_id)
         if queue is None:
-            queue = self._queues[tenant_id] = _TenantQueue()
+            queue = self._queues[tenant_id] = TenantQueue()
         if not queue.tickets:
             self._lift(tenant_id, queue)
         queue.tickets.append(ticket)
@@ -214,61 +192,18 @@ class AdmissionQueue:
         self._note_idle_waits(now)
         return settled
 
-    def next_deadline(self) -> float | None:
-        """When the first queued ticket times out (heads: a tenant's queue is FIFO)."""
-        return min((q.tickets[0].deadline for q in self._queues.values() if q.tickets),
-                   default=None)
-
-    def depth(self, tenant_id: str) -> int:
-        queue = self._queues.get(tenant_id)
-        return len(queue.tickets) if queue else 0
-
-    def oldest_wait(self, tenant_id: str) -> float:
-        queue = self._queues.get(tenant_id)
-        if not queue or not queue.tickets:
-            return 0.0
-        return max(0.0, self.clock() - queue.tickets[0].arrived)
-
-    def waiting(self) -> int:
-        return sum(len(q.tickets) for q in self._queues.values())
-
-    def tenants(self) -> list[str]:
-        return [t for t, q in self._queues.items() if q.tickets]
 
     def view(self) -> PoolView:
         """The pool as admission sees it now (cached until the stats or ledger move)."""
         assert self.policy is not None
-        stats = self.stats()
-        seen = self._seen
-        if seen is None or seen[0] is not stats or seen[1] is not self.policy:
-            self._seen = (stats, self.policy)
-            self._holders = engine_holders(self.policy, stats)
-            self._view = None
-        if self._view is None or self._view_version != self.ledger.version:
-            self._view = pool_view(self.policy, stats, self.ledger, self._holders)
-            self._view_version = self.ledger.version
-        return self._view
+        return self._views.view(self.policy)
+
+    @property
+    def stats(self) -> Callable[[], EngineStats | None]:  # the plugin's latest reading
+        return self._views.stats
 
     # -- internals ---------------------------------------------------------------------
 
-    def _lift(self, tenant_id: str, queue: _TenantQueue) -> None:
-        """VTC: a tenant joining the backlog starts level with the least served one of
-        its tier, so time spent idle is not credit."""
-        assert self.policy is not None
-        tier = self.policy.tenants[tenant_id].priority
-        counters = [
-            q.served for t, q in self._queues.items()
-            if q.tickets and t in self.policy.tenants and self.policy.tenants[t].priority == tier
-        ]
-        if counters:
-            queue.served = max(queue.served, min(counters))
-
-    def _order(self) -> list[tuple[str, _TenantQueue]]:
-        assert self.policy is not None
-        tenants = self.policy.tenants
-        backlog = [(t, q) for t, q in self._queues.items() if q.tickets and t in tenants]
-        backlog.sort(key=lambda item: (tenants[item[0]].priority, item[1].served))
-        return backlog
 
     def _capacity_wanted(self) -> bool:
         """Some queued request waits for capacity within its tenant's ceiling (the
@@ -279,22 +214,22 @@ class AdmissionQueue:
     def _note_idle_waits(self, now: float) -> None:
         """Charge the time since the last pump to the requests that waited on their
         tenant's maxBlocks while the blocks they asked for sat idle above the watermark
-        and nobody waited for capacity ("waited beside idle KV", `idle_waits`)."""
-        since, self._last_pump = self._last_pump, now
-        if since is None or now <= since or self.policy is None:
-            return
-        capped = [(tenant_id, ticket.verdict.new_blocks)
-                  for tenant_id, queue in self._queues.items() for ticket in queue.tickets
-                  if ticket.verdict is not None and ticket.waited_on is Decision.REJECTED_QUOTA]
-        if not capped or self._capacity_wanted():
-            return
+        and nobody waited for capacity ("waited beside idle KV", `idle_kv`)."""
+        capped = [] if self.policy is None else [
+            (tenant_id, ticket.verdict.new_blocks)
+            for tenant_id, queue in self._queues.items() for ticket in queue.tickets
+            if ticket.verdict is not None and ticket.waited_on is Decision.REJECTED_QUOTA]
+        if capped and self._capacity_wanted():
+            capped = []
+        self._idle_kv.note(now, capped, self._idle_blocks)
+
+    def _idle_blocks(self) -> int | None:
+        """Free blocks above the watermark (None: the engine's size is not known yet)."""
+        assert self.policy is not None
         view = self.view()
         if view.total_blocks is None:
-            return
-        idle = view.free_blocks - watermark_floor(self.policy.watermark, view.total_blocks)
-        for tenant_id, new_blocks in capped:
-            if new_blocks <= idle:
-                self.idle_waits[tenant_id] = self.idle_waits.get(tenant_id, 0.0) + now - since
+            return None
+        return view.free_blocks - watermark_floor(self.policy.watermark, view.total_blocks)
 
     def _admit_next(self, now: float, beyond_max: bool = False) -> Ticket | None:
         """Settle the first request in order that can settle now (admitted, or refused
@@ -316,7 +251,7 @@ class AdmissionQueue:
         return None
 
     def _try(
-        self, tenant_id: str, queue: _TenantQueue, ticket: Ticket, index: int, now: float,
+        self, tenant_id: str, queue: TenantQueue, ticket: Ticket, index: int, now: float,
         beyond_max: bool = False,
     ) -> bool:
         """Decide one queued ticket; settle it (True) unless it must keep waiting."""
@@ -377,15 +312,11 @@ class AdmissionQueue:
                 verdict = ticket.verdict = replace(verdict, decision=head.decision,
                                                    error=head.error)
         assert verdict.error is not None, "refusing a request that fits"
-        rate = queue.drain_rate(now) if queue else None
-        ahead = len(queue.tickets) + 1 if queue else 1
         tenant = self.policy.tenants.get(ticket.tenant_id) if self.policy else None
-        estimate = ahead / rate if rate else (tenant.max_queue_seconds if tenant else 1.0)
-        jittered = estimate * self.rng.uniform(1 - JITTER, 1 + JITTER)
-        retry_after = min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, math.ceil(jittered)))
         error = verdict.error
-        ticket.error = ApiError(error.status, error.code, error.message, param=error.param,
-                                retry_after=retry_after, headers=dict(error.headers))
+        ticket.error = ApiError(
+            error.status, error.code, error.message, param=error.param,
+            retry_after=_retry_after(queue, now, tenant, self.rng), headers=dict(error.headers))
         self._settle(ticket, now)
 
     def _decide_now(self, ticket: Ticket, beyond_max: bool = False) -> Verdict:
@@ -425,3 +356,15 @@ class AdmissionQueue:
         ticket.settled_at = now
         if ticket.on_settled is not None:
             ticket.on_settled(ticket)
+
+
+def _retry_after(queue: TenantQueue | None, now: float, tenant: TenantPolicy | None,
+                 rng: random.Random) -> int:
+    """Seconds until a refused request is likely to get through: those ahead of it over
+    its tenant's drain rate (else its maxQueueSeconds), jittered so refused clients do
+    not come back in lockstep."""
+    rate = queue.drain_rate(now) if queue else None
+    ahead = len(queue.tickets) + 1 if queue else 1
+    estimate = ahead / rate if rate else (tenant.max_queue_seconds if tenant else 1.0)
+    jittered = estimate * rng.uniform(1 - JITTER, 1 + JITTER)
+    return min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, math.ceil(jittered)))

@@ -148,16 +148,16 @@ async def _measure(args: argparse.Namespace, upstream: str, workdir: Path) -> No
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(45)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
         return
-    await asyncio.gather(*gateway.admitter.recounts)
+    await asyncio.gather(*gateway.admitter.ceiling.recounts)
     released.clear()
-    on_ceiling = gateway.admitter.ceiling_admissions
+    on_ceiling = gateway.admitter.ceiling.admissions
     # Back to back, as a busy sidecar decides: the counts taken after admission wait
-    # (`admitter.RECOUNT_AFTER_S`) and run after the last decision, measured apart.
+    # (`ceiling.RECOUNT_AFTER_S`) and run after the last decision, measured apart.
     total = [whole - release for whole, release in zip(await _cpu(decision, count),
                                                        released, strict=True)]
-    on_ceiling = gateway.admitter.ceiling_admissions - on_ceiling
+    on_ceiling = gateway.admitter.ceiling.admissions - on_ceiling
     start = time.thread_time()
-    await asyncio.gather(*gateway.admitter.recounts)
+    await asyncio.gather(*gateway.admitter.ceiling.recounts)
     off_path.append((time.thread_time() - start) / count)
     gateway.prompts.cache.clear()
 
