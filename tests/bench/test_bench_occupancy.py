@@ -1,5 +1,5 @@
 """How full the cache was and how long a tenant sat at its own ceiling: what the report
-shows for each policy, and how the suite judges it (issue #29)."""
+shows for each policy, and how the suite judges it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The twin learns answer lengths the way the sidecar does (#29): each finished turn's
+"""The twin learns answer lengths the way the sidecar does: each finished turn's
 output goes through the admission queue's `OutputEstimates`, so a twin run reserves
 what the product would."""
 

@@ -1,4 +1,4 @@
-"""Requests that outgrow their reserved estimate (#29), on vLLM's real Scheduler: the
+"""Requests that outgrow their reserved estimate, on vLLM's real Scheduler: the
 victim order treats them like any other work, and the plugin counts, per tenant, the
 victims that held more blocks than the sidecar reserved for them."""
 

@@ -1,4 +1,4 @@
-"""A deterministic corpus of chat and /v1/responses request shapes (issue #32).
+"""A deterministic corpus of chat and /v1/responses request shapes.
 
 Each body is one the sidecar admits and the tiny engine accepts, drawn from a seeded
 generator: `chat_corpus()` cycles through shape families (every role, string / empty /

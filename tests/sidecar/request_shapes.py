@@ -5,7 +5,7 @@ Each drawn body is one the sidecar admits and the tiny engine accepts (so a prop
 can hold for every example): chat messages of every role and message field, text,
 refusal and thinking parts, tools, template arguments, both generation-prompt modes;
 completion prompts as text, text lists and token ids. `ESCAPES` are the fields and
-parts that once let a request's cost escape the sidecar's count (#13).
+parts that once let a request's cost escape the sidecar's count.
 """
 
 from __future__ import annotations

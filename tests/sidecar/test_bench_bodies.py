@@ -1,4 +1,4 @@
-"""The latency bench sends every request with a prompt of its own (issue #18): a body
+"""The latency bench sends every request with a prompt of its own: a body
 seen twice would be counted from the sidecar's token cache, and the bench would report
 less CPU per request than unique traffic costs."""
 

@@ -1,4 +1,4 @@
-"""Chat prompts: the sidecar's count and its ceiling agree with the real engine (#32).
+"""Chat prompts: the sidecar's count and its ceiling agree with the real engine.
 
 The sidecar counts chat prompts with the engine's /tokenize (vLLM's own rendering) and
 bounds them, before they are counted, by the text its own renderer (`chat_render`)

@@ -1,4 +1,4 @@
-"""An engine that renders chat prompts differently is noticed: no ceiling under-counts (#32).
+"""An engine that renders chat prompts differently is noticed: no ceiling under-counts.
 
 The sidecar bounds chat prompts by its own rendering with the model's template, but
 cannot see an engine's `--chat-template` or `--default-chat-template-kwargs`. It renders

@@ -1,4 +1,4 @@
-"""The local renderer hands a template exactly what vLLM's renderer hands it (#32).
+"""The local renderer hands a template exactly what vLLM's renderer hands it.
 
 The engine conformance test (`test_chat_count_conformance`) runs the tiny model's
 template, which reads only roles and content. This one holds the rest to vLLM 0.32's

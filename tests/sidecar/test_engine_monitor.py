@@ -1,5 +1,5 @@
 """The engine is marked down when the engine fails, not when the sidecar runs out of
-file descriptors (issue #13: at a 160-fd limit the engine was wrongly marked down)."""
+file descriptors (at a 160-fd limit the engine was wrongly marked down)."""
 
 from __future__ import annotations
 

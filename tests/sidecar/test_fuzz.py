@@ -4,7 +4,7 @@ the sidecar answer 500, and none makes the engine process more than was reserved
 Against a cheap stub engine (200 examples) the first property covers the sidecar alone;
 a smaller run against the real engine also shows vLLM accepts whatever the sidecar
 forwards (or refuses it with a 4xx, never a 5xx that we would map to 502). The second
-runs against the real engine only: its usage is the measure (#13).
+runs against the real engine only: its usage is the measure.
 """
 
 from __future__ import annotations

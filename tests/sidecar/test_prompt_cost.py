@@ -1,4 +1,4 @@
-"""What a long prompt, or a retried one, costs the sidecar (#13, findings 2 and 6).
+"""What a long prompt, or a retried one, costs the sidecar.
 
 Against the recording stub engine, with the tiny model's real tokenizer: its calls are
 what `harness.counter.counts` records (chat prompts too: they go to /tokenize).
@@ -224,7 +224,7 @@ def test_a_refused_request_retried_is_not_tokenized_again(
 def test_the_worker_pool_counts_exactly_what_the_tokenizer_counts(
     tiny_tokenizer: Any, tokenizer_pool: Any, texts: list[str]
 ) -> None:
-    """The workers' ids (`encode_batch_fast`, no offsets tracked, issue #32) are the
+    """The workers' ids (`encode_batch_fast`, no offsets tracked) are the
     tokenizer's own `encode` ids, special tokens in the text and added or not: a count
     lower than the engine's would be a quota escape."""
     from engine_sidecar.gateway.counting.token_pool import encode

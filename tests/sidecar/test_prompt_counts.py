@@ -1,4 +1,4 @@
-"""The sidecar's prompt count is what the engine processes (#13, finding 1).
+"""The sidecar's prompt count is what the engine processes.
 
 Property, against the real engine: for every request shape the sidecar forwards (every
 message role and field, text, refusal and thinking parts, tools, template arguments,

@@ -1,4 +1,4 @@
-"""What reaches the engine: only vetted body fields, content parts and headers (#13).
+"""What reaches the engine: only vetted body fields, content parts and headers.
 
 Against the recording stub engine, through the official `openai` client. A refused
 request is a 400 naming the field, and the engine never sees it.

@@ -1,4 +1,4 @@
-"""Reservations that follow real use (#29): a request reserves its prompt plus the output
+"""Reservations that follow real use: a request reserves its prompt plus the output
 its tenant's requests usually produce, not max_tokens; `Full` keeps max_tokens; a
 tenant whose requests decoded past their estimates is charged what they hold."""
 

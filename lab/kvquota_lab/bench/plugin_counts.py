@@ -1,6 +1,6 @@
 """Counters the bench reads from the plugin's stats, in one place for both backends.
 
-Preemptions of requests that outgrew their reserved output estimate (issue #29): a
+Preemptions of requests that outgrew their reserved output estimate: a
 tier that reserves `Estimated` admits a request for its prompt plus a learned output
 estimate; one that decodes past it grows into its tenant's headroom, then free
 blocks, and when both are gone the plugin's victim order may preempt it. The plugin

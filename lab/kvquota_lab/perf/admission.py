@@ -1,6 +1,6 @@
 """CPU of one admission decision: `python -m kvquota_lab.perf.sidecar admission`.
 
-Issue #18: a request's admission decision (authentication, token count, queueing;
+A request's admission decision (authentication, token count, queueing;
 not the time spent waiting in the queue) should cost at most 200 us of sidecar CPU for
 a 2k-token chat. This runs the sidecar's own request path in this process (the
 `Gateway` of `app.py`, with the tiny model's tokenizer loaded as `--tokenizer` would),
@@ -44,7 +44,7 @@ from kvquota_lab.perf.stub import chat_body, render_chat
 
 
 def add_parser(sub: Any) -> None:
-    parser = sub.add_parser("admission", help="CPU of one admission decision (issue #18)",
+    parser = sub.add_parser("admission", help="CPU of one admission decision",
                             description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokenizer", required=True,

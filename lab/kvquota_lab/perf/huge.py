@@ -1,5 +1,5 @@
 """Huge prompts from one tenant, another tenant's TTFT: `python -m kvquota_lab.perf.sidecar
-huge-prompts` (issue #13, finding 2).
+huge-prompts`.
 
 A sidecar with the tiny model's tokenizer in front of the streaming stub (TTFT 20 ms).
 Tenant "victim" (premium) sends a short prompt at a steady rate (open loop, Poisson

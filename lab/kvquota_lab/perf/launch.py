@@ -102,7 +102,7 @@ def start_sidecar(setup: Setup, upstream: str, model: str, tokenizer: str | None
 
 def move_children(pid: int, cpu: str) -> None:
     """Put the sidecar's child processes (its tokenizer workers) on `cpu`: the event
-    loop keeps its core, the counting gets another (issue #32, more than one core)."""
+    loop keeps its core, the counting gets another (more than one core)."""
     for child in with_children(pid)[1:]:
         os.sched_setaffinity(child, {int(c) for c in cpu.split(",")})
 
