@@ -51,6 +51,7 @@ from engine_sidecar.gateway.counting.prompt_bounds import (
 from engine_sidecar.gateway.counting.token_pool import TokenizerPool, encode
 from engine_sidecar.gateway.errors import ApiError
 from engine_sidecar.gateway.intake.openai_request import Kind, ParsedRequest
+from engine_sidecar.gateway.relay.exchange import read_capped
 
 if TYPE_CHECKING:
     from engine_sidecar.gateway.counting.chat_render import LocalChatRenderer
@@ -282,18 +283,12 @@ class EngineTokenCounter:
             body = b"{" + self._model_field + body[1:]
         response = await self._upstream.open("POST", "/tokenize", TOKENIZE_HEADERS, body)
         try:
-            chunks, size = [], 0
-            async for chunk in response.aiter_raw():
-                size += len(chunk)
-                if size > MAX_TOKENIZE_ANSWER_BYTES:
-                    raise ApiError(502, errors.UPSTREAM_ERROR,
-                                   "the inference engine's /tokenize answer is too large")
-                chunks.append(chunk)
+            answer = await read_capped(response, MAX_TOKENIZE_ANSWER_BYTES, "/tokenize")
         except OSError as exc:
             raise self._upstream.failure(exc) from None
         finally:
             await response.aclose()
-        return response.status_code, b"".join(chunks)
+        return response.status_code, answer
 
     async def _tokenize(self, body: bytes, request: ParsedRequest) -> TokenIds:
         status, raw = await self._post(body)

@@ -206,6 +206,20 @@ class Upstream:
         return error
 
 
+async def read_capped(response: UpstreamResponse, limit: int, what: str) -> bytes:
+    """A control call's whole answer, refused (502) past `limit` bytes: the engine's
+    `what` must not make the sidecar buffer without bound."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.aiter_raw():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(502, errors.UPSTREAM_ERROR,
+                           f"the inference engine's {what} answer is too large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def send_error(send: Send, error: ApiError) -> None:
     body = error.body()
     headers = [*error.raw_headers(), (b"content-length", str(len(body)).encode())]

@@ -17,12 +17,12 @@ from collections.abc import Callable
 
 from starlette.types import Scope, Send
 
-from engine_sidecar.gateway import errors
 from engine_sidecar.gateway.errors import ApiError
 from engine_sidecar.gateway.relay.exchange import (
     RESPONSE_DROP,
     Upstream,
     filter_headers,
+    read_capped,
     request_headers,
     send_error,
 )
@@ -65,15 +65,8 @@ async def _engine_metrics(
     try:
         if response.status_code >= 500:
             raise upstream.failure_status(response.status_code)
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in response.aiter_raw():
-            size += len(chunk)
-            if size > MAX_ENGINE_METRICS_BYTES:
-                raise ApiError(502, errors.UPSTREAM_ERROR,
-                               "the inference engine's /metrics answer is too large")
-            chunks.append(chunk)
-        return response.status_code, response.raw_headers, b"".join(chunks)
+        body = await read_capped(response, MAX_ENGINE_METRICS_BYTES, "/metrics")
+        return response.status_code, response.raw_headers, body
     except OSError as exc:
         raise upstream.failure(exc) from None
     finally:
