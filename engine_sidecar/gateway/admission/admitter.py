@@ -1,21 +1,15 @@
 """Admission of an authenticated generation request: count, queue, decide, rewrite.
 
-The request's prompt tokens are counted (cheap checks first, then the cache, then the
-tokenizer, `prompt_count`), its shape goes to its tenant's queue (`admission_queue`),
-and it waits there until the queue admits it (a reservation in the ledger) or refuses
-it, or the client leaves. An admitted body is rewritten for the engine with what the
-decision granted. `pump` re-runs the queue as capacity frees.
+The request's prompt is counted (`counting.prompt_count`), its shape goes to its
+tenant's queue (`queue`), and it waits there until the queue admits it (a reservation
+in the ledger) or refuses it, or the client leaves. An admitted body is rewritten for
+the engine with what the decision granted; `pump` re-runs the queue as capacity frees.
 
-Counting only when it decides: where the tokenizer bounds a prompt's count by its size
-(`prompt_bounds.TokenCeiling`), a request whose tenant has nothing queued is first
-decided at that ceiling. Admitted there, it goes on at once, and its exact count, taken
-off its path (`ceiling`; a chat prompt's by the engine's /tokenize), shrinks its
-reservation to what the engine processes (the ceiling is never below the count, so a
-bound never puts a tenant over its maxBlocks; a count above its ceiling turns that kind
-of ceiling off, `HfTokenCounter.ceiling_missed`).
+Counting only when it decides: where the tokenizer bounds a prompt by its size, a
+request whose tenant has nothing queued is first decided at that ceiling and goes on at
+once (`ceiling`): its exact count, taken off its path, then shrinks its reservation.
 Otherwise (it would wait or be refused at the ceiling, or its default max_tokens would
-depend on the count) it is counted first and decided as before. Its prompt blocks are
-then all its own (no prefix shared with its tenant's other requests is credited).
+depend on the count) it is counted first and decided as before.
 """
 
 from __future__ import annotations

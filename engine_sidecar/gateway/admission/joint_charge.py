@@ -1,42 +1,15 @@
 """One charge per tenant for its requests together: what they take now plus a joint
 bound on how far they will still grow (README: reservations).
 
-Reserving each request's 90th-percentile output charges a tenant with n requests in
-flight n high quantiles, and counting every request's growth to its end (the sum of
-their remainders) still charges them as if none would ever finish: requests in flight
-are the long ones (a request is in flight in proportion to its length), so their
-summed remainders are about what they already hold, while the blocks they hold
-*together* hardly grow at all: as some grow, others finish and give theirs back.
-
-What must fit is the peak of their joint growth from now on. After each sequence
-decodes t more tokens, request i has grown by g_i(t) blocks if it is still decoding
-(chance s_i(t), from its tenant's learned lengths beyond what it has decoded) and has
-given back h_i, the blocks that are its own (its last prompt block and what it
-decoded; prompt blocks it may share are not counted as given back), if it finished:
-
-    G(t) = sum_i ( g_i(t) if alive else -h_i )
-    bound = min( sum(q_i),  max over t of min( sum g_i(t), E[G(t)] + Z * sd(t) ) )
-    sd(t)^2 = sum_i (g_i + h_i)^2 s_i (1 - s_i)  +  ( sum_i (g_i + h_i) se_i )^2
-
-- t runs over `HORIZON` (16 tokens to 32K, sqrt(2) apart): a handful of sums per
-  tenant, moved by each request's delta as it decodes, so admission reads the charge
-  in O(1) whatever the number of requests;
-- se_i = sqrt(s_i (1 - s_i) / samples): the window is a sample, read by every
-  request of the tenant, so its errors add up linearly;
-- Z = 2 (one-sided normal, ~97.7%); the sum of a few skewed terms has a heavier tail,
-  measured on lognormal answers in tests/sidecar/test_joint_charge.py;
-- q_i: request i's 90th-percentile remainder: with fewer than MIN_JOINT (4) requests
-  in flight their sum is the bound (the rule before this one: the normal margin over
-  one or two all-or-nothing finishes would hold only about 80% of the time), and it
-  caps the joint bound always;
-- a known remainder (`Full` tiers, or the tier default before enough answers
-  finished) counts in full, max_tokens less what it decoded, in whole blocks as
-  ceil((prompt + max_tokens) / blockSize) always did: Full means never outgrown.
-
-A tenant whose requests outgrow the bound is charged what they really hold
-(admission's `charged` takes the larger of the ledger's count and the plugin's), and
-their growth draws on its headroom, then on free blocks above the watermark, then the
-victim order.
+Requests in flight are the long ones, so charging each its 90th-percentile output, or
+its whole remainder, charges a tenant as if none would ever finish, while the blocks
+they hold together hardly grow: as some grow, others finish and give theirs back. The
+bound is the peak, over the tokens ahead (`HORIZON`), of their expected joint growth
+plus Z standard deviations, finishers giving their own blocks back; it is capped by the
+sum of their 90th-percentile remainders, which is the bound itself with fewer than
+MIN_JOINT in flight. A known remainder (`Full` tiers) counts in full. A handful of sums
+per tenant, moved by each request's delta, so admission reads the charge in O(1). The
+formula and why each term: docs/gateway.md (admission).
 """
 
 from __future__ import annotations
@@ -114,7 +87,7 @@ class Remainder:
 
     @property
     def bound(self) -> int:
-        """The joint bound in whole blocks (see the module docstring)."""
+        """The joint bound in whole blocks (the formula: docs/gateway.md, admission)."""
         if self.count < MIN_JOINT:
             return max(0, math.ceil(self.quantile - 1e-9))
         return max(0, math.ceil(min(self.quantile, self.known + self.peak) - 1e-9))

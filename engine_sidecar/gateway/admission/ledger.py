@@ -1,20 +1,16 @@
 """Outstanding KV-block reservations and in-flight requests, per tenant.
 
-A reservation holds the fingerprints of its prompt's full blocks (`prefix`), a number
-of further blocks it takes now (`extra`: the partial last block, the tokens decoded so
-far, further sequences) and what it may still grow (`remainder`, `joint_charge`). A
-tenant's committed blocks are its *distinct* prefix blocks plus its extras, the way
-vLLM's prefix cache holds them: two requests that share a system prompt reserve it
-once. Its reserved blocks are those plus one joint bound on how far its requests will
-still grow together (`Remainder.bound`), not a sum of per-request margins. As a request decodes
-(`Reservation.progress`), its extra grows and its remainder shrinks, moving its
-tenant's sums by the difference: O(1) per update, never a pass over the tenant.
+A reservation holds the fingerprints of its prompt's full blocks (`prefix`), the further
+blocks it takes now (`extra`: the partial last block, tokens decoded so far, further
+sequences) and what it may still grow (`remainder`). A tenant's committed blocks are its
+distinct prefix blocks plus its extras, as vLLM's prefix cache holds them; its reserved
+blocks add one joint bound on its requests' growth (`joint_charge`). A request that
+decodes moves its tenant's sums by the difference: O(1), never a pass over the tenant.
 
-Single event loop, no awaits inside: a check in `admission.decide` followed by
-`reserve()` is atomic. Each Reservation releases exactly once, whichever of
-completion, upstream error, timeout or client disconnect comes first, so the totals
-return to zero after any mix of outcomes. `version` changes with every reservation and
-release, so views derived from the ledger can be cached until it moves.
+Single event loop, no awaits inside: a check in `rules.decide` followed by `reserve()`
+is atomic. Each Reservation releases exactly once, whichever outcome comes first, so
+totals return to zero; `version` changes with every reservation and release, so views
+derived from the ledger can be cached until it moves.
 """
 
 from __future__ import annotations

@@ -1,41 +1,15 @@
 """What an admitted request will still decode: learned per tenant and route.
 
-`outlook(tenant, route, policy, decoded)` reads the window's lengths beyond what a
-request has decoded: its expected remainder, variance, 90th percentile and the chance
-it is still decoding at each point ahead (`HORIZON`), from which `joint_charge` bounds
-the growth of a tenant's requests together. What follows is the window and its 90th
-percentile, which a request alone (or one of fewer than four) is charged.
-
-Clients leave `max_tokens` generous (or unset, so the tier's default applies) while
-real answers are a few hundred tokens; reserving `max_tokens` held KV nobody used and
-queued premium behind its own idle reservations (issue #29). A tier whose
-`reservation` is `Estimated` reserves instead the output its tenant's requests on the
-same route usually produce, learned from the completions the sidecar relays
-(`observe`, fed by `output_meter` at the end of each response; the twin feeds its
-finished requests into the same call).
-
-The estimator: the 90th percentile (nearest rank) of the latest `WINDOW` output
-lengths of the tenant on that route, capped by the request's `max_tokens`.
-- A high quantile, not the mean: underestimating costs a request that outgrows its
-  reservation its headroom and, when memory is short, a preemption (recompute), while
-  overestimating costs only KV reserved for a while; at the 90th percentile about one
-  request in ten decodes past its estimate, and it is then charged the blocks it
-  really holds (admission's `charged`), so the accounting stays right either way.
-- Not the maximum: one long answer would pin every later request at `max_tokens`
-  again, which is the waste this replaces.
-- A window of the latest 64, not all history: it follows a tenant whose workload
-  changes (a new prompt template, another client) within a few dozen requests, and
-  64 samples make the 90th percentile an order statistic with six samples above it,
-  stable enough that one outlier moves it by one rank.
-- Per route (completions, chat, responses) when the route has `MIN_SAMPLES` of its
-  own, because one tenant's chat turns and batch completions differ by an order of
-  magnitude; else the tenant's samples over all routes; else the tier's default
-  (`defaultMaxTokens`, what the operator declared a normal answer to be) until
-  `MIN_SAMPLES` requests have finished.
-
-Output lengths are per sequence: a response with `n` choices counts its total over
-`n`. Memory is bounded: `WINDOW` integers per tenant and route, for the tenants the
-policy names (`retain`).
+Clients leave `max_tokens` generous or unset while real answers are a few hundred
+tokens, so a tier whose `reservation` is `Estimated` reserves the output its tenant's
+requests on the route usually produce, learned from the responses the sidecar relays
+(`observe`, fed by the relay's output meter; the twin feeds the same call). The
+estimate is the 90th percentile (nearest rank) of the latest `WINDOW` lengths, capped
+by `max_tokens`: per route once it has `MIN_SAMPLES`, else the tenant's over all
+routes, else the tier's `defaultMaxTokens`. `outlook` also gives the chance a request is
+still decoding at each point ahead (`HORIZON`), for `joint_charge`. Lengths are per
+sequence; memory is `WINDOW` integers per tenant and route the policy names. Why a
+high quantile, a window of 64 and per route: docs/gateway.md (admission).
 """
 
 from __future__ import annotations

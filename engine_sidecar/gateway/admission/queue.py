@@ -1,41 +1,15 @@
 """Bounded admission queues: a request that cannot be admitted now waits, it is not
 refused at once.
 
-One `AdmissionQueue` per sidecar (and per twin engine: the benchmark runs this very
-code on virtual time). Every request becomes a `Ticket`: `submit()` queues it behind
-its tenant's earlier requests and `pump()` admits, in order, whatever `admission.decide`
-lets in. Order:
-
-- tiers strictly by priority: premium heads are tried before standard, standard before
-  free;
-- within a tier, tenants share in proportion to their guarantees by virtual-token
-  counting (VTC, Sheng et al., OSDI 2024): each tenant's counter grows by the blocks it
-  is admitted divided by its weight (its guaranteed blocks, at least 1), the backlogged
-  tenant with the lowest counter goes first, and a tenant that becomes backlogged is
-  lifted to the lowest counter among those already waiting, so idleness banks no
-  credit. VTC rather than Kueue's fair sharing (dominant-resource share with
-  preemption inside a cohort) because here the one resource is KV blocks, admission
-  is per request in sub-millisecond decisions, and preemption is the plugin's job;
-- within a tenant, first come, first served, best effort (Kueue's BestEffortFIFO): a
-  request that waits for blocks (quota or capacity) lets the smaller ones behind it go
-  first if they fit (a request within the tenant's guarantee never waits behind one
-  that borrows); one that waits for a concurrency slot holds the line, as every request
-  behind it waits for the same slot;
-- work conserving: a head that does not fit (its tenant at its quota or concurrency
-  limit, or too large for the capacity its class may take) does not hold back the
-  others, and capacity a lower tier takes is capacity a higher tier can still reclaim
-  (admission counts lower classes' borrowing as available to it).
-
-A ticket leaves the queue when it is admitted (it holds a ledger reservation), when its
-client goes away (`cancel`, nothing held), or when it is refused: by `decide` for good
-(400), or with the error it has been waiting on (429 quota or concurrency, 503
-watermark) once its wait would pass its tier's `maxQueueSeconds` — at its deadline, or
-at once when its tenant's queue is full or when the queue's drain rate says it cannot
-get through in time. Retry-After comes from the drain rate too, jittered so refused
-clients do not come back in lockstep.
-
-Single event loop, no awaits: every method runs to completion, so a decision and its
-reservation are atomic. Time comes from `clock`; randomness (jitter) from `rng`.
+One `AdmissionQueue` per sidecar (and per twin engine: the benchmark runs this code on
+virtual time). `submit()` queues a `Ticket` behind its tenant's earlier requests and
+`pump()` admits whatever `rules.decide` lets in: tenants in `backlog`'s order (tiers by
+priority, VTC within a tier), each tenant's requests first come first served, best
+effort; a head that does not fit does not hold back the others. A ticket leaves when
+admitted (it holds a reservation), cancelled (nothing held), or refused: at once by
+`decide` (400), or with the error it waits on once its wait would pass its tier's
+`maxQueueSeconds`, Retry-After from the drain rate, jittered. Single event loop, no
+awaits: a decision and its reservation are atomic. The order and why: docs/gateway.md.
 """
 
 from __future__ import annotations

@@ -1,41 +1,16 @@
 """Admission decisions (DESIGN.md section 4), pure: no I/O, no clock, no globals.
 
-The rule agrees with preemption. A request may count as available the free blocks
+The rule agrees with preemption: a request may count as available the free blocks
 above the watermark plus every block the plugin's victim order would give back before
-the request's own class (`contract.reclaim.reclaimable_blocks`): unclassified traffic,
-borrowers of a lower tier, leases ranked above it, and its own tenant's idle leases.
-The watermark refuses only what would have to come from the request's own class or a
-higher one; a request that stays within its tenant's guarantee is never refused for it.
+its own class (`contract.reclaim.reclaimable_blocks`). A tenant is charged what its
+admitted requests take now plus one joint bound on their growth (`joint_charge`; `Full`
+tiers: max_tokens in full), or what its running requests hold in the engine when more.
+Blocks count once each, as vLLM holds them (shared prefixes, a session's leased blocks).
 
-What a request is charged (README: reservations): for a tier whose `reservation` is
-`Estimated`, its tenant is charged what its admitted requests take now (prompts and
-tokens decoded so far, `ledger`) plus ONE bound on how far that will still grow
-together (`joint_charge`: the peak over the tokens ahead of their expected joint
-growth, finishers giving their own blocks back, plus Z = 2 standard deviations; with
-fewer than 4 in flight, their own 90th percentiles); for `Full`, each request's
-remainder is max_tokens less what it decoded, in full. The tenant's charge
-(`_TenantView.charged`) is that, or the blocks its running requests hold in the
-engine when more (the plugin's stats, which also cover responses the sidecar cannot
-follow token by token). A request
-admitted grows the charge by its prompt's new blocks and what the bound grows by.
-When its requests outgrow the charge, their growth draws on its tenant's headroom up
-to maxBlocks (new requests of the tenant wait), then on free blocks above the
-watermark (the engine's free count shrinks, so borrowers wait); when both are gone the
-plugin's victim order decides, as for any shortage.
-
-Blocks are counted as vLLM holds them, once each: a prompt's full blocks that the
-tenant's in-flight requests already hold (a shared system prompt) add nothing to its
-usage (`ledger`, `prefix`), and the blocks its own session's lease pins are not
-allocated again (a follow-up turn does not pay twice for its own prefix).
-
-Order of checks, cheapest first and the most specific reason wins: prompt length (400)
--> request larger than the tenant's whole quota (400) -> concurrency (429) -> block
-quota (429) -> capacity for borrowers (503). 400s are final; the others say the
-request must wait (`Verdict.waits`): `admission_queue` queues it and refuses it with
-that error only when it has waited too long. A request over its tenant's maxBlocks
-passes the quota check only when the queue says nobody waits for capacity
-(`beyond_max`), its tenant's `aboveMax` is Reclaimable and it fits in the free blocks
-above the watermark: KV nobody else wants, which the victim order takes back first.
+Checks, cheapest first, the most specific reason winning: prompt length (400) -> larger
+than the tenant's whole quota (400) -> concurrency (429) -> block quota (429) ->
+capacity for borrowers (503). 400s are final; the others wait in the queue
+(`Verdict.waits`). Above maxBlocks only with `aboveMax: Reclaimable`: docs/gateway.md.
 """
 
 from __future__ import annotations

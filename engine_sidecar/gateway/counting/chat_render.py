@@ -1,37 +1,16 @@
 """Chat prompts rendered in the sidecar, as vLLM 0.32 renders them: a bound, no round trip.
 
-A chat prompt is counted by the engine's /tokenize (`tokens.py`), off the request's path
-when admission decides on the prompt's ceiling; the ceiling is taken of the text
-rendered here (`prompt_count.ceilings`), so the rendering must be vLLM's: this renders
-the prompt with the model's own tokenizer and chat template, following vLLM's path step by
-step (vllm/renderers/hf.py `safe_apply_chat_template`, chat_utils.py
-`parse_chat_messages`), without importing vLLM (the sidecar's image has none):
+A chat prompt's ceiling (`prompt_count.ceilings`) is taken of the text rendered here, so
+the rendering must be vLLM's: the model's own tokenizer and chat template, following
+vLLM's path step by step (`safe_apply_chat_template`, `parse_chat_messages`) without
+importing vLLM, which the sidecar's image does not have: the template and its content
+format, messages to text, tools, the template arguments it reads, and the request's
+`add_special_tokens`. Compiled templates and their analysis are cached per template.
 
-- the template: the tokenizer's (`get_chat_template(None, tools)`: a named
-  `tool_use` template when tools are sent); its content format detected from the
-  template's AST exactly as vLLM does ("openai": content stays a list of text parts,
-  else "string": the parts' texts joined with "\\n");
-- messages: content parts to text, Claude Code's billing header dropped from system
-  text, assistant tool calls (arguments parsed to an object, as vLLM does; an empty
-  list dropped) and reasoning, tool results' text parts joined, names; developer
-  messages become system messages (merged into one, first) when the template does not
-  name the developer role;
-- tools as vLLM's request model dumps them (name, description, parameters, strict);
-- template arguments merged as the chat request merges them (`chat_template_kwargs`,
-  generation prompt, continue-final-message, documents, reasoning effort) and filtered
-  to the ones the template or `apply_chat_template` reads;
-- the text tokenized with the request's `add_special_tokens` (chat default: false).
-
-Compiled templates and their analysis are cached per template text.
-
-What this does not cover, and returns None for (the prompt then has no ceiling and is
-counted before it is admitted): a tokenizer without a chat template of its own (vLLM would
-take a processor's template or a built-in fallback); a template that raises for the
-request (the engine's answer carries its message). What it cannot see, and the
-sidecar guards by comparing its first counts with the engine's (`tokens.py`): the
-engine's `--chat-template`, `--default-chat-template-kwargs`,
-`--chat-template-content-format`, `--exclude-tools-when-tool-choice-none`, a processor
-chat template (multimodal models), and Mistral or Harmony (gpt-oss) tokenizers.
+None (no ceiling: the prompt is counted before it is admitted) for a tokenizer without
+a chat template of its own, or a template that raises for the request. What it cannot
+see (engine flags, processor templates, Mistral, Harmony) the sidecar guards by
+comparing its first counts with the engine's (`tokens`); the steps: docs/gateway.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
-"""A prompt's token count bounded from below by its size, before anything is tokenized.
+"""A prompt's token count bounded by its size, before anything is tokenized.
 
-A token stands for at most `longest` bytes of text (the longest token of the vocabulary),
-so a prompt of B bytes has at least ceil(B / longest) tokens. When that floor is already
-over the tenant's `maxPromptTokens` or the model's context, the request is refused (400,
-PROMPT_TOO_LONG) at the cost of measuring string lengths: a 10 MB prompt is never
-tokenized (issue #13, finding 2).
-
-The floor holds when no token can cover more input bytes than its own spelling:
-- byte-level BPE (GPT-2 style) and SentencePiece-style pieces spell each byte with at
-  least one character, so a token's UTF-8 spelling is at least the bytes it covers;
-- a normalizer can shrink text before it is split (NFKC composes, lowercasing can
-  shorten): a tokenizer with one gets NORMALIZER_FACTOR times the margin;
-- an unknown-token id that swallows a run of characters (`fuse_unk`, Unigram without
-  byte fallback, WordPiece, WordLevel) has no bound: no floor is used for such a
-  tokenizer, and its prompts are only tokenized (off the event loop).
-
-Chat prompts: the floor counts the text of the messages' content, which every chat
-template renders; the template only adds to it.
+A token stands for at most `longest` bytes of text (the vocabulary's longest token), so
+a prompt of B bytes has at least ceil(B / longest) tokens: one whose floor is over the
+tenant's `maxPromptTokens` or the model's context is refused (400 PROMPT_TOO_LONG) at
+the cost of measuring string lengths, never tokenized. The floor holds when no token
+covers more input bytes than its own spelling (byte-level BPE, SentencePiece pieces; a
+normalizer widens the margin); an unknown token that swallows a run of characters
+(Unigram without byte fallback, WordPiece, WordLevel) has no bound, so such tokenizers
+get no floor. `TokenCeiling` is the other side: the most tokens a prompt can have.
+Chat prompts: the floor counts the messages' text, to which a template only adds.
 """
 
 from __future__ import annotations

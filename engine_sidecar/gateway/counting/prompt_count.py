@@ -1,21 +1,16 @@
 """From an authenticated request body to its prompts' token ids, cheapest work first.
 
-1. The body was read under the tenant's cap (`request_body`), after authentication.
-2. Parse and vet it (`openai_request.parse`; /v1/responses: `responses_request`, which
-   makes it the chat prompt vLLM renders from it); a body over SCREEN_BYTES is parsed in a
-   tokenizer worker process (json of 10 MB takes ~10 ms, all of it on the event loop
-   otherwise), which also applies step 3 there, so an oversized prompt costs the loop
-   one copy of its body into a pipe.
-3. Refuse a prompt whose size alone proves it longer than the tenant's
-   `maxPromptTokens` or the model's context (`prompt_bounds`): no tokenizing.
+1. The body was read under the tenant's cap (`intake.body`), after authentication.
+2. Parse and vet it (`intake.openai_request`; /v1/responses: `intake.responses_request`);
+   a body over SCREEN_BYTES is parsed in a tokenizer worker process, which applies
+   step 3 there too, so an oversized prompt costs the event loop one copy into a pipe.
+3. Refuse a prompt whose size alone proves it too long (`prompt_bounds`).
 4. Look the prompt up in the token cache (`token_cache`): a retry is not tokenized again.
 5. Tokenize: short prompts inline, long ones in the worker pool; chat prompts by the
-   engine's /tokenize (vLLM's own rendering; an HTTP call, off the loop; `tokens.py`).
-
-`ceilings` is the cheap alternative to steps 4 and 5: each prompt's most tokens, from
-its size (`prompt_bounds.TokenCeiling`; chat: the text rendered here, `chat_render`,
-checked against the engine's rendering), which admission
-decides on when that settles it, counting afterwards (`admitter`).
+   engine's /tokenize (`tokens`).
+`ceilings` is the cheap alternative to steps 4 and 5: each prompt's most tokens from its
+size (chat: the text rendered here, `chat_render`), which admission decides on when
+that settles it, counting afterwards (`admission.admitter`).
 """
 
 from __future__ import annotations

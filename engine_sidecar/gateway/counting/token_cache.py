@@ -1,5 +1,4 @@
-"""Token ids of recent prompts, so a retried request is not tokenized again (issue #13,
-finding 6).
+"""Token ids of recent prompts, so a retried request is not tokenized again.
 
 A client refused with 429/503, or one that queued and gave up, sends the same prompt
 again; so do clients that repeat a system prompt or a few-shot completion. The key is a

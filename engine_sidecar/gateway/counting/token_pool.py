@@ -1,21 +1,15 @@
 """Tokenizer worker processes: long prompts are encoded, and huge bodies parsed, off the
 event loop, in a bounded pool.
 
-Why processes: `Tokenizer.encode` holds the GIL for its whole run (measured with the
-tiny model's tokenizer: a 50 kB prompt took 52 ms and a thread beside it got the GIL
-back only after it finished; `encode_batch` releases it, but its Python side still
-took the GIL for up to 180 ms per 2 MB prompt, and each switch back costs the loop up to
-the 5 ms switch interval). A worker process has its own GIL: the event loop only
-copies the prompt into a pipe and the token ids (an `array('I')`, one memcpy) back.
+Processes, because `Tokenizer.encode` holds the GIL for its whole run, so a thread
+would stall the event loop for as long (docs/gateway.md has the figures). A worker has
+its own GIL: the loop only copies the prompt into a pipe and the token ids back.
 
 Bounded: at most `workers` jobs run and `2 x workers` are handed to the pool; up to
-`max_waiting` more requests wait (each holds its own body, already capped per tenant)
-for at most `wait_seconds`; beyond either a request is refused with 503
-TOKENIZER_BUSY and Retry-After, so a flood of long prompts costs a bounded amount of
-memory and never delays a short prompt, which is tokenized inline.
-
-Workers load the tokenizer from its JSON (the Rust tokenizer alone, no transformers)
-and import nothing else but the request parser.
+`max_waiting` more requests wait for at most `wait_seconds`; beyond either, 503
+TOKENIZER_BUSY with Retry-After, so a flood of long prompts costs bounded memory and
+never delays a short prompt, which is tokenized inline. Workers load the tokenizer from
+its JSON (the Rust tokenizer alone) and import nothing else but the request parser.
 """
 
 from __future__ import annotations
@@ -70,9 +64,8 @@ def encode(prompts: Sequence[str], add_special_tokens: bool) -> list[array[int]]
     """(In a worker.) Each prompt's token ids.
 
     `encode_batch_fast` gives `encode`'s ids without tracking each token's character
-    offsets, which nothing here reads: a 2.5k-token chat took 970 us of the worker's
-    CPU instead of 1,230-1,320 (issue #32). One prompt per call, so a request of many
-    prompts stays on the worker's one thread, as before."""
+    offsets, which nothing here reads, and costs the worker less CPU. One prompt per
+    call, so a request of many prompts stays on the worker's one thread."""
     fast = getattr(_worker_tokenizer, "encode_batch_fast", None)  # tokenizers >= 0.21
     if fast is None:
         return [array("I", _worker_tokenizer.encode(

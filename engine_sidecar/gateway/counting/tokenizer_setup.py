@@ -2,8 +2,7 @@
 
 The engine's /tokenize when asked for (`--engine-tokenizer`); else the tokenizer named
 (`--tokenizer`), or found: the engine's model, then the policy's. None loadable is an
-error the readiness shows, never a silent fall-back to a round trip per request
-(issue #18).
+error the readiness shows, never a silent fall-back to a round trip per request.
 """
 
 from __future__ import annotations

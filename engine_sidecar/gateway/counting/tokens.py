@@ -1,37 +1,16 @@
 """Prompt token counting: the tokens the engine will process, for every request forwarded.
 
-Completions: the model's own tokenizer (transformers, loaded once in the background) is
-the fast path, encoding each text prompt as vLLM does; token-id prompts count as sent.
-
-Chat (and the chat prompt of a /v1/responses request): counted by the engine's
-`POST /tokenize`, sent the request's messages and every field that changes the rendered
-prompt (`chat_tokenize_payload`): vLLM's own rendering, exact by construction, with
-nothing here to follow each release's template handling. The round trip (~440 us of the
-sidecar's CPU, issue #32) is off the request's path wherever admission decides on the
-prompt's ceiling (`prompt_bounds.TokenCeiling`, `admitter`): the count is taken after
-the request is forwarded. Only where the decision depends on the count (the ceiling does
-not fit, the tokenizer has no ceiling) does a chat request wait for it.
-
-The local renderer (`chat_render`) now only bounds a chat prompt: the ceiling is taken
-of its rendered text. It cannot see the engine's `--chat-template`,
-`--default-chat-template-kwargs`, `--chat-template-content-format`, a processor
-(multimodal) chat template, Mistral or Harmony (gpt-oss) tokenizers, so the first
-`VERIFY_CHATS` chat requests are also rendered and encoded here and compared with the
-engine's ids, and any engine count above a chat's ceiling later on (`ceiling_missed`)
-turns chat ceilings off for good, with an error in the log: every chat request is then
-counted before it is decided. Without a chat template of its own (vLLM would take a
-processor's template or a built-in fallback) or with `--engine-tokenizer` (model files
-only in the engine container), chat requests have no ceiling.
-
-Where /tokenize renders more than the chat request will, its count is an upper bound:
-tools sent with `tool_choice: "none"` to an engine started with
-`--exclude-tools-when-tool-choice-none`; tool-call ids that Mistral tokenizers truncate.
-Not covered by either (vLLM renders these chat requests differently from /tokenize and
-from the tokenizer's template): gpt-oss models (Harmony rendering) and Kimi K3's
-template arguments `tool_choice` and `response_format`.
-
-A local tokenizer that was asked for but cannot be loaded is an error, not a fall-back
-(`tokenizer_setup`).
+Completions: the model's own tokenizer, encoding each text prompt as vLLM does;
+token-id prompts count as sent. Chat (and the chat prompt of a /v1/responses request):
+the engine's `POST /tokenize`, sent every field that changes the rendered prompt
+(`chat_tokenize_payload`): vLLM's own rendering, exact by construction. That round trip
+is taken after the request is forwarded wherever admission decides on the prompt's
+ceiling (`prompt_bounds.TokenCeiling`); a chat request waits for it only where the
+decision depends on the count. The local renderer (`chat_render`) only bounds a chat
+prompt: the first `VERIFY_CHATS` chats are also rendered here and compared with the
+engine's ids, and a count above a chat's ceiling (`ceiling_missed`) turns chat ceilings
+off for good, logged as an error. Where a count is exact, a bound, or not covered:
+docs/gateway.md. A tokenizer asked for but not loadable is an error, not a fall-back.
 """
 
 from __future__ import annotations
@@ -59,8 +38,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Prompts longer than this are tokenized in the worker pool (about 1 ms of CPU inline
-# for the tiny model's tokenizer on unusual text, measured at 0.85-1 us per character).
+# Prompts longer than this are tokenized in the worker pool; a shorter one costs the
+# event loop about a millisecond at most.
 INLINE_CHARS = 2_000
 # Chat requests rendered and encoded here as well as counted by the engine's /tokenize
 # before a chat prompt's ceiling is taken of the local rendering (module docstring).

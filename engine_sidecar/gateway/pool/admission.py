@@ -1,17 +1,13 @@
-"""Pool-wide admission on the shared ledger (`pool_store`), for what routing cannot see.
+"""Pool-wide admission on the shared ledger (`store`), for what routing cannot see.
 
-Admission on one engine holds a tenant to its per-engine split of the pool-wide quota.
 When routing concentrates a tenant on a few engines, its guarantee idles on the others
-while it is refused here. With a store, a request that the split would refuse (blocks
-or concurrency) is decided again against the tenant's pool-wide maxBlocks and
-maxConcurrentRequests (so the engine's capacity checks still apply), and admitted if
-one check-and-charge on the store says the pool-wide total allows it.
-
-The request path stays cheap: within what this sidecar has claimed of the tenant's
-share (its allowance) nothing goes to the store. A store that is down or slow leaves
-the sidecar to what it had claimed, at most its per-engine ceiling: never above the
-pool-wide maxBlocks. A sidecar that never reached its store keeps the split, as
-without one.
+while the per-engine split refuses it here. With a store, a request the split would
+refuse (blocks or concurrency) is decided again against the tenant's pool-wide
+maxBlocks and maxConcurrentRequests (the engine's capacity checks still apply), and
+admitted if one check-and-charge on the store allows it. Within what this sidecar has
+claimed (its allowance) nothing goes to the store; a store down or slow leaves it to
+what it had claimed, never above the pool-wide maxBlocks; a sidecar that never reached
+its store keeps the split.
 """
 
 from __future__ import annotations
@@ -27,7 +23,7 @@ from engine_sidecar.gateway.pool.store import Limits, Outcome
 
 
 class ClaimStore(Protocol):
-    """What admission needs of the ledger (`pool_store.PoolStore`; the twin's model)."""
+    """What admission needs of the ledger (`store.PoolStore`; the twin's model)."""
 
     @property
     def ttl_s(self) -> float: ...
@@ -77,7 +73,7 @@ class PoolAdmission:
 
     def decide(self, tenant: TenantPolicy, view: PoolView,
                run: Callable[[TenantPolicy], Verdict]) -> Verdict:
-        """`run(tenant)`: `admission.decide` for this request with that tenant policy."""
+        """`run(tenant)`: `rules.decide` for this request with that tenant policy."""
         verdict = run(tenant)
         limits = limits_of(tenant)
         if limits is None or not (verdict.admitted or verdict.decision in _SPLIT_REFUSALS):

@@ -1,34 +1,15 @@
 """The pool-wide ledger on a shared store (Redis or Valkey): what every engine's sidecar
 has claimed of each tenant's pool-wide maxBlocks and maxConcurrentRequests.
 
-Each sidecar writes only its own hash, with a TTL it refreshes, so a sidecar that dies
-frees its charges when the key expires; the pool total is the sum over live sidecars.
-A sidecar's claim on a tenant is the more of what its requests hold (`b`, `r`) and its
-allowance (`ab`, `ar`): what it may still admit locally, with no round trip. The
-allowance is its per-engine ceiling, and only a checked script grows it, so local
-admissions never take what another sidecar was granted. When a sidecar is refused for a
-tenant, the store marks the tenant for one TTL; meanwhile every sidecar's refresh lowers
-its allowance to what it holds plus a margin, which frees the rest of its share for
-the engines that routing concentrates the tenant on. Without such a refusal the store
-sees no round trip below the ceilings.
-
-Every change that raises a claim is one Lua script (EVALSHA): it sums the other live
-sidecars' claims and writes the new value only if the pool-wide limit allows, so two
-sidecars can never both take the last blocks. Releases write the lower value.
-
-A tenant within its pool-wide guarantee is checked against what it holds instead: the
-others' allowances are room they might use, not blocks the tenant has, and counting
-them refused guaranteed work while maxBlocks was all allowances. Such a grant marks the
-tenant as a refusal does, so the others' next refresh (within a third of the TTL)
-lowers their allowances below maxBlocks again; until then the tenant could pass
-maxBlocks only if those engines filled their unused allowances meanwhile.
-
-A store that restarts comes back empty. Its first script writes an epoch; for one TTL
-after it (a grace every live sidecar's refresh falls in) nothing grows: each sidecar
-republishes what it holds from its own mirror, so no charge is lost and nothing is
-granted against a total not yet rebuilt. A store that does not answer within
-`timeout_s` (a few ms) is treated as down: the caller keeps to what it had claimed.
-Keys share one hash tag (`{pool}`), so a cluster keeps them on one slot.
+Each sidecar writes only its own hash, under a TTL it refreshes, so a dead sidecar's
+charges expire; the pool total is the sum over live sidecars. A claim is the more of
+what a sidecar's requests hold (`b`, `r`) and its allowance (`ab`, `ar`): what it may
+admit with no round trip. Every change that raises a claim is one Lua script (EVALSHA)
+that writes only if the pool-wide limit allows, so two sidecars never both take the
+last blocks. A refusal marks the tenant for one TTL, and every sidecar's refresh then
+lowers its allowance to what it holds plus a margin. After a store restart (a new epoch)
+nothing grows for one TTL while sidecars republish. Keys share one hash tag (`{pool}`),
+so a cluster keeps them on one slot. The protocol in full: docs/gateway.md (pool).
 """
 
 from __future__ import annotations
