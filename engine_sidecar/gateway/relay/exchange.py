@@ -30,7 +30,7 @@ from starlette.types import Receive, Send
 from engine_sidecar.gateway import errors
 from engine_sidecar.gateway.auth.engine_key import EngineKey, KeyedPlane
 from engine_sidecar.gateway.errors import ApiError, sse_error_event
-from engine_sidecar.gateway.upstream import lean_http as upstream_http
+from engine_sidecar.gateway.upstream import lean_http
 from engine_sidecar.gateway.upstream.httpx_pool import HttpxPool
 from engine_sidecar.gateway.upstream.lean_http import (
     UpstreamConnectError,
@@ -160,7 +160,7 @@ class Upstream:
                 "authorization": engine_key.header.decode("latin-1")},
         )
         plane: DataPlane
-        if data_plane == "httpx" or (data_plane == "auto" and not upstream_http.AVAILABLE):
+        if data_plane == "httpx" or (data_plane == "auto" and not lean_http.AVAILABLE):
             if data_plane == "auto":
                 logger.warning("httptools is not installed: streaming through httpx, which "
                                "costs several times more CPU per token chunk; install "
