@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from kvquota_lab.perf.load import UNIQUE, Target, run_load
-from kvquota_lab.perf.sidecar import Row
+from kvquota_lab.perf.sidecar import Row, main
 
 
 async def _recording_server(bodies: list[bytes]) -> tuple[asyncio.Server, str]:
@@ -79,3 +81,13 @@ def test_a_refused_request_is_counted_not_timed_and_the_run_goes_on() -> None:
     stats = row.stats()
     assert stats["direct_refused"] + stats["sidecar_refused"] == 10
     assert stats["sidecar_ttft_p50"] > 0
+
+
+def test_a_chat_bench_without_a_tokenizer_is_refused_before_it_starts(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # It once started the stub and the sidecar, then failed looking for a model named
+    # "None" online: the chat prompts are built with the tokenizer's chat template.
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--pace", "engine", "--chat-tokens", "2500"])
+    assert exit_info.value.code == 2
+    assert "--chat-tokens needs --tokenizer" in capsys.readouterr().err

@@ -317,7 +317,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "chat_tokens", None) and not getattr(args, "tokenizer", None):
+        parser.error("--chat-tokens needs --tokenizer: a local tokenizer directory (the tiny "
+                     "model's, say) whose chat template builds the prompts")
     return int(args.func(args) or 0)
 
 
