@@ -207,7 +207,6 @@ class Admitter:
             raise self.intake.reject(ApiError(
                 403, errors.UNKNOWN_TENANT,
                 f"tenant {tenant_id!r} is no longer in the pool's policy"), "unknown_tenant")
-        self.sync_policy(active)
         return active
 
     def _admit_at_ceiling(self, counter: TokenCounter, request: ParsedRequest,
@@ -216,7 +215,6 @@ class Admitter:
         active = self.holder.active
         if active is None or tenant_id not in active.policy.tenants:
             return None
-        self.sync_policy(active)
         return self.ceiling.admit(active, counter, request, tenant_id, session, kind)
 
     def count_decision(self, tenant_id: str, tier: str, decision: Decision) -> None:
@@ -262,15 +260,15 @@ class Admitter:
         return None if self.queue.policy is None else self.queue.view()
 
     def sync_policy(self, active: ActivePolicy) -> None:
-        if self.queue.policy is not active.policy:
-            self.queue.set_policy(active.policy)
-            if self.pool_link is not None:
-                self.queue.pool = self.pool_link.for_policy(active.policy)
-                if self.queue.pool is not None:
-                    # A new split: give back a share that fell, claim one that rose.
-                    self.queue.pool.refresh(active.policy, self.queue.view())
-        elif self.pool_link is not None:
+        """Follow the policy the holder just made active (its listener)."""
+        if self.queue.policy is active.policy:
+            return
+        self.queue.set_policy(active.policy)
+        if self.pool_link is not None:
             self.queue.pool = self.pool_link.for_policy(active.policy)
+            if self.queue.pool is not None:
+                # A new split: give back a share that fell, claim one that rose.
+                self.queue.pool.refresh(active.policy, self.queue.view())
 
     async def pump(self) -> None:
         """Admit queued requests as capacity frees: at once on every release, and every
@@ -282,7 +280,5 @@ class Admitter:
             else:
                 await self._changed.wait()
             self._changed.clear()
-            active = self.holder.active
-            if active is not None:
-                self.sync_policy(active)
+            if self.queue.policy is not None:
                 self.queue.pump()

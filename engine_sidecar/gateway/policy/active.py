@@ -113,7 +113,7 @@ class PolicyHolder:
         self.active: ActivePolicy | None = None
         self.error: str | None = None
         self._on_error = on_error
-        # Called after a new policy version became active.
+        # Called whenever a policy became active (a new version, or rebuilt for secrets).
         self._listeners = [on_change] if on_change is not None else []
         self._last_raw: bytes | None = None
         self._latest: EnginePolicy | None = None  # last well-formed policy offered
@@ -121,7 +121,7 @@ class PolicyHolder:
         self._secret_prints: dict[Path, files.Signature | None] = {}
 
     def subscribe(self, listener: Callable[[ActivePolicy], None]) -> None:
-        """Call `listener` with each new policy version once it is active."""
+        """Call `listener` with each policy once it is active."""
         self._listeners.append(listener)
 
     def offer(self, raw: str | bytes, origin: str) -> bool:
@@ -183,8 +183,8 @@ class PolicyHolder:
         if previous is None or previous.version != active.version:
             logger.info("policy %s active (%d tenants, from %s)",
                         active.version, len(policy.tenants), origin)
-            for listener in self._listeners:
-                listener(active)
+        for listener in self._listeners:  # also a rebuild for new secrets: a new object
+            listener(active)
         self._write_for_plugin(policy)
         return True
 
