@@ -46,8 +46,12 @@ def test_the_twin_ledger_matches_the_store(tmp_path: Path, limits: Limits) -> No
                 twin[i].refresh()
             elif held[i] and rng.random() < 0.35:
                 held[i] -= 1
-                real[i].sync("acme", held[i] * 6, held[i])
-                twin[i].sync("acme", held[i] * 6, held[i])
+                if rng.random() < 0.5:  # a request ended: written through when it matters
+                    assert real[i].released("acme", held[i] * 6, held[i]) is twin[i].released(
+                        "acme", held[i] * 6, held[i]), f"step {step}"
+                else:
+                    real[i].sync("acme", held[i] * 6, held[i])
+                    twin[i].sync("acme", held[i] * 6, held[i])
             else:
                 a = real[i].charge("acme", 6, limits)
                 b = twin[i].charge("acme", 6, limits)
@@ -86,3 +90,23 @@ def test_the_twin_grants_within_the_pool_wide_guarantee_on_what_is_held() -> Non
     assert c.charge("acme", 10, GUARANTEED) is Outcome.LOCAL
     assert c.charge("acme", 10, GUARANTEED) is Outcome.REFUSED  # 80 + 30 + 20 > 120
     assert sum(s.claims["acme"].blocks for s in twin) == 110
+
+
+def test_the_twin_writes_a_release_through_while_its_tenant_is_marked() -> None:
+    # As on the store: b's requests end after a was refused for the tenant; once b has
+    # heard of the mark its release is written at once, and a's next charge within the
+    # guarantee is granted on what b holds now, not on what it last published.
+    ledger = TwinLedger()
+    a, b = TwinPoolStore(ledger, "a", margin_blocks=8), TwinPoolStore(ledger, "b", margin_blocks=8)
+    limits = Limits(max_blocks=80, ceiling_blocks=40, guaranteed_blocks=60)
+    for tstore in (a, b):
+        tstore.refresh({"acme": limits})
+    assert [b.charge("acme", 10, limits) for _ in range(4)] == [Outcome.LOCAL] * 4
+    b.refresh()  # published: b holds 40
+    assert [a.charge("acme", 10, limits) for _ in range(4)] == [Outcome.LOCAL] * 4
+    assert a.charge("acme", 10, limits) is Outcome.REFUSED  # 40 + 50 > 60
+    assert not b.released("acme", 30, 3)  # b has not heard of the mark: kept
+    b.refresh()  # publishes 30, hears of the mark
+    assert a.charge("acme", 10, limits) is Outcome.REFUSED  # 30 + 50 > 60
+    assert b.released("acme", 0, 0)
+    assert a.charge("acme", 10, limits) is Outcome.POOL  # 0 + 50 <= 60

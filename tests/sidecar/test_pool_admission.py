@@ -31,8 +31,11 @@ POLICY = make_policy(tenant(
 
 
 def _engine(server: RedisServer | None, name: str) -> AdmissionQueue:
-    queue = AdmissionQueue(Ledger(), clock=lambda: 0.0, rng=random.Random(1),
+    ledger = Ledger()
+    queue = AdmissionQueue(ledger, clock=lambda: 0.0, rng=random.Random(1),
                            max_model_len=lambda: None)
+    # As the sidecar wires it: a released reservation reaches the pool-wide ledger.
+    ledger.on_release = lambda reservation: queue.released(reservation.tenant_id)
     queue.set_policy(POLICY)
     if server is not None:
         store = PoolStore(connect(server.address, None, timeout_s=0.05), "ns/pool", name,
@@ -82,7 +85,8 @@ def test_a_tenant_routed_to_one_engine_gets_the_other_engines_idle_share(
     for ticket in on_a[:5]:
         assert ticket.reservation is not None
         ticket.reservation.release()
-    _refresh(a)  # a's releases reach the store
+    # a's claim was above its allowance (b waits on it): its releases reach the store
+    # at once, not at a's next refresh.
     b.pump()
     assert on_b[2].admitted
 

@@ -206,6 +206,41 @@ def test_within_its_pool_wide_guarantee_a_tenant_is_checked_against_what_it_hold
     assert a.held("acme")[0] + b.held("acme")[0] == limits.max_blocks
 
 
+def test_a_release_under_pressure_reaches_the_others_next_charge_at_once(
+    server: RedisServer,
+) -> None:
+    # b holds 50 and published it; a is refused beyond the guarantee (50 + 60 > 80),
+    # which marks the tenant. Once b's refresh hears of it, b writes its releases
+    # through: a's next charge, within the guarantee on what is held now (10 + 60), is
+    # granted, where the holdings b last published (40) refused it.
+    limits = Limits(max_blocks=100, ceiling_blocks=50, guaranteed_blocks=80)
+    a, b = _sidecar(server, "engine-a"), _sidecar(server, "engine-b")
+    for s in (a, b):
+        assert s.refresh({"acme": limits})
+    time.sleep(TTL_S)  # the new store's grace
+    for s in (a, b):
+        assert s.refresh()
+    assert [b.charge("acme", 10, limits) for _ in range(5)] == [Outcome.LOCAL] * 5
+    assert b.refresh()  # the store sees b hold 50
+    assert [a.charge("acme", 10, limits) for _ in range(5)] == [Outcome.LOCAL] * 5
+    assert a.charge("acme", 10, limits) is Outcome.REFUSED  # 50 + 60 > 80
+    assert not b.released("acme", 40, 4)  # not under pressure as b last heard: kept
+    assert b.refresh()  # publishes 40, and b hears of the pressure
+    assert a.charge("acme", 10, limits) is Outcome.REFUSED  # 40 + 60 > 80
+    assert b.released("acme", 10, 1)  # written through
+    assert a.charge("acme", 10, limits) is Outcome.POOL  # 10 + 60 <= 80
+
+
+def test_a_release_above_the_allowance_is_written_through_at_once(server: RedisServer) -> None:
+    # a borrowed beyond its split through the store: b waits on a's claim, so a's
+    # release reaches the store at once, not at a's next refresh.
+    a, b = _started(server)
+    _borrow(a, b, 80)
+    assert b.charge("acme", 25, LIMITS) is Outcome.REFUSED
+    assert a.released("acme", 60, 6)
+    assert b.charge("acme", 25, LIMITS) is Outcome.POOL
+
+
 def test_every_key_of_a_pool_lives_in_one_cluster_slot(tmp_path: Path) -> None:
     # On a Redis Cluster a script may only touch keys of one slot, on the node that owns
     # it. Every key the ledger writes (each sidecar's claims, the live set, the epoch,

@@ -85,8 +85,9 @@ class Admitter:
         self.counters = DecisionCounters()
         self.prompts = PromptCounting()  # size floor, worker pool, token cache
         self._changed = asyncio.Event()
-        # A released reservation may admit a queued request: it wakes the pump.
-        self.ledger = Ledger(on_release=lambda _reservation: self.wake())
+        # A released reservation may admit a queued request: it wakes the pump (and
+        # tells the pool-wide ledger, when the pool has one).
+        self.ledger = Ledger(on_release=self._released)
         self.queue = AdmissionQueue(
             self.ledger, clock=time.monotonic, stats=stats,
             max_model_len=lambda: monitor.max_model_len, estimates=estimates,
@@ -94,6 +95,10 @@ class Admitter:
         self.pool_link = pool_link  # the pool-wide ledger, when the policy names a store
         holder.subscribe(self.sync_policy)  # reads (`capacity`) see the policy in force
         self.ceiling = CeilingAdmission(self.queue, self.prompts, monitor, self.wake)
+
+    def _released(self, reservation: Reservation) -> None:
+        self.queue.released(reservation.tenant_id)
+        self.wake()
 
     def wake(self) -> None:
         """Capacity may have freed (a reservation was released): re-run the queue."""

@@ -167,6 +167,12 @@ class AdmissionQueue(Backlog):
         return settled
 
 
+    def released(self, tenant_id: str) -> None:
+        """A reservation of `tenant_id` was released (the ledger's `on_release`): the
+        pool-wide ledger, when the pool has one, hears what the tenant holds now."""
+        if self.pool is not None and self.policy is not None:
+            self.pool.released(tenant_id, self.view())
+
     def view(self) -> PoolView:
         """The pool as admission sees it now (cached until the stats or ledger move)."""
         assert self.policy is not None

@@ -34,6 +34,7 @@ class ClaimStore(Protocol):
     def sync(self, tenant: str, blocks: int, requests: int) -> None: ...
     def charge(self, tenant: str, blocks: int, limits: Limits,
                requests: int = 1) -> Outcome: ...
+    def released(self, tenant: str, blocks: int, requests: int) -> bool: ...
     def refresh(self, limits: Mapping[str, Limits] | None = None) -> bool: ...
 
 
@@ -105,6 +106,13 @@ class PoolAdmission:
             return verdict if charged + verdict.blocks <= tenant.max_blocks_per_engine else _full(
                 tenant, charged, verdict)
         return _full(tenant, charged, verdict)
+
+    def released(self, tenant_id: str, view: PoolView) -> None:
+        """A request of `tenant_id` ended: the store hears what its requests hold now
+        when others may be waiting on it (`PoolStore.released`)."""
+        load = view.tenant(tenant_id)
+        if self.store.released(tenant_id, load.charged, load.inflight):
+            self._refused.discard(tenant_id)
 
     def refresh(self, policy: EnginePolicy, view: PoolView) -> bool:
         """Republish what this sidecar's requests hold (call 3x per TTL)."""

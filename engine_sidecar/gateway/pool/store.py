@@ -25,8 +25,9 @@ if TYPE_CHECKING:
 
 # KEYS: live zset, my hash, epoch. ARGV: me, key prefix, ttl ms, grace ms, tenant,
 # new b, new r, max b (-1: none), max r (-1: none), guaranteed b (-1: none).
-# Returns {status, others' b claims, others' r claims}: 1 granted, 0 refused,
-# -1 warming (grace after an empty store), -2 my hash is gone (republish first).
+# Returns {status, others' b claims, others' r claims, pressured}: 1 granted, 0 refused,
+# -1 warming (grace after an empty store), -2 my hash is gone (republish first);
+# pressured: 1 while a sidecar of the pool was refused for the tenant within one TTL.
 _PRELUDE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -59,10 +60,10 @@ end
 """
 
 _CHARGE = _PRELUDE + """
-if redis.call('EXISTS', KEYS[2]) == 0 then return {-2, 0, 0} end
+if redis.call('EXISTS', KEYS[2]) == 0 then return {-2, 0, 0, 0} end
 local tenant = ARGV[5]
 local b, r, held = others(tenant)
-if warming then return {-1, b, r} end
+if warming then return {-1, b, r, redis.call('EXISTS', pressure .. tenant)} end
 local nb, nr = tonumber(ARGV[6]), tonumber(ARGV[7])
 local mb, mr, gb = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
 local fits = mb < 0 or b + nb <= mb
@@ -71,14 +72,14 @@ local fits = mb < 0 or b + nb <= mb
 local guaranteed = gb >= 0 and held + nb <= gb and (mb < 0 or held + nb <= mb)
 if (not fits and not guaranteed) or (mr >= 0 and r + nr > mr) then
   redis.call('SET', pressure .. tenant, 1, 'PX', tonumber(ARGV[3]))
-  return {0, b, r}
+  return {0, b, r, 1}
 end
 if not fits then  -- granted on the guarantee: the others' allowances lean at refresh
   redis.call('SET', pressure .. tenant, 1, 'PX', tonumber(ARGV[3]))
 end
 redis.call('HSET', KEYS[2], 'b:' .. tenant, nb, 'r:' .. tenant, nr)
 keep_alive()
-return {1, b, r}
+return {1, b, r, redis.call('EXISTS', pressure .. tenant)}
 """
 
 # ARGV from 5 on, per tenant (11 each): tenant, b, r, held ab, held ar, wanted ab,
@@ -87,7 +88,8 @@ return {1, b, r}
 # holds plus a margin): an allowance shrinks only when another engine needs the room.
 # An allowance that grows is granted only outside the grace and within what the others
 # leave.
-# Returns the granted allowances, ab then ar, per tenant in order; then the warming flag.
+# Returns per tenant in order the granted allowances, ab then ar, and whether the tenant
+# is under pressure (1: marked); then the warming flag.
 _PUBLISH = _PRELUDE + """
 local fields = {'_', 1}
 local granted = {}
@@ -98,7 +100,8 @@ while i + 10 <= #ARGV do
   local hab, har = tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4])
   local wab, war = tonumber(ARGV[i + 5]), tonumber(ARGV[i + 6])
   local mb, mr = tonumber(ARGV[i + 7]), tonumber(ARGV[i + 8])
-  if redis.call('EXISTS', pressure .. tenant) == 1 then
+  local pressured = redis.call('EXISTS', pressure .. tenant)
+  if pressured == 1 then
     wab, war = tonumber(ARGV[i + 9]), tonumber(ARGV[i + 10])
   end
   local ob, orq = others(tenant)
@@ -119,7 +122,7 @@ while i + 10 <= #ARGV do
   table.insert(fields, 'r:' .. tenant); table.insert(fields, r)
   table.insert(fields, 'ab:' .. tenant); table.insert(fields, ab)
   table.insert(fields, 'ar:' .. tenant); table.insert(fields, ar)
-  table.insert(granted, ab); table.insert(granted, ar)
+  table.insert(granted, ab); table.insert(granted, ar); table.insert(granted, pressured)
   i = i + 11
 end
 redis.call('DEL', KEYS[2])
@@ -130,12 +133,14 @@ return granted
 """
 
 # ARGV: me, prefix, ttl ms, grace ms, tenant, b, r. A release: never checked.
+# Returns whether the tenant is under pressure (-2: my hash is gone, the refresh
+# republishes it).
 _RELEASE = _PRELUDE + """
 if redis.call('EXISTS', KEYS[2]) == 0 then return -2 end
 redis.call('HSET', KEYS[2], 'b:' .. ARGV[5], tonumber(ARGV[6]), 'r:' .. ARGV[5],
            tonumber(ARGV[7]))
 keep_alive()
-return 1
+return redis.call('EXISTS', pressure .. ARGV[5])
 """
 
 NO_LIMIT = -1
@@ -198,6 +203,9 @@ class PoolStore:
         self._charge = client.register_script(_CHARGE)
         self._publish = client.register_script(_PUBLISH)
         self._release = client.register_script(_RELEASE)
+        # Tenants the store's last answer said are under pressure (a sidecar was refused
+        # for them within one TTL): their releases are written through.
+        self._pressured: set[str] = set()
         self.reachable = False  # the last round trip succeeded (the sidecar's status)
         self.warming = False
         self.round_trips = 0
@@ -249,22 +257,47 @@ class PoolStore:
                 return Outcome.REFUSED
             return Outcome.FALLBACK
 
-    def release(self, tenant: str, blocks: int, requests: int = 1) -> None:
-        """The request ended. Written through only when the claim was above the
-        allowance (a store-granted charge others wait on); else at the next refresh."""
+    def release(self, tenant: str, blocks: int, requests: int = 1) -> bool:
+        """`blocks` and `requests` of `tenant` ended (`released`, by difference)."""
         with self._lock:
             claim = self._claims.setdefault(tenant, _Claim())
-            above = claim.blocks > claim.allow_blocks or claim.requests > claim.allow_requests
-            claim.blocks = max(0, claim.blocks - blocks)
-            claim.requests = max(0, claim.requests - requests)
-            if above:
-                try:
-                    self._release(keys=self._keys, args=[
-                        *self._argv(), tenant, claim.blocks, claim.requests])
-                    self.round_trips += 1
-                    self.reachable = True
-                except Exception:  # the next refresh writes it
-                    self.reachable = False
+            return self._released_locked(tenant, claim.blocks - blocks,
+                                         claim.requests - requests)
+
+    def released(self, tenant: str, blocks: int, requests: int) -> bool:
+        """A request of `tenant` ended: its requests hold `blocks` and `requests` now.
+        Written through (one round trip) when the claim was above the allowance (a
+        store-granted charge the others' claims wait on) or the store last said the
+        tenant is under pressure (a charge within its guarantee elsewhere is checked
+        against what it holds); else the next refresh writes it. True: written."""
+        with self._lock:
+            return self._released_locked(tenant, blocks, requests)
+
+    def _released_locked(self, tenant: str, blocks: int, requests: int) -> bool:
+        claim, limits = self._claims.get(tenant), self._limits.get(tenant)
+        if claim is None or limits is None:
+            return False
+        above = claim.blocks > claim.allow_blocks or (
+            limits.max_requests is not None and claim.requests > claim.allow_requests)
+        claim.blocks, claim.requests = max(0, blocks), max(0, requests)
+        if not (above or tenant in self._pressured):
+            return False
+        try:
+            pressured = self._release(keys=self._keys, args=[
+                *self._argv(), tenant, claim.blocks, claim.requests])
+        except Exception:  # the next refresh writes it
+            self.reachable = False
+            return False
+        self.round_trips += 1
+        self.reachable = True
+        self._note_pressure(tenant, int(pressured) == 1)
+        return int(pressured) != -2
+
+    def _note_pressure(self, tenant: str, pressured: bool) -> None:
+        if pressured:
+            self._pressured.add(tenant)
+        else:
+            self._pressured.discard(tenant)
 
     def refresh(self, limits: Mapping[str, Limits] | None = None) -> bool:
         """Republish every claim and keep this sidecar's key alive (call it at least
@@ -300,12 +333,13 @@ class PoolStore:
         self.warming = bool(granted[-1])
         for n, tenant in enumerate(order):
             claim = self._claims[tenant]
-            claim.allow_blocks, claim.allow_requests = int(granted[2 * n]), int(granted[2 * n + 1])
+            claim.allow_blocks, claim.allow_requests = int(granted[3 * n]), int(granted[3 * n + 1])
+            self._note_pressure(tenant, int(granted[3 * n + 2]) == 1)
         return True
 
     def _eval_charge(self, tenant: str, nb: int, nr: int, limits: Limits) -> int:
         try:
-            status, _b, _r = self._charge(keys=self._keys, args=[
+            status, _b, _r, pressured = self._charge(keys=self._keys, args=[
                 *self._argv(), tenant, nb, nr, limits.max_blocks,
                 NO_LIMIT if limits.max_requests is None else limits.max_requests,
                 NO_LIMIT if limits.guaranteed_blocks is None else limits.guaranteed_blocks])
@@ -315,6 +349,8 @@ class PoolStore:
         self.round_trips += 1
         self.reachable = True
         self.warming = status == -1
+        if status != -2:
+            self._note_pressure(tenant, int(pressured) == 1)
         return int(status)
 
 

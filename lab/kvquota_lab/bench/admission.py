@@ -72,6 +72,7 @@ class TwinGateway:
 
     def _changed(self, reservation: Reservation) -> None:
         self._dirty = True
+        self.queue.released(reservation.tenant_id)
         ticket = self._admitted.pop(reservation, None)
         if ticket is None or reservation.outcome != "completed":
             return

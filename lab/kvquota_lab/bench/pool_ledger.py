@@ -2,7 +2,8 @@
 scripts) over one in-memory table, shared by the pool's engines.
 
 Same claims as on the store, published when the store would see them (a charge that
-needs it, a refresh), so the others decide on the same stale numbers: a sidecar's claim
+needs it, a refresh, a release while the claim was above the allowance or the tenant
+marked as the store last said), so the others decide on the same stale numbers: a sidecar's claim
 on a tenant is the more of what its requests hold and its allowance (what it admits
 with no round trip: its split, lowered to charge + margin on refresh for a TTL after a
 refusal for the tenant); a claim grows only within what the others' claims leave of the
@@ -51,6 +52,11 @@ class TwinLedger:
                 blocks, requests = blocks + b, requests + r
         return blocks, requests
 
+    def pressured(self, tenant: str) -> bool:
+        """Whether a sidecar was refused for `tenant` within one TTL (the store's mark)."""
+        refused = self.pressure.get(tenant)
+        return refused is not None and self.now - refused < TwinPoolStore.ttl_s
+
     def others_hold(self, me: str, tenant: str) -> int:
         """The blocks the other sidecars last published as held by `tenant`."""
         return sum(claims[tenant].blocks for sidecar, claims in self.claims.items()
@@ -72,6 +78,8 @@ class TwinPoolStore:
         self.published = ledger.claims.setdefault(sidecar, {})  # what the store holds
         self.claims: dict[str, _Claim] = {}  # this sidecar's own books
         self.limits: dict[str, Limits] = {}
+        self.pressured: set[str] = set()  # as the store's last answer said
+        self.releases_written = 0
 
     def _publish(self, tenant: str) -> None:
         claim = self.claims[tenant]
@@ -81,6 +89,30 @@ class TwinPoolStore:
     def sync(self, tenant: str, blocks: int, requests: int) -> None:
         claim = self.claims.setdefault(tenant, _Claim())
         claim.blocks, claim.requests = max(0, blocks), max(0, requests)
+
+    def _note_pressure(self, tenant: str) -> None:
+        if self.ledger.pressured(tenant):
+            self.pressured.add(tenant)
+        else:
+            self.pressured.discard(tenant)
+
+    def released(self, tenant: str, blocks: int, requests: int) -> bool:
+        """As `PoolStore.released`: written through when the claim was above the
+        allowance or the store last said the tenant is under pressure."""
+        claim, limits = self.claims.get(tenant), self.limits.get(tenant)
+        if claim is None or limits is None:
+            return False
+        above = claim.blocks > claim.allow_blocks or (
+            limits.max_requests is not None and claim.requests > claim.allow_requests)
+        claim.blocks, claim.requests = max(0, blocks), max(0, requests)
+        if not (above or tenant in self.pressured):
+            return False
+        self.ledger.round_trips += 1
+        self.releases_written += 1
+        mine = self.published.setdefault(tenant, _Claim())
+        mine.blocks, mine.requests = claim.blocks, claim.requests
+        self._note_pressure(tenant)
+        return True
 
     def charge(self, tenant: str, blocks: int, limits: Limits, requests: int = 1) -> Outcome:
         self.limits[tenant] = limits
@@ -99,9 +131,11 @@ class TwinPoolStore:
         if (not fits and not guaranteed) or (
                 limits.max_requests is not None and orq + nr > limits.max_requests):
             self.ledger.pressure[tenant] = self.ledger.now
+            self.pressured.add(tenant)
             return Outcome.REFUSED
         if not fits:
             self.ledger.pressure[tenant] = self.ledger.now
+        self._note_pressure(tenant)
         claim.blocks, claim.requests = nb, nr
         mine = self.published.setdefault(tenant, _Claim())
         mine.blocks, mine.requests = nb, nr
@@ -114,8 +148,7 @@ class TwinPoolStore:
         for tenant, lim in self.limits.items():
             claim = self.claims.setdefault(tenant, _Claim())
             ob, orq = self.ledger.others(self.me, tenant)
-            refused = self.ledger.pressure.get(tenant)
-            lean = refused is not None and self.ledger.now - refused < self.ttl_s
+            lean = self.ledger.pressured(tenant)
             want_b = (min(lim.ceiling_blocks, claim.blocks + lean_margin(
                 self.margin[0], lim.ceiling_blocks)) if lean
                       else lim.ceiling_blocks)
@@ -129,4 +162,5 @@ class TwinPoolStore:
                     want_r if want_r <= claim.allow_requests
                     else max(claim.allow_requests, min(want_r, lim.max_requests - orq)))
             self._publish(tenant)
+            self._note_pressure(tenant)
         return True
