@@ -445,3 +445,29 @@ def test_a_leased_sessions_next_turn_carries_the_engine_that_admitted_the_last(
     first, follow_up = recorder.requests
     assert first.token_engine is None  # a first turn has no token yet
     assert follow_up.token_engine == token
+
+
+def test_the_pool_is_compared_with_one_engine_on_as_many_seeds(
+    tiny_scenario_module: Path, round_robin: dict[str, Any]
+) -> None:
+    """Three engines: three single-engine KVQuota runs from the pool's seed (1) on, their
+    premium turns pooled; the pool's p99 over that p99 is its `x 1 engine`."""
+    from kvquota_lab.bench.cost import load_profile
+    from kvquota_lab.bench.one_engine import tier_ttfts
+    from kvquota_lab.bench.policies import POLICIES
+    from kvquota_lab.bench.scenario import load_scenario
+    from kvquota_lab.bench.twin import run_twin
+    from kvquota_lab.percentile import percentile
+
+    pooled: list[float] = []
+    for seed in (1, 2, 3):
+        scenario = load_scenario(str(tiny_scenario_module), seed=seed)
+        pooled += tier_ttfts(run_twin(scenario, generate_sessions(scenario),
+                                      POLICIES["kvquota"], load_profile(scenario.profile)),
+                             "premium")
+    reference = round_robin["comparison"]["oneEngine"]
+    assert reference["seeds"] == [1, 2, 3] and reference["turns"] == len(pooled)
+    assert reference["ttftP99"] == pytest.approx(percentile(pooled, 99), abs=1e-4)
+    p99 = round_robin["policies"]["kvquota:even:signals"]["tiers"]["premium"]["ttftP99"]
+    assert round_robin["comparison"]["ttftP99VsOneEngine"]["kvquota:even:signals"] == \
+        pytest.approx(p99 / reference["ttftP99"], abs=1e-3)

@@ -74,6 +74,11 @@ def register(subparsers: Any) -> None:
                         "(InferencePool spec.poolStore), modelled in memory with a 1 ms "
                         "round trip; the report gives the share of admissions that needed "
                         "it (default on; --no-pool-ledger: each engine on its split alone)")
+    parser.add_argument("--one-engine-seeds", type=int, default=None, metavar="K",
+                        help="pool: compare the protected tier's TTFT p99 with K "
+                        "single-engine KVQuota runs (the scenario's per-engine load) on "
+                        "seeds from the pool's on, their turns pooled (default: "
+                        "--replicas, at most 8; 0: none)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="PATH=VALUE", help="override a scenario setting, e.g. "
                         "pool.tiers.premium.reservation=Full (repeatable; suite: every "
@@ -174,6 +179,7 @@ def _bench(args: argparse.Namespace) -> int:
         picker_kv_filter=args.picker_kv_filter,
         picker_config=args.picker_config,
         pool_ledger=args.pool_ledger,
+        one_engine_seeds=args.one_engine_seeds,
         overrides=parse_overrides(args.overrides),
     )
     document = run_bench(options, out=sys.stdout)

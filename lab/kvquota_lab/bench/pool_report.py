@@ -1,12 +1,13 @@
 """The pool numbers of a bench document (`kvquota bench --replicas N`), as rows.
 
-Per run: the protected tier's TTFT p99 and its ratio to the baseline run (the same
-pool and router without the noisy tiers), refusals of requests within their tenant's
-pool-wide guarantee, how far a tenant's charges over the pool ever passed its pool-wide
-maxBlocks (blocks; its work admitted into idle KV beyond maxBlocks left out), the share
-of admissions that needed the shared store, pool throughput (output tokens/s), how
-unevenly the router spread the requests, and what the run cost (wall seconds per
-simulated engine-hour).
+Per run: the protected tier's TTFT p99, its ratio to the baseline run (the same
+pool and router without the noisy tiers) and to one engine at the same per-engine load
+(`bench.one_engine`: single-engine KVQuota runs on several seeds, pooled), refusals of
+requests within their tenant's pool-wide guarantee, how far a tenant's charges over the
+pool ever passed its pool-wide maxBlocks (blocks; its work admitted into idle KV beyond
+maxBlocks left out), the share of admissions that needed the shared store, pool
+throughput (output tokens/s), how unevenly the router spread the requests, and what the
+run cost (wall seconds per simulated engine-hour).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 def pool_rows(document: dict[str, Any]) -> list[dict[str, Any]]:
     tier = document["comparison"].get("tier")
     ratios = document["comparison"].get("ttftP99VsBaseline", {})
+    one_engine = document["comparison"].get("ttftP99VsOneEngine", {})
     wall = document["run"]["wallSeconds"]
     cpu = document["run"].get("cpuSeconds", {})
     rows = []
@@ -30,6 +32,7 @@ def pool_rows(document: dict[str, Any]) -> list[dict[str, Any]]:
             "replicas": pool.get("replicas"),
             "ttftP99": tiers.get(tier, {}).get("ttftP99") if tier else None,
             "ttftP99VsBaseline": ratios.get(key),
+            "ttftP99VsOneEngine": one_engine.get(key),
             "refusedWithinPoolGuarantee": sum(
                 pool.get("refusedWithinPoolGuarantee", {}).values()),
             "aboveMaxBlocks": max(pool.get("aboveMaxBlocks", {}).values(), default=None),
@@ -56,14 +59,24 @@ def _f(value: Any, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def _one_engine_note(document: dict[str, Any]) -> str:
+    reference = document["comparison"].get("oneEngine")
+    if not reference or not reference["seeds"]:
+        return ""
+    seeds = reference["seeds"]
+    span = f"{seeds[0]}-{seeds[-1]}" if len(seeds) > 1 else f"{seeds[0]}"
+    return (f"; 1 engine ({reference['policy']}, seeds {span}, {reference['turns']} turns "
+            f"pooled) {_f(reference['ttftP99'], '{:.3f}')} s")
+
+
 def format_pool_table(document: dict[str, Any]) -> str:
     tier = document["comparison"].get("tier") or "-"
     base = document["comparison"].get("baselineTtftP99")
     pool = document.get("pool", {})
     lines = [
         f"pool: {pool.get('replicas')} engines, router {pool.get('router')}; "
-        f"{tier} TTFT p99 baseline {_f(base, '{:.3f}')} s",
-        f"{'run':<24} {'p99 s':>7} {'x base':>7} {'refused<poolG':>13} "
+        f"{tier} TTFT p99 baseline {_f(base, '{:.3f}')} s" + _one_engine_note(document),
+        f"{'run':<24} {'p99 s':>7} {'x base':>7} {'x 1 eng':>7} {'refused<poolG':>13} "
         f"{'refused<engG':>12} {'over poolM':>10} {'store':>6} {'tok/s':>9} {'req/engine':>11} "
         f"{'wall(cpu) s/engine-h':>21}",
     ]
@@ -72,6 +85,7 @@ def format_pool_table(document: dict[str, Any]) -> str:
         lines.append(
             f"{row['run']:<24} {_f(row['ttftP99'], '{:.3f}'):>7} "
             f"{_f(row['ttftP99VsBaseline'], '{:.2f}'):>7} "
+            f"{_f(row['ttftP99VsOneEngine'], '{:.2f}'):>7} "
             f"{row['refusedWithinPoolGuarantee']:>13} {row['refusedWithinEngineGuarantee']:>12} "
             f"{_f(row['aboveMaxBlocks'], '{:d}'):>10} {_f(row['storeShare'], '{:.0%}'):>6} "
             f"{_f(row['throughput'], '{:.0f}'):>9} {f'{low}-{high}':>11} "

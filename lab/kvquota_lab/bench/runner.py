@@ -40,6 +40,9 @@ class BenchOptions:
     picker_kv_filter: float | None = None  # prefix-affinity: every KV filter's threshold
     picker_config: Path | None = None  # prefix-affinity on KVQuota's series (None: shipped)
     pool_ledger: bool = True  # the pool-wide ledger on a shared store (bench.pool_ledger)
+    # Pool: single-engine KVQuota runs on this many seeds, pooled, as the protected
+    # tier's reference (bench.one_engine; None: the replica count, at most 8; 0: none).
+    one_engine_seeds: int | None = None
     overrides: dict[str, Any] = field(default_factory=dict)  # `--set`, merged into the scenario
 
 
@@ -107,6 +110,19 @@ def _baseline_scenario(scenario: Scenario) -> Scenario | None:
     return scenario.without_tiers(dropped)
 
 
+def _one_engine_tasks(
+    options: BenchOptions, scale: str | None, seed: int, specs: list[Any]
+) -> list[TwinTask]:
+    """A pool bench with KVQuota in it: the single-engine runs its protected tier's
+    p99 is compared with (`bench.one_engine`), after the pool's own runs."""
+    if options.replicas is None or not any(s.key == "kvquota" for s in specs):
+        return []
+    from kvquota_lab.bench.one_engine import reference_seeds, reference_tasks
+
+    seeds = reference_seeds(seed, options.replicas, options.one_engine_seeds)
+    return list(reference_tasks(options.scenario, scale, options.overrides, seeds))
+
+
 def run_bench(options: BenchOptions, out: TextIO | None = None) -> dict[str, Any]:
     """Run everything `options` asks for; returns the report document."""
     scale = options.scale
@@ -117,6 +133,7 @@ def run_bench(options: BenchOptions, out: TextIO | None = None) -> dict[str, Any
             scale = "engine"
     scenario = load_scenario(options.scenario, scale=scale, seed=options.seed,
                              overrides=options.overrides)
+    one_engine: list[TwinTask] = []
     if options.replicas is not None:
         if options.backend != "twin":
             raise ValueError("--replicas runs in the twin only")
@@ -145,6 +162,8 @@ def run_bench(options: BenchOptions, out: TextIO | None = None) -> dict[str, Any
                            kv_filter=options.picker_kv_filter,
                            picker_config=options.picker_config,
                            ledger=options.pool_ledger)
+        one_engine = _one_engine_tasks(options, scale, scenario.seed, specs)
+        tasks += one_engine
     elif base_scenario is not None:
         tasks.append((base_scenario, BASELINE))
     num_runs = len(tasks) if specs else len(options.policies) + (base_scenario is not None)
@@ -158,6 +177,7 @@ def run_bench(options: BenchOptions, out: TextIO | None = None) -> dict[str, Any
         out.flush()
     profile: CostProfile | None = None
     runs: list[RunResult] = []
+    reference_runs: list[RunResult] = []
     baseline: RunResult | None = None
     if options.backend == "twin":
         from kvquota_lab.bench.tasks import run_twin_tasks
@@ -165,6 +185,8 @@ def run_bench(options: BenchOptions, out: TextIO | None = None) -> dict[str, Any
         profile = load_profile(options.profile or scenario.profile)
         results = run_twin_tasks(tasks, profile, jobs=options.jobs, progress=progress,
                                  quiet=options.quiet)
+        reference_runs = results[len(results) - len(one_engine):]
+        results = results[:len(results) - len(one_engine)]
         runs = results[:len(results) - (base_scenario is not None)]
         baseline = results[-1] if base_scenario is not None else None
     elif options.backend == "engine":
@@ -185,6 +207,12 @@ def run_bench(options: BenchOptions, out: TextIO | None = None) -> dict[str, Any
     )
     if options.overrides:
         document["scenario"]["overrides"] = options.overrides
+    if one_engine and document["comparison"].get("tier"):
+        from kvquota_lab.bench.one_engine import add_reference, pooled_reference
+
+        seeds = [task[0].seed for task in one_engine]
+        add_reference(document, pooled_reference(reference_runs, seeds,
+                                                 document["comparison"]["tier"]))
     if options.replicas is not None:
         from kvquota_lab.bench.picker_config import SHIPPED_CONFIG
 
