@@ -26,6 +26,7 @@ from engine_sidecar.gateway.counting.token_pool import TokenizerPool
 from engine_sidecar.gateway.counting.tokens import EngineTokenCounter, HfTokenCounter
 from engine_sidecar.gateway.intake.openai_request import Kind, parse
 from engine_sidecar.plugin.rules.identity import identity_from_extra_args, outgrew
+from kvquota_lab.perf.sidecar import admission_counts
 
 from .conftest import Harness, start_harness
 from .helpers import WAIT, Keys, ServerThread, http_post, make_policy, tenant, wait_for
@@ -114,6 +115,12 @@ def _held(harness: Harness, stub: StubEngine, token: str, body: dict[str, Any]) 
     return reserved
 
 
+def _admissions(harness: Harness) -> tuple[float, float]:
+    """(admitted on a ceiling, admitted) as the admin port's /metrics shows them, read
+    the way the latency bench reads them for its rows."""
+    return asyncio.run(admission_counts(harness.admin_url))
+
+
 @pytest.mark.parametrize("body", [{"prompt": PROMPT}, {"messages": CHAT}],
                          ids=["completion", "chat"])
 def test_admitted_on_its_ceiling_then_charged_its_count(
@@ -124,11 +131,13 @@ def test_admitted_on_its_ceiling_then_charged_its_count(
     token = keys.hs("acme")
     on_ceiling = _held(harness, stub, token, body)
     assert harness.gateway.admitter.ceiling.admissions == 1
+    assert _admissions(harness) == (1.0, 1.0)
     if "messages" in body:  # counted by the engine, not rendered and encoded here
         assert counter.chats_sent == 1 and counter.chats_verified == 0
     ceiling, counter.ceiling = counter.ceiling, None  # the old path: count, then decide
     counted_first = _held(harness, stub, token, body)
     assert harness.gateway.admitter.ceiling.admissions == 1
+    assert _admissions(harness) == (1.0, 2.0)  # the metric tells the two apart
     assert on_ceiling == counted_first > 0
     assert ceiling is not None
 

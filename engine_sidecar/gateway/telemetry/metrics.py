@@ -282,6 +282,10 @@ class GatewayMetrics:
             "(completed, upstream_error, timeout, cancelled).", ["tier", "outcome"], registry=r)
         self.reserved_blocks = Counter(
             "kvquota_reserved_blocks", "KV blocks reserved at admission.", ["tier"], registry=r)
+        self.ceiling_admissions = Counter(
+            "kvquota_ceiling_admissions", "Requests admitted on their prompts' token "
+            "ceiling (a bound from their size) and counted exactly once forwarded; the other "
+            "admitted requests were counted before admission.", ["tier"], registry=r)
         self.queue_wait = Histogram(
             "kvquota_queue_wait_seconds",
             "Time requests waited in the admission queue, by how they left it "

@@ -78,16 +78,18 @@ def write_policy(workdir: Path, model: str, tenants: dict[str, dict[str, Any]] |
 def start_sidecar(setup: Setup, upstream: str, model: str, tokenizer: str | None,
                    tenants: dict[str, dict[str, Any]] | None = None,
                    code: Path | None = None, cpu: str | None = None,
-                   extra: list[str] | None = None
+                   extra: list[str] | None = None, admin_port: int | None = None
                    ) -> tuple[str, dict[str, str], ManagedProcess]:
     """A `kvquota sidecar` process; `code`: run the sidecar of another source tree
-    (e.g. `git archive` of an older commit)."""
+    (e.g. `git archive` of an older commit); `admin_port`: where its /metrics and
+    status listen (default: any free port)."""
     port = free_port()
     home = setup.workdir / f"sidecar-{port}"
     home.mkdir()
     policy_file, secrets_dir, tokens = write_policy(home, model, tenants)
     argv = [*pinned(cpu), sys.executable, "-m", "engine_sidecar.cli", "sidecar",
-            "--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{free_port()}",
+            "--listen", f"127.0.0.1:{port}",
+            "--admin-listen", f"127.0.0.1:{admin_port or free_port()}",
             "--upstream", upstream,
             "--policy-file", str(policy_file), "--secrets-dir", str(secrets_dir),
             "--log-level", "warning"]

@@ -2,7 +2,10 @@
 
 Streams the same requests straight to an upstream and through a sidecar in front of
 it, at 1, 16, 64 and 256 concurrent streams, and prints p50/p99 of time to first byte
-(TTFT) and total time for both, and the difference.
+(TTFT) and total time for both, and the difference. Per row also: the sidecar's CPU per
+request (its process and workers, user + system, over the proxied requests) and how
+many requests it admitted on their prompts' ceiling (counted after forwarding) and
+counted before admission (its /metrics).
 
 Upstreams:
 - a local streaming stub (always): fixed TTFT, fixed chunk cadence, ~vLLM-sized SSE
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -43,7 +47,7 @@ from kvquota_lab.perf import huge as bench_huge
 from kvquota_lab.perf.launch import Setup, move_children, start_engine, start_sidecar, start_stub
 from kvquota_lab.perf.load import Connection, Sample, Target, run_load
 from kvquota_lab.perf.stub import Pace, chat_body, engine_pace, serve
-from kvquota_lab.processes import cpu_seconds, with_children
+from kvquota_lab.processes import cpu_seconds, free_port, with_children
 
 CONCURRENCY = (1, 16, 64, 256)
 
@@ -59,6 +63,10 @@ class Row:
     busy: float | None = None  # sidecar CPU seconds per second of the run: 1.0 = one core
     pace: Pace | None = None  # the stub's delays in this row (`--pace engine`)
     wall: float = 0.0  # seconds the measured run took (both targets)
+    # Admitted requests of the measured run: on their prompts' ceiling (counted after
+    # forwarding), and counted before admission (None: the sidecar does not say).
+    on_ceiling: int | None = None
+    counted_first: int | None = None
 
     def rate(self) -> float:
         """Requests/s through the sidecar in this row."""
@@ -72,6 +80,8 @@ class Row:
     def stats(self) -> dict[str, float]:
         out: dict[str, float] = {"cpu_us_per_request": self.cpu_us or 0.0,
                                  "sidecar_core_busy": self.busy or 0.0,
+                                 "admitted_on_ceiling": float(self.on_ceiling or 0),
+                                 "admitted_counted_first": float(self.counted_first or 0),
                                  "direct_refused": self.refused("direct"),
                                  "sidecar_refused": self.refused("sidecar")}
         for name, samples in (("direct", self.direct), ("sidecar", self.proxied)):
@@ -89,11 +99,12 @@ class Row:
 async def _measure(direct_url: str, sidecar_url: str, body: bytes, token: str,
                    concurrency: int, requests: int, think_ms: float,
                    sidecar_pid: int | None = None, path: str = "/v1/completions",
-                   pace: Pace | None = None) -> Row:
+                   pace: Pace | None = None, admin_url: str | None = None) -> Row:
     if pace is not None:
         await _set_pace(direct_url, pace)
     targets = [Target(direct_url, {}), Target(sidecar_url, {"Authorization": f"Bearer {token}"})]
     await run_load(targets, body, concurrency, max(concurrency, 8), think_ms, path)  # warm up
+    admissions = await admission_counts(admin_url) if admin_url else None
     before = cpu_seconds(with_children(sidecar_pid)) if sidecar_pid else 0.0
     started = time.perf_counter()
     direct, proxied = await run_load(targets, body, concurrency, requests, think_ms, path)
@@ -101,8 +112,39 @@ async def _measure(direct_url: str, sidecar_url: str, body: bytes, token: str,
     if not sidecar_pid:
         return Row(concurrency, direct, proxied, pace=pace, wall=wall)
     used = cpu_seconds(with_children(sidecar_pid)) - before
-    return Row(concurrency, direct, proxied, used / len(proxied) * 1e6, used / wall, pace,
-               wall)
+    row = Row(concurrency, direct, proxied, used / len(proxied) * 1e6, used / wall, pace,
+              wall)
+    if admin_url and admissions is not None:
+        ceiling, admitted = (after - before for after, before in zip(
+            await admission_counts(admin_url), admissions, strict=True))
+        if not math.isnan(ceiling):
+            row.on_ceiling, row.counted_first = round(ceiling), round(admitted - ceiling)
+    return row
+
+
+CEILING_METRIC = "kvquota_ceiling_admissions_total"
+ADMITTED = 'decision="admitted"'
+
+
+async def admission_counts(admin_url: str) -> tuple[float, float]:
+    """(requests admitted on their prompts' ceiling, requests admitted) so far, from the
+    sidecar's /metrics; the first is NaN for a sidecar without that metric (`--code`)."""
+    parts = urlsplit(admin_url)
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    try:
+        writer.write(f"GET /metrics HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+                     "Connection: close\r\n\r\n".encode())
+        text = (await reader.read()).decode()
+    finally:
+        writer.close()
+    ceiling, admitted, seen = 0.0, 0.0, False
+    for line in text.splitlines():
+        if line.startswith(CEILING_METRIC):
+            ceiling += float(line.rsplit(" ", 1)[1])
+            seen = True
+        elif line.startswith("kvquota_admissions_total{") and ADMITTED in line:
+            admitted += float(line.rsplit(" ", 1)[1])
+    return (ceiling if seen else math.nan), admitted
 
 
 async def _set_pace(stub_url: str, pace: Pace) -> None:
@@ -118,9 +160,10 @@ async def _set_pace(stub_url: str, pace: Pace) -> None:
 def _print_table(title: str, rows: list[Row]) -> None:
     print(f"\n{title}")
     print(f"{'streams':>7} {'n':>5} | {'TTFT p50 / p99 (ms)':^35} | {'total p50 / p99 (ms)':^35}"
-          f" | sidecar CPU")
+          f" | sidecar CPU          | admitted")
     print(f"{'':>7} {'':>5} | {'direct':>10} {'sidecar':>11} {'added':>11} | "
-          f"{'direct':>10} {'sidecar':>11} {'added':>11} | us/request  core busy")
+          f"{'direct':>10} {'sidecar':>11} {'added':>11} | us/request  core busy | "
+          f"ceiling / counted first")
     for row in rows:
         s = row.stats()
         cells = []
@@ -130,7 +173,10 @@ def _print_table(title: str, rows: list[Row]) -> None:
                 f"{s[f'sidecar_{metric}_p50']:6.2f}/{s[f'sidecar_{metric}_p99']:<6.2f}"
                 f"{s[f'added_{metric}_p50']:+6.2f}/{s[f'added_{metric}_p99']:<+6.2f}")
         cpu = (f"{row.cpu_us:9.0f}  {row.busy:8.0%}" if row.cpu_us is not None
-               and row.busy is not None else "        -")
+               and row.busy is not None else f"{'-':>9}  {'-':>8}")
+        cpu += (f" | {row.on_ceiling:7d} / {row.counted_first:<7d}"
+                if row.on_ceiling is not None and row.counted_first is not None
+                else f" | {'-':>7} / {'-':<7}")
         counts = {t: row.refused(t) for t in ("direct", "sidecar")}
         refused = "".join(f"  {n} {t} answers not 200" for t, n in counts.items() if n)
         pace = (f"  (stub: TTFT {row.pace.ttft_ms:.1f} ms, a token every "
@@ -155,12 +201,12 @@ def saturation(rows: list[Row], limit_ms: float = 1.0) -> str:
 
 def _bench(label: str, direct_url: str, sidecar_url: str, body: dict[str, Any], token: str,
            args: argparse.Namespace, sidecar_pid: int | None = None,
-           path: str = "/v1/completions", pace: Callable[[int], Pace] | None = None
-           ) -> list[Row]:
+           path: str = "/v1/completions", pace: Callable[[int], Pace] | None = None,
+           admin_url: str | None = None) -> list[Row]:
     raw = json.dumps(body).encode()
     rows = [asyncio.run(_measure(direct_url, sidecar_url, raw, token, c,
                                  max(args.requests, 4 * c), args.think_ms, sidecar_pid, path,
-                                 pace(c) if pace else None))
+                                 pace(c) if pace else None, admin_url))
             for c in args.concurrency]
     _print_table(label, rows)
     return rows
@@ -179,9 +225,11 @@ def _run(args: argparse.Namespace) -> int:
         if not args.no_stub:
             stub = start_stub(setup, args)
             extra = ["--event-loop", args.event_loop] if args.event_loop else []
+            admin_port = free_port()
+            admin = f"http://127.0.0.1:{admin_port}"
             sidecar, tokens, proc = start_sidecar(
                 setup, stub, "stub", args.tokenizer, code=args.code, cpu=args.sidecar_cpu,
-                extra=extra + list(args.sidecar_arg))
+                extra=extra + list(args.sidecar_arg), admin_port=admin_port)
             if args.worker_cpu is not None and proc.pid:
                 move_children(proc.pid, args.worker_cpu)
             token = tokens["bench"]
@@ -209,14 +257,14 @@ def _run(args: argparse.Namespace) -> int:
                     f"stub upstream at the pace of {profile.name} ({prompt_tokens} prompt "
                     f"tokens, {args.stub_chunks} chunks){details}",
                     stub, sidecar, body, token, args, proc.pid or 0, path,
-                    lambda c: engine_pace(profile, c, prompt_tokens, args.stub_chunks))
+                    lambda c: engine_pace(profile, c, prompt_tokens, args.stub_chunks), admin)
                 results["stub_engine_pace"] = [r.stats() for r in rows]
             saturation_rows = _bench(
                 ("saturation row: fast " if args.pace == "engine" else "")
                 + f"stub upstream (TTFT {args.stub_ttft_ms:g} ms, {args.stub_chunks} chunks "
                 f"every {args.stub_interval_ms:g} ms){details}",
                 stub, sidecar, body, token, args, proc.pid or 0, path,
-                (lambda c: fast) if args.pace == "engine" else None)
+                (lambda c: fast) if args.pace == "engine" else None, admin)
             print(saturation(saturation_rows))
             results["stub"] = [r.stats() for r in saturation_rows]
         engine = args.engine_url
