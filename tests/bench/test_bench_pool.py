@@ -471,3 +471,17 @@ def test_the_pool_is_compared_with_one_engine_on_as_many_seeds(
     p99 = round_robin["policies"]["kvquota:even:signals"]["tiers"]["premium"]["ttftP99"]
     assert round_robin["comparison"]["ttftP99VsOneEngine"]["kvquota:even:signals"] == \
         pytest.approx(p99 / reference["ttftP99"], abs=1e-3)
+
+
+def test_the_report_tells_a_split_that_refuses_with_room_from_a_quota_that_binds(
+    hot: dict[str, Any]
+) -> None:
+    """The even split refuses premium on one engine's share while the pool-wide maxBlocks
+    has room: every such 429 is counted with room; the ledger leaves none."""
+    even = hot["even"]["extra"]["pool"]["ownMaxBlocks"]["acme"]
+    assert even["maxBlocks"] == 800  # 50% of 800 blocks, x 2 engines
+    assert even["refusedOnMaxBlocks"] == even["refusedWithRoom"] > 0
+    assert even["secondsQueuedWithRoom"] > 0
+    ledger = hot["even+ledger"]["extra"]["pool"]["ownMaxBlocks"]["acme"]
+    assert ledger["refusedWithRoom"] == 0 and ledger["secondsQueuedWithRoom"] == 0
+    assert hot["even+ledger"]["tiers"]["premium"]["besideIdleKvSeconds"] == 0

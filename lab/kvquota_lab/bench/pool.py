@@ -63,6 +63,7 @@ from kvquota.split.rebalance import TenantTotals
 from kvquota_lab.bench.metrics import Outcome, RunResult, Timeline
 from kvquota_lab.bench.picker_config import PickerConfig, load_picker_config
 from kvquota_lab.bench.policies import BASELINE, PolicySpec
+from kvquota_lab.bench.pool_ceilings import SAMPLE_S, PoolCeilings
 from kvquota_lab.bench.pool_ledger import TwinLedger, TwinPoolStore
 from kvquota_lab.bench.router_choice import make_router
 from kvquota_lab.bench.routers import (
@@ -200,6 +201,20 @@ class _Engine(TwinRun):
         seen = self._stats.tenants.get(tenant) if self._stats is not None else None
         running = seen.running_blocks if seen is not None else 0
         return max(ledger.reserved_blocks(tenant), running + ledger.growth(tenant).bound)
+
+    def held(self) -> Counter[str]:
+        """Blocks each tenant holds here: its running requests' (vLLM's block tables)
+        and its leases, from the plugin's stats as the sidecar last read them."""
+        manager = self.harness.scheduler.kv_cache_manager
+        held: Counter[str] = Counter()
+        for request in self.harness.scheduler.running:
+            live = self._live.get(request.request_id)
+            if live is not None:
+                held[live.session.tenant] += len(manager.get_block_ids(request.request_id)[0])
+        if self._stats is not None:
+            for tenant_id, stats in self._stats.tenants.items():
+                held[tenant_id] += stats.leased_blocks
+        return held
 
     def load(self, tier: Tier, signals: str) -> EngineLoad:
         """What the picker routing a request of `tier` scrapes from this engine now:
@@ -378,6 +393,10 @@ class PoolRun:
         ]
         self.pool_guarantee = {t.tenant_id: t.guaranteed for t in self.totals}
         self.pool_maximum = {t.tenant_id: t.maximum for t in self.totals}
+        # Where each tenant's own pool-wide maxBlocks held it back (`pool_ceilings`).
+        self.ceilings = PoolCeilings(self.scenario.duration, {
+            tid: (self.scenario.tier_of(tid).value, self.pool_maximum[tid])
+            for tid in self.scenario.tenants if tid in self.pool_maximum})
         # Tenant -> the most its engines' charges, work admitted into idle KV beyond
         # maxBlocks left out, summed over the pool, passed its pool-wide maxBlocks by.
         self.above_pool_max: Counter[str] = Counter()
@@ -461,6 +480,8 @@ class PoolRun:
             return
         tenant = ticket.payload.session.tenant
         held = sum(e.charged(tenant) for e in self.engines)
+        if verdict.decision is Decision.REJECTED_QUOTA:
+            self.ceilings.refused(tenant, held, verdict.blocks)
         if held + verdict.blocks <= self.pool_guarantee.get(tenant, 0):
             self.refused_within_pool[ticket.payload.session.tier.value] += 1
 
@@ -569,7 +590,7 @@ class PoolRun:
         deadline = scenario.duration + scenario.drain_timeout
         interval = scenario.duration / TIMELINE_SAMPLES
         timeline = Timeline(capacity=scenario.engine.capacity_blocks * self.pool.replicas)
-        next_sample = 0.0
+        next_sample = next_ceilings = 0.0
         demand_split = self.pool.split == "demand" and self.spec.admission
         next_rebalance = self.pool.rebalance_interval if demand_split else INF
         refresh_interval = TwinPoolStore.ttl_s / 3
@@ -613,6 +634,9 @@ class PoolRun:
             if now >= next_sample:
                 self._sample(timeline, now)
                 next_sample = now + interval
+            if now >= next_ceilings:
+                self._sample_ceilings(now)
+                next_ceilings = now + SAMPLE_S
             if self.progress is not None and now - last_report >= 1.0:
                 last_report = now
                 self.progress(self.key, self.settled, planned, now)
@@ -638,6 +662,19 @@ class PoolRun:
             total.update(engine._kv_by_tier(engine.harness))
         timeline.add(round(now, 6), dict(total))
 
+    def _sample_ceilings(self, now: float) -> None:
+        held: Counter[str] = Counter()
+        charged: Counter[str] = Counter()
+        queued: Counter[str] = Counter()
+        for engine in self.engines:
+            held.update(engine.held())
+            queue = engine.gateway.queue if engine.gateway is not None else None
+            if queue is not None:
+                for tenant_id in self.pool_maximum:
+                    charged[tenant_id] += engine.charged(tenant_id)
+                    queued[tenant_id] += queue.depth(tenant_id)
+        self.ceilings.sample(now, held, charged if self.spec.admission else held, queued)
+
     def _result(self, timeline: Timeline, notes: list[str]) -> RunResult:
         makespan = max((o.finish for o in self.outcomes if o.finish is not None), default=0.0)
         label = self.spec.label
@@ -654,6 +691,15 @@ class PoolRun:
             makespan=makespan, steps=sum(e.steps for e in self.engines), notes=notes,
         )
         extra: dict[str, Any] = {}
+        if self.spec.admission:
+            waits: dict[str, float] = {}
+            for engine in self.engines:
+                if engine.gateway is not None:
+                    for tenant_id, seconds in engine.gateway.queue.idle_waits.items():
+                        if tenant_id in self.scenario.tenants:
+                            tier = self.scenario.tier_of(tenant_id).value
+                            waits[tier] = waits.get(tier, 0.0) + seconds
+            result.beside_idle_kv = waits
         if self.engines and self.engines[0].harness.plugin is not None:
             result.has_leases = True
             for engine in self.engines:
@@ -677,6 +723,7 @@ class PoolRun:
             },
             "aboveMaxBlocks": {tid: self.above_pool_max.get(tid, 0)
                                for tid in sorted(self.pool_maximum)},
+            "ownMaxBlocks": self.ceilings.to_json(),
             "requestsPerEngine": [e.routed for e in self.engines],
             "rebalances": self.rebalances,
             "policyVersions": self.policy_versions,

@@ -7,7 +7,10 @@ requests within their tenant's pool-wide guarantee, how far a tenant's charges o
 pool ever passed its pool-wide maxBlocks (blocks; its work admitted into idle KV beyond
 maxBlocks left out), the share of admissions that needed the shared store, pool
 throughput (output tokens/s), how unevenly the router spread the requests, and what the
-run cost (wall seconds per simulated engine-hour).
+run cost (wall seconds per simulated engine-hour). Below the table, per run, whether the
+protected tier's tenants sat at their own pool-wide maxBlocks (`pool_ceilings`): what
+tells a quota that binds (stock priority has none) from admission holding a tenant
+back while it had room.
 """
 
 from __future__ import annotations
@@ -33,6 +36,10 @@ def pool_rows(document: dict[str, Any]) -> list[dict[str, Any]]:
             "ttftP99": tiers.get(tier, {}).get("ttftP99") if tier else None,
             "ttftP99VsBaseline": ratios.get(key),
             "ttftP99VsOneEngine": one_engine.get(key),
+            "ownMaxBlocks": {t: c for t, c in pool.get("ownMaxBlocks", {}).items()
+                             if c["tier"] == tier},
+            "besideIdleKvSeconds": tiers.get(tier, {}).get("besideIdleKvSeconds")
+            if tier else None,
             "refusedWithinPoolGuarantee": sum(
                 pool.get("refusedWithinPoolGuarantee", {}).values()),
             "aboveMaxBlocks": max(pool.get("aboveMaxBlocks", {}).values(), default=None),
@@ -92,4 +99,31 @@ def format_pool_table(document: dict[str, Any]) -> str:
             f"{_f(row['wallSecondsPerEngineHour'], '{:.0f}'):>12} "
             f"({_f(row['cpuSecondsPerEngineHour'], '{:.0f}')})"
         )
+    window = document.get("scenario", {}).get("duration")
+    for row in pool_rows(document):
+        if row["ownMaxBlocks"]:
+            lines.append(f"  {row['run']}: " + _own_max_line(row, tier, window))
     return "\n".join(lines)
+
+
+def _own_max_line(row: dict[str, Any], tier: str, window: float | None) -> str:
+    """The protected tier at its own pool-wide maxBlocks in one run: held there (and
+    above it), its 429s on it and its queue time, each with how much of it had room."""
+    ceilings = row["ownMaxBlocks"]
+    at = ", ".join(f"{t} {c['secondsAtMaxBlocks']:.0f} s (peak {c['peakHeld']:,} of "
+                   f"{c['maxBlocks']:,})" for t, c in ceilings.items())
+    stock = row["besideIdleKvSeconds"] is None  # no admission: nothing refused or queued
+    text = (f"{tier} at {'the' if stock else 'its own'} pool-wide maxBlocks"
+            f"{' KVQuota would set' if stock else ''}: {at} of {_f(window, '{:.0f}')} s")
+    above = sum(c["secondsAboveMaxBlocks"] for c in ceilings.values())
+    if above:
+        text += f"; above it {above:.0f} s"
+    if stock:
+        return text
+    refused = sum(c["refusedOnMaxBlocks"] for c in ceilings.values())
+    room = sum(c["refusedWithRoom"] for c in ceilings.values())
+    queued = sum(c["secondsQueued"] for c in ceilings.values())
+    queued_room = sum(c["secondsQueuedWithRoom"] for c in ceilings.values())
+    return (text + f"; 429 on it {refused} ({room} with room); queued {queued:.0f} s "
+            f"({queued_room:.0f} s with room); beside idle KV "
+            f"{row['besideIdleKvSeconds']:.0f} s")
