@@ -102,6 +102,8 @@ class UpstreamResponse(Protocol):
 
     def aiter_raw(self) -> AsyncIterator[bytes]: ...
 
+    async def read(self) -> bytes:
+        """The body's next piece; b"" once it is all read."""
     async def aclose(self) -> None: ...
 
 
@@ -296,8 +298,9 @@ class _Pump:
             })
             result.started = True
             on_chunk = self.on_chunk
+            read = response.read  # a coroutine per chunk, no async generator
             try:
-                async for chunk in response.aiter_raw():
+                while chunk := await read():
                     if result.ttft is None:
                         result.ttft = time.perf_counter() - start
                     if on_chunk is not None:

@@ -7,12 +7,13 @@ counts token events (one per decode step per choice at vLLM's default stream int
 which can only run low. The count so far re-estimates the request's remainder while it
 streams (`Reservation.progress`), and the final one teaches the tenant's output
 estimate. A low count moves what is reserved ahead, never what is accounted as held
-(that comes from the plugin's stats). Per chunk: one `count` and a bounded tail copy.
+(that comes from the plugin's stats). Per chunk: one `count` and a deque append.
 """
 
 from __future__ import annotations
 
 import re
+from collections import deque
 
 TAIL_BYTES = 4096  # where a response's final usage sits (its last event or its end)
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
@@ -24,21 +25,29 @@ _TEXT_DELTA_EVENT = b"event: response.output_text.delta"
 class OutputMeter:
     """Counts one response's output tokens; `route` is the request's `Kind` value."""
 
-    __slots__ = ("events", "route", "tail")
+    __slots__ = ("_marker", "_tail", "_tail_bytes", "events", "route")
 
     def __init__(self, route: str) -> None:
         self.route = route
+        self._marker = _TEXT_DELTA_EVENT if route == "responses" else _JSON_EVENT
         self.events = 0
-        self.tail = b""
+        # The latest chunks, as many as cover TAIL_BYTES: joined only at the end.
+        self._tail: deque[bytes] = deque()
+        self._tail_bytes = 0
+
+    @property
+    def tail(self) -> bytes:
+        """The response's last TAIL_BYTES bytes (all of it, if shorter)."""
+        return b"".join(self._tail)[-TAIL_BYTES:]
 
     def feed(self, chunk: bytes) -> None:
-        marker = _TEXT_DELTA_EVENT if self.route == "responses" else _JSON_EVENT
-        self.events += chunk.count(marker)
-        if len(chunk) >= TAIL_BYTES:
-            self.tail = chunk[-TAIL_BYTES:]
-        else:
-            self.tail = self.tail[len(self.tail) + len(chunk) - TAIL_BYTES:] + chunk \
-                if len(self.tail) + len(chunk) > TAIL_BYTES else self.tail + chunk
+        self.events += chunk.count(self._marker)
+        tail = self._tail
+        tail.append(chunk)
+        size = self._tail_bytes + len(chunk)
+        while size - len(tail[0]) >= TAIL_BYTES:
+            size -= len(tail.popleft())
+        self._tail_bytes = size
 
     def decoded(self, n: int = 1) -> int:
         """The output tokens streamed so far over all `n` choices, by their token events

@@ -7,7 +7,7 @@ Install `uvicorn[standard]` (or `httptools`) for the fast path.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import httpx
 
@@ -32,18 +32,30 @@ class HttpxResponse:
         self._response = response
         self.status_code = response.status_code
         self.raw_headers = [(k.lower(), v) for k, v in response.headers.raw]
+        self._body: AsyncGenerator[bytes, None] | None = None
 
     def header(self, name: bytes) -> bytes | None:
         return find_header(self.raw_headers, name)
 
-    async def aiter_raw(self) -> AsyncIterator[bytes]:
+    async def aiter_raw(self) -> AsyncGenerator[bytes, None]:
         try:
             async for chunk in self._response.aiter_raw():
                 yield chunk
         except httpx.HTTPError as exc:
             raise _mapped(exc) from None
 
+    async def read(self) -> bytes:
+        """The body's next piece; b"" once it is all read."""
+        if self._body is None:
+            self._body = self.aiter_raw()
+        async for chunk in self._body:
+            if chunk:
+                return chunk
+        return b""
+
     async def aclose(self) -> None:
+        if self._body is not None:
+            await self._body.aclose()
         await self._response.aclose()
 
 

@@ -53,6 +53,7 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # its own: looked up once
         self.closed = False
         self.idle_since = 0.0
         self.deadline = 0.0  # loop time: the current wait's silence ends there
@@ -79,6 +80,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
+        self.loop = asyncio.get_running_loop()
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -139,17 +141,22 @@ class _Connection(asyncio.Protocol):
 
     def _wake(self) -> None:
         waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
-    async def wait(self, timeout: float) -> None:
-        """Until the parser has news, or `timeout` seconds of silence (UpstreamTimeout).
+    def news(self, timeout: float) -> asyncio.Future[None]:
+        """Done when the parser has news; failed (UpstreamTimeout) after `timeout` seconds
+        of silence.
 
-        This runs once per token chunk, so it arms no timer of its own (a timer handle
+        This runs once per token chunk, so it is a plain future on the connection's
+        loop (no coroutine, no loop lookup) and arms no timer of its own (a timer handle
         made and cancelled per chunk cost more than the rest of the wait): it moves the
         connection's deadline, and one timer per connection (`_watch`) fires at the
         earliest deadline and moves itself on to the current one."""
-        loop = asyncio.get_running_loop()
+        loop = self.loop
+        assert loop is not None
         waiter = self.waiter = loop.create_future()
         deadline = self.deadline = loop.time() + timeout
         self.timeout = timeout
@@ -158,18 +165,17 @@ class _Connection(asyncio.Protocol):
             if timer is not None:
                 timer.cancel()
             self._timer = loop.call_at(deadline, self._watch)
-        try:
-            await waiter
-        finally:
-            self.waiter = None
+        return waiter
 
     def _watch(self) -> None:
         self._timer = None
         waiter = self.waiter
         if waiter is None or waiter.done():
             return  # nobody waits: the next wait arms the timer again
-        loop = asyncio.get_running_loop()
+        loop = self.loop
+        assert loop is not None
         if loop.time() >= self.deadline:
+            self.waiter = None
             _expire(waiter, self.timeout)
         else:
             self._timer = loop.call_at(self.deadline, self._watch)
@@ -222,6 +228,19 @@ class UpstreamResponse:
     def header(self, name: bytes) -> bytes | None:
         return find_header(self.raw_headers, name)
 
+    async def read(self) -> bytes:
+        """The body's next piece (all that is queued, as one); b"" once it is all read."""
+        conn = self._conn
+        if conn is None:
+            return b""
+        while not conn.chunks:
+            if conn.complete:
+                return b""
+            if conn.error is not None:
+                raise conn.error
+            await conn.news(self._pool.read_timeout)
+        return conn.take()
+
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         conn = self._conn
         if conn is None:
@@ -234,7 +253,7 @@ class UpstreamResponse:
                 return
             if conn.error is not None:
                 raise conn.error
-            await conn.wait(self._pool.read_timeout)
+            await conn.news(self._pool.read_timeout)
 
     async def aclose(self) -> None:
         """Return a finished connection to the pool; abort an unfinished one (so the
@@ -318,7 +337,7 @@ class UpstreamPool:
             while not conn.headers_done:
                 if conn.error is not None:
                     raise conn.error
-                await conn.wait(self.read_timeout)
+                await conn.news(self.read_timeout)
         except BaseException:
             conn.abort()
             raise
