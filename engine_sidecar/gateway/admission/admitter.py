@@ -154,8 +154,8 @@ class Admitter:
         else:  # decided now on the policy in force (`_admit_at_ceiling`)
             active = self.holder.active or active
             shape = ticket.shape
-            self.metrics.ceiling_admissions.labels(
-                active.policy.tenants[tenant_id].tier.value).inc()
+            self.metrics.tier(active.policy.tenants[tenant_id].tier.value
+                              ).ceiling_admissions.inc()
         trace.queued(ticket)
         if not ticket.settled and not await self._wait_in_queue(ticket, receive, trace):
             return None

@@ -263,6 +263,7 @@ class TierSeries(NamedTuple):
     ttft: Any
     duration: Any
     reserved_blocks: Any
+    ceiling_admissions: Any
 
 
 class GatewayMetrics:
@@ -310,7 +311,7 @@ class GatewayMetrics:
         if series is None:
             series = self._tiers[tier] = TierSeries(
                 self.ttft.labels(tier), self.duration.labels(tier),
-                self.reserved_blocks.labels(tier))
+                self.reserved_blocks.labels(tier), self.ceiling_admissions.labels(tier))
         return series
 
     def attach_state(self, sources: StateSources) -> None:
