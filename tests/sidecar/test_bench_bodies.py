@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from kvquota_lab.perf.load import UNIQUE, Target, run_load
+from kvquota_lab.perf.relay import measure as measure_relay
 from kvquota_lab.perf.sidecar import Row, main
 
 
@@ -91,3 +92,11 @@ def test_a_chat_bench_without_a_tokenizer_is_refused_before_it_starts(
         main(["--pace", "engine", "--chat-tokens", "2500"])
     assert exit_info.value.code == 2
     assert "--chat-tokens needs --tokenizer" in capsys.readouterr().err
+
+
+def test_the_relay_bench_times_only_complete_relayed_streams() -> None:
+    """`perf.sidecar relay` compares reading a stream directly with reading it through
+    the sidecar's relay; it refuses to report when the relay did not deliver every
+    chunk's bytes (a failing exchange costs little CPU and would read as a fast relay)."""
+    result = asyncio.run(measure_relay(chunks=4, requests=16, rounds=1))
+    assert result["relayed_us"] > 0 and result["direct_us"] > 0
