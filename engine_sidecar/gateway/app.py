@@ -225,6 +225,7 @@ class Gateway:
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.upstream.aclose()
             self.tokenizers.close()
+            self.pool_link.close()
 
     def _upstream_failed(self, kind: str) -> None:
         self.metrics.upstream_errors.labels(kind).inc()

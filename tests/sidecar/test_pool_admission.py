@@ -15,7 +15,7 @@ from engine_sidecar.contract.policy import PoolLimits, PoolStorePolicy
 from engine_sidecar.gateway.admission.ledger import Ledger
 from engine_sidecar.gateway.admission.queue import AdmissionQueue, Ticket
 from engine_sidecar.gateway.admission.rules import UNKNOWN_CAPACITY, RequestShape
-from engine_sidecar.gateway.pool.admission import PoolAdmission
+from engine_sidecar.gateway.pool.admission import REASK_S, PoolAdmission
 from engine_sidecar.gateway.pool.link import PoolLink
 from engine_sidecar.gateway.pool.store import Outcome, PoolStore, connect
 from tests.support.redis_server import RedisServer
@@ -30,9 +30,13 @@ POLICY = make_policy(tenant(
     pool_wide=PoolLimits(guaranteed_blocks=10, max_blocks=20)))
 
 
+class _Clock:
+    now = 0.0
+
+
 def _engine(server: RedisServer | None, name: str) -> AdmissionQueue:
     ledger = Ledger()
-    queue = AdmissionQueue(ledger, clock=lambda: 0.0, rng=random.Random(1),
+    queue = AdmissionQueue(ledger, clock=lambda: _Clock.now, rng=random.Random(1),
                            max_model_len=lambda: None)
     # As the sidecar wires it: a released reservation reaches the pool-wide ledger.
     ledger.on_release = lambda reservation: queue.released(reservation.tenant_id)
@@ -86,7 +90,13 @@ def test_a_tenant_routed_to_one_engine_gets_the_other_engines_idle_share(
         assert ticket.reservation is not None
         ticket.reservation.release()
     # a's claim was above its allowance (b waits on it): its releases reach the store
-    # at once, not at a's next refresh.
+    # at once, not at a's next refresh; b's queued request asks again once REASK_S has
+    # passed, not at every pump (each ask is a round trip).
+    assert b.pool is not None and isinstance(b.pool.store, PoolStore)
+    trips = b.pool.store.round_trips
+    b.pump()
+    assert not on_b[2].settled and b.pool.store.round_trips == trips
+    _Clock.now += REASK_S
     b.pump()
     assert on_b[2].admitted
 

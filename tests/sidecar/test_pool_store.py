@@ -32,7 +32,7 @@ class _Pool:
 
     def burst(self, store: PoolStore, rng: random.Random, n: int,
               sizes: tuple[int, ...] = (3, 5, 8), release: float = 0.4,
-              refresh_every: int = 0) -> None:
+              refresh_every: int = 0, limits: Limits = LIMITS) -> None:
         held: list[int] = []
         for step in range(n):
             if refresh_every and step % refresh_every == 0:
@@ -45,7 +45,7 @@ class _Pool:
                 store.release("acme", size)
                 continue
             size = rng.choice(sizes)
-            outcome = store.charge("acme", size, LIMITS)
+            outcome = store.charge("acme", size, limits)
             with self.lock:
                 self.outcomes[outcome] += 1
                 if outcome in (Outcome.LOCAL, Outcome.POOL):
@@ -77,7 +77,8 @@ def _lasting(server: RedisServer, limits: Limits) -> tuple[PoolStore, PoolStore]
     outlives in a test: what they decide does not depend on how fast it runs."""
     client = connect(server.address, None, timeout_s=0.5)
     client.set("kvq:{ns/pool}:epoch", 0)
-    a, b = (PoolStore(client, "ns/pool", name, ttl_s=60.0, margin_blocks=4)
+    # A long wait for the others to lean: a charge returns as soon as they have.
+    a, b = (PoolStore(client, "ns/pool", name, ttl_s=60.0, margin_blocks=4, take_back_s=10.0)
             for name in ("engine-a", "engine-b"))
     for s in (a, b):
         assert s.refresh({"acme": limits})
@@ -190,52 +191,106 @@ def test_a_store_killed_and_restarted_during_concurrent_bursts(server: RedisServ
     assert a.held("acme") == (70, 7) and b.held("acme") == (0, 0)
 
 
-def test_within_its_pool_wide_guarantee_a_tenant_is_checked_against_what_it_holds(
+def test_the_others_unused_allowances_are_taken_back_for_a_guaranteed_tenant(
     server: RedisServer,
 ) -> None:
-    # Routing packs the tenant onto a while b holds little of its own split. The two
-    # allowances (50 each) fill maxBlocks, yet a request that keeps what the tenant
-    # holds within its pool-wide guarantee (80) is granted; beyond the guarantee the
-    # claims decide again, and once b's refresh lowers its allowance the two never
-    # pass maxBlocks.
+    # Routing packs the tenant (pool-wide guarantee 80) onto a while b holds little of
+    # its own split. The two allowances (50 each) fill maxBlocks, yet a request that what
+    # the tenant holds leaves room for (20 + 60) is granted: b is asked to lean, its
+    # allowance becomes what it holds (20), and a's charge is retried on the claims.
+    # b's next admission then needs the store, and the two never pass maxBlocks.
     limits = Limits(max_blocks=100, ceiling_blocks=50, guaranteed_blocks=80)
-    a, b = _sidecar(server, "engine-a"), _sidecar(server, "engine-b")
-    for s in (a, b):
-        assert s.refresh({"acme": limits})
-    time.sleep(TTL_S)  # the new store's grace
-    for s in (a, b):
-        assert s.refresh()
+    a, b = _lasting(server, limits)
+    b.listen()
+    assert b.subscribed.wait(10)
+    try:
+        assert [b.charge("acme", 10, limits) for _ in range(2)] == [Outcome.LOCAL] * 2
+        assert [a.charge("acme", 10, limits) for _ in range(5)] == [Outcome.LOCAL] * 5
+        # 50 + 50 claimed: without the take-back this was refused or passed maxBlocks.
+        assert a.charge("acme", 10, limits) is Outcome.POOL  # held 20 + 60 <= 100
+        assert a.take_backs == 1
+        assert a.charge("acme", 10, limits) is Outcome.POOL  # claims 20 + 70 <= 100
+        assert a.charge("acme", 10, limits) is Outcome.POOL  # claims 20 + 80 = maxBlocks
+        assert a.charge("acme", 10, limits) is Outcome.REFUSED  # 20 + 90: beyond both
+        assert b.charge("acme", 10, limits) is Outcome.REFUSED  # its allowance was taken
+        assert b.refresh()  # under pressure: it may grow only within what a leaves
+        assert b.charge("acme", 10, limits) is Outcome.REFUSED
+        assert a.held("acme")[0] + b.held("acme")[0] == limits.max_blocks
+    finally:
+        b.close()
+
+
+def test_a_sidecar_that_does_not_lean_in_time_keeps_its_claim(server: RedisServer) -> None:
+    # b is alive but does not answer (not listening: slow, partitioned from the channel):
+    # a's charge that what is held leaves room for waits its bounded time and is
+    # refused, never granted above maxBlocks; b may still fill its allowance.
+    limits = Limits(max_blocks=100, ceiling_blocks=50, guaranteed_blocks=80)
+    a, b = _lasting(server, limits)
+    a.take_back_s = 0.05
     assert [b.charge("acme", 10, limits) for _ in range(2)] == [Outcome.LOCAL] * 2
-    assert b.refresh()  # the store sees b hold 20 of its allowance of 50
     assert [a.charge("acme", 10, limits) for _ in range(5)] == [Outcome.LOCAL] * 5
-    # 50 + 50 claimed: without the guarantee rule this was refused.
-    assert a.charge("acme", 10, limits) is Outcome.POOL  # held 20 + 60 <= 80
-    assert a.charge("acme", 10, limits) is Outcome.REFUSED  # 20 + 70 > 80, claims full
-    assert b.refresh()  # a's grant marked the tenant: b keeps held + margin (32)
-    assert b.charge("acme", 10, limits) is Outcome.LOCAL
-    assert b.charge("acme", 10, limits) is Outcome.POOL  # claims 60 + 40 = maxBlocks
-    assert b.charge("acme", 10, limits) is Outcome.REFUSED
+    assert a.charge("acme", 10, limits) is Outcome.REFUSED
+    assert [b.charge("acme", 10, limits) for _ in range(3)] == [Outcome.LOCAL] * 3
     assert a.held("acme")[0] + b.held("acme")[0] == limits.max_blocks
+
+
+def test_two_listening_sidecars_never_pass_max_with_the_guarantee_rule(
+    server: RedisServer,
+) -> None:
+    # Concurrent bursts from threads on two sidecars sharing one Redis, the guarantee
+    # rule active (guarantee 80 of maxBlocks 100, each split 50): charges that what is
+    # held leaves room for take allowances back, and the tenant's total held never
+    # passes maxBlocks (the rule that granted on the guarantee alone peaked at 112-121).
+    limits = Limits(max_blocks=100, ceiling_blocks=50, guaranteed_blocks=80)
+    a, b = _lasting(server, limits)
+    for s in (a, b):
+        s.take_back_s = 0.05
+        s.listen()
+        assert s.subscribed.wait(10)
+    pool, stop = _Pool(), threading.Event()
+    try:
+        threads = _refreshing((a, b), stop)
+        threads += [threading.Thread(target=pool.burst, args=(s, random.Random(n), 300,
+                                                              (3, 5, 8), 0.3, 0, limits))
+                    for n, s in enumerate((a, a, a, b))]
+        for t in threads:
+            t.start()
+        for t in threads[2:]:
+            t.join(60)
+        stop.set()
+        for t in threads[:2]:
+            t.join(10)
+    finally:
+        a.close()
+        b.close()
+    assert pool.peak_blocks <= limits.max_blocks
+    assert a.take_backs + b.take_backs > 0  # allowances were taken back
+    assert pool.outcomes[Outcome.POOL] > 0 and pool.outcomes[Outcome.REFUSED] > 0
 
 
 def test_a_release_under_pressure_reaches_the_others_next_charge_at_once(
     server: RedisServer,
 ) -> None:
-    # b holds 50 and published it; a is refused beyond the guarantee (50 + 60 > 80),
-    # which marks the tenant. Once b's refresh hears of it, b writes its releases
-    # through: a's next charge, within the guarantee on what is held now (10 + 60), is
-    # granted, where the holdings b last published (40) refused it.
+    # b holds 50 and published it; a is refused (what is held, 50 + 60, passes
+    # maxBlocks), which marks the tenant. Once b's refresh hears of the mark, b writes its
+    # releases through: a's next charge is decided on what b holds now (10 + 70) and
+    # granted, where the holdings b last published (40 + 70) refused it.
     limits = Limits(max_blocks=100, ceiling_blocks=50, guaranteed_blocks=80)
     a, b = _lasting(server, limits)
     assert [b.charge("acme", 10, limits) for _ in range(5)] == [Outcome.LOCAL] * 5
     assert b.refresh()  # the store sees b hold 50
     assert [a.charge("acme", 10, limits) for _ in range(5)] == [Outcome.LOCAL] * 5
-    assert a.charge("acme", 10, limits) is Outcome.REFUSED  # 50 + 60 > 80
+    assert a.charge("acme", 10, limits) is Outcome.REFUSED  # 50 + 60 > 100
     assert not b.released("acme", 40, 4)  # not under pressure as b last heard: kept
     assert b.refresh()  # publishes 40, and b hears of the pressure
-    assert a.charge("acme", 10, limits) is Outcome.REFUSED  # 40 + 60 > 80
+    assert a.charge("acme", 20, limits) is Outcome.REFUSED  # 40 + 70 > 100
     assert b.released("acme", 10, 1)  # written through
-    assert a.charge("acme", 10, limits) is Outcome.POOL  # 10 + 60 <= 80
+    b.listen()  # its unused allowance is taken back too
+    assert b.subscribed.wait(10)
+    try:
+        assert a.charge("acme", 20, limits) is Outcome.POOL  # 10 + 70 <= 100
+    finally:
+        b.close()
 
 
 def test_a_release_above_the_allowance_is_written_through_at_once(server: RedisServer) -> None:

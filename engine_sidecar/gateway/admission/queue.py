@@ -315,7 +315,9 @@ class AdmissionQueue(Backlog):
                           outlook=self.estimates.outlook(tenant, ticket.shape.route, policy),
                           beyond_max=beyond_max)
 
-        return self.pool.decide(tenant, view, run) if self.pool is not None else run(tenant)
+        if self.pool is None:
+            return run(tenant)
+        return self.pool.decide(tenant, view, run, self.clock())
 
     def growth(self, tenant_id: str, shape: RequestShape, max_tokens: int) -> RequestGrowth:
         """How an admitted request's take and remainder follow what it decodes (its

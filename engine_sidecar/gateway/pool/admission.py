@@ -39,6 +39,9 @@ class ClaimStore(Protocol):
 
 
 _SPLIT_REFUSALS = (Decision.REJECTED_QUOTA, Decision.REJECTED_CONCURRENCY)
+# A tenant the store refused asks again no sooner than this (or a refresh, or a request
+# of its ending here), whatever the pumps: each ask is a round trip.
+REASK_S = 0.05
 
 
 def limits_of(tenant: TenantPolicy) -> Limits | None:
@@ -68,31 +71,42 @@ class PoolAdmission:
     def __init__(self, store: ClaimStore) -> None:
         self.store = store
         self.charges = {outcome: 0 for outcome in Outcome}  # what decisions needed
-        # Tenants the store refused since the last refresh: their queued requests do not
-        # ask again at every pump, only once the claims have moved.
-        self._refused: set[str] = set()
+        # Tenant -> when the store last refused it: its queued requests do not ask again
+        # at every pump, only once the claims may have moved.
+        self._refused: dict[str, float] = {}
 
     def decide(self, tenant: TenantPolicy, view: PoolView,
-               run: Callable[[TenantPolicy], Verdict]) -> Verdict:
-        """`run(tenant)`: `rules.decide` for this request with that tenant policy."""
+               run: Callable[[TenantPolicy], Verdict], now: float = 0.0) -> Verdict:
+        """`run(tenant)`: `rules.decide` for this request with that tenant policy;
+        `now`: the queue's clock."""
         verdict = run(tenant)
         limits = limits_of(tenant)
         if limits is None or not (verdict.admitted or verdict.decision in _SPLIT_REFUSALS):
             return verdict
         load = view.tenant(tenant.tenant_id)
+        refused_at = self._refused.get(tenant.tenant_id)
+        asked = refused_at is not None and now - refused_at < REASK_S
         if verdict.admitted and not verdict.above_max:
-            return self._charge(tenant, load.charged, load.inflight, verdict, limits)
+            if asked:
+                return _full(tenant, load.charged, verdict)
+            return self._asked(tenant.tenant_id, now, self._charge(
+                tenant, load.charged, load.inflight, verdict, limits))
         # Refused by the split (or admitted only into idle KV beyond it): try the pool.
-        if tenant.tenant_id in self._refused:
+        if asked:
             return verdict
         wide = run(pool_wide(tenant))
         if not wide.admitted or wide.above_max:
             return verdict
-        granted = self._charge(tenant, load.charged, load.inflight, wide, limits)
-        if not granted.admitted:
-            self._refused.add(tenant.tenant_id)
-            return verdict
-        return granted
+        granted = self._asked(tenant.tenant_id, now, self._charge(
+            tenant, load.charged, load.inflight, wide, limits))
+        return granted if granted.admitted else verdict
+
+    def _asked(self, tenant_id: str, now: float, verdict: Verdict) -> Verdict:
+        if verdict.admitted:
+            self._refused.pop(tenant_id, None)
+        else:  # refused, or the store is down: a round trip that did not help
+            self._refused[tenant_id] = now
+        return verdict
 
     def _charge(self, tenant: TenantPolicy, charged: int, inflight: int, verdict: Verdict,
                 limits: Limits) -> Verdict:
@@ -111,8 +125,8 @@ class PoolAdmission:
         """A request of `tenant_id` ended: the store hears what its requests hold now
         when others may be waiting on it (`PoolStore.released`)."""
         load = view.tenant(tenant_id)
-        if self.store.released(tenant_id, load.charged, load.inflight):
-            self._refused.discard(tenant_id)
+        self._refused.pop(tenant_id, None)  # room here: its next request may fit
+        self.store.released(tenant_id, load.charged, load.inflight)
 
     def refresh(self, policy: EnginePolicy, view: PoolView) -> bool:
         """Republish what this sidecar's requests hold (call 3x per TTL)."""

@@ -3,7 +3,8 @@
 Built when the policy's `poolStore` appears or changes (the password read from the
 store's own mounted Secret, else from the pool's secrets directory where earlier
 releases told users to put it; never logged), dropped when it goes; `run` refreshes this
-sidecar's claims three times per TTL so they outlive it by at most one TTL.
+sidecar's claims three times per TTL so they outlive it by at most one TTL. While
+connected, a thread answers the other sidecars' requests to lean (`PoolStore.listen`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class PoolLink:
         self.sidecar = engine_id or f"{socket.gethostname()}-{os.getpid()}"
         self._spec: tuple[str, PoolStorePolicy] | None = None
         self.admission: PoolAdmission | None = None
+        self._store: PoolStore | None = None  # the admission's, listening for leans
 
     def for_policy(self, policy: EnginePolicy) -> PoolAdmission | None:
         """The pool-wide admission for `policy` (None: the policy names no store)."""
@@ -39,8 +41,16 @@ class PoolLink:
         if spec == self._spec:
             return self.admission
         self._spec = spec
+        if self._store is not None:
+            self._store.close()
+            self._store = None
         self.admission = None if spec is None else self._connect(*spec)
         return self.admission
+
+    def close(self) -> None:
+        """Stop listening to the store (the app's shutdown)."""
+        if self._store is not None:
+            self._store.close()
 
     def _connect(self, pool: str, store: PoolStorePolicy) -> PoolAdmission | None:
         password = None
@@ -62,7 +72,9 @@ class PoolLink:
                 return None
         client = connect(store.address, password, timeout_s=store.timeout_ms / 1000)
         logger.info("kvquota: pool-wide admission on the store at %s", store.address)
-        return PoolAdmission(PoolStore(client, pool, self.sidecar, ttl_s=store.ttl_seconds))
+        self._store = PoolStore(client, pool, self.sidecar, ttl_s=store.ttl_seconds)
+        self._store.listen()
+        return PoolAdmission(self._store)
 
     async def run(self, policy: Callable[[], EnginePolicy | None],
                   view: Callable[[], PoolView | None]) -> None:

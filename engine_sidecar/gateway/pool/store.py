@@ -7,141 +7,26 @@ what a sidecar's requests hold (`b`, `r`) and its allowance (`ab`, `ar`): what i
 admit with no round trip. Every change that raises a claim is one Lua script (EVALSHA)
 that writes only if the pool-wide limit allows, so two sidecars never both take the
 last blocks. A refusal marks the tenant for one TTL, and every sidecar's refresh then
-lowers its allowance to what it holds plus a margin. After a store restart (a new epoch)
-nothing grows for one TTL while sidecars republish. Keys share one hash tag (`{pool}`),
-so a cluster keeps them on one slot. The protocol in full: docs/gateway.md (pool).
+lowers its allowance to what it holds plus a margin. A charge that what the tenant
+holds leaves room for, but the others' allowances block, asks them to lean (pub/sub)
+and is retried for a few ms: nothing is granted above maxBlocks. After a store restart (a
+new epoch) nothing grows for one TTL while sidecars republish. Keys share one hash tag
+(`{pool}`), so a cluster keeps them on one slot. The protocol: docs/gateway.md (pool).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
+from engine_sidecar.gateway.pool import scripts
+
 if TYPE_CHECKING:
     import redis
-
-# KEYS: live zset, my hash, epoch. ARGV: me, key prefix, ttl ms, grace ms, tenant,
-# new b, new r, max b (-1: none), max r (-1: none), guaranteed b (-1: none).
-# Returns {status, others' b claims, others' r claims, pressured}: 1 granted, 0 refused,
-# -1 warming (grace after an empty store), -2 my hash is gone (republish first);
-# pressured: 1 while a sidecar of the pool was refused for the tenant within one TTL.
-_PRELUDE = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local epoch = redis.call('GET', KEYS[3])
-if not epoch then
-  redis.call('SET', KEYS[3], now)
-  epoch = now
-end
-local warming = (now - tonumber(epoch)) < tonumber(ARGV[4])
-local pressure = string.sub(ARGV[2], 1, -3) .. 'p:'
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-local live = redis.call('ZRANGE', KEYS[1], 0, -1)
-local function others(tenant)
-  local b, r, held = 0, 0, 0
-  for _, s in ipairs(live) do
-    if s ~= ARGV[1] then
-      local v = redis.call('HMGET', ARGV[2] .. s, 'b:' .. tenant, 'r:' .. tenant,
-                           'ab:' .. tenant, 'ar:' .. tenant)
-      b = b + math.max(tonumber(v[1]) or 0, tonumber(v[3]) or 0)
-      r = r + math.max(tonumber(v[2]) or 0, tonumber(v[4]) or 0)
-      held = held + (tonumber(v[1]) or 0)
-    end
-  end
-  return b, r, held
-end
-local function keep_alive()
-  redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[3]))
-  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
-end
-"""
-
-_CHARGE = _PRELUDE + """
-if redis.call('EXISTS', KEYS[2]) == 0 then return {-2, 0, 0, 0} end
-local tenant = ARGV[5]
-local b, r, held = others(tenant)
-if warming then return {-1, b, r, redis.call('EXISTS', pressure .. tenant)} end
-local nb, nr = tonumber(ARGV[6]), tonumber(ARGV[7])
-local mb, mr, gb = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
-local fits = mb < 0 or b + nb <= mb
--- Within its pool-wide guarantee a tenant is checked against what it holds, not
--- against the room the others may still admit into locally (their allowances).
-local guaranteed = gb >= 0 and held + nb <= gb and (mb < 0 or held + nb <= mb)
-if (not fits and not guaranteed) or (mr >= 0 and r + nr > mr) then
-  redis.call('SET', pressure .. tenant, 1, 'PX', tonumber(ARGV[3]))
-  return {0, b, r, 1}
-end
-if not fits then  -- granted on the guarantee: the others' allowances lean at refresh
-  redis.call('SET', pressure .. tenant, 1, 'PX', tonumber(ARGV[3]))
-end
-redis.call('HSET', KEYS[2], 'b:' .. tenant, nb, 'r:' .. tenant, nr)
-keep_alive()
-return {1, b, r, redis.call('EXISTS', pressure .. tenant)}
-"""
-
-# ARGV from 5 on, per tenant (11 each): tenant, b, r, held ab, held ar, wanted ab,
-# wanted ar (its per-engine ceiling), max b, max r, then the lean allowances wanted
-# while a sidecar of the pool was refused for the tenant within the last TTL (what it
-# holds plus a margin): an allowance shrinks only when another engine needs the room.
-# An allowance that grows is granted only outside the grace and within what the others
-# leave.
-# Returns per tenant in order the granted allowances, ab then ar, and whether the tenant
-# is under pressure (1: marked); then the warming flag.
-_PUBLISH = _PRELUDE + """
-local fields = {'_', 1}
-local granted = {}
-local i = 5
-while i + 10 <= #ARGV do
-  local tenant = ARGV[i]
-  local b, r = tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
-  local hab, har = tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4])
-  local wab, war = tonumber(ARGV[i + 5]), tonumber(ARGV[i + 6])
-  local mb, mr = tonumber(ARGV[i + 7]), tonumber(ARGV[i + 8])
-  local pressured = redis.call('EXISTS', pressure .. tenant)
-  if pressured == 1 then
-    wab, war = tonumber(ARGV[i + 9]), tonumber(ARGV[i + 10])
-  end
-  local ob, orq = others(tenant)
-  local ab, ar = math.min(hab, wab), math.min(har, war)
-  if not warming then
-    if wab > ab then
-      local room = wab
-      if mb >= 0 then room = math.min(wab, mb - ob) end
-      ab = math.max(ab, room)
-    end
-    if war > ar then
-      local room = war
-      if mr >= 0 then room = math.min(war, mr - orq) end
-      ar = math.max(ar, room)
-    end
-  end
-  table.insert(fields, 'b:' .. tenant); table.insert(fields, b)
-  table.insert(fields, 'r:' .. tenant); table.insert(fields, r)
-  table.insert(fields, 'ab:' .. tenant); table.insert(fields, ab)
-  table.insert(fields, 'ar:' .. tenant); table.insert(fields, ar)
-  table.insert(granted, ab); table.insert(granted, ar); table.insert(granted, pressured)
-  i = i + 11
-end
-redis.call('DEL', KEYS[2])
-redis.call('HSET', KEYS[2], unpack(fields))
-keep_alive()
-if warming then table.insert(granted, 1) else table.insert(granted, 0) end
-return granted
-"""
-
-# ARGV: me, prefix, ttl ms, grace ms, tenant, b, r. A release: never checked.
-# Returns whether the tenant is under pressure (-2: my hash is gone, the refresh
-# republishes it).
-_RELEASE = _PRELUDE + """
-if redis.call('EXISTS', KEYS[2]) == 0 then return -2 end
-redis.call('HSET', KEYS[2], 'b:' .. ARGV[5], tonumber(ARGV[6]), 'r:' .. ARGV[5],
-           tonumber(ARGV[7]))
-keep_alive()
-return redis.call('EXISTS', pressure .. ARGV[5])
-"""
 
 NO_LIMIT = -1
 MARGIN_SHARE = 4  # under pressure an allowance keeps a quarter of its split free
@@ -171,8 +56,8 @@ class Limits:
     ceiling_blocks: int
     max_requests: int | None = None
     ceiling_requests: int | None = None
-    # Pool-wide guaranteed blocks: a charge that keeps what the tenant holds within
-    # them is granted whatever the others' allowances claim (None: no such rule).
+    # Pool-wide guaranteed blocks (None: none). With a guarantee, a charge that what
+    # the tenant holds leaves room for takes the others' unused allowances back.
     guaranteed_blocks: int | None = None
 
 
@@ -190,9 +75,14 @@ class PoolStore:
 
     def __init__(self, client: redis.Redis, pool: str, sidecar: str, *,
                  ttl_s: float = 10.0, margin_blocks: int = 16, margin_requests: int = 1,
-                 ) -> None:
+                 take_back_s: float = 0.005) -> None:
         self._client = client
         self._prefix = f"kvq:{{{pool}}}:c:"
+        self._channel = f"kvq:{{{pool}}}:lean"
+        # How long a charge the others' allowances block waits for them to lean.
+        self.take_back_s = take_back_s
+        self._listening: threading.Event | None = None
+        self.subscribed = threading.Event()  # set while listening for requests to lean
         self._keys = [f"kvq:{{{pool}}}:live", self._prefix + sidecar, f"kvq:{{{pool}}}:epoch"]
         self._me = sidecar
         self._ttl_ms = max(1, int(ttl_s * 1000))
@@ -200,15 +90,18 @@ class PoolStore:
         self._claims: dict[str, _Claim] = {}
         self._limits: dict[str, Limits] = {}
         self._lock = threading.Lock()
-        self._charge = client.register_script(_CHARGE)
-        self._publish = client.register_script(_PUBLISH)
-        self._release = client.register_script(_RELEASE)
+        self._charge = client.register_script(scripts.CHARGE)
+        self._publish = client.register_script(scripts.PUBLISH)
+        self._release = client.register_script(scripts.RELEASE)
+        self._lean = client.register_script(scripts.LEAN)
         # Tenants the store's last answer said are under pressure (a sidecar was refused
         # for them within one TTL): their releases are written through.
         self._pressured: set[str] = set()
         self.reachable = False  # the last round trip succeeded (the sidecar's status)
         self.warming = False
         self.round_trips = 0
+        self.take_backs = 0  # charges that asked the others to lean
+        self.leans = 0  # requests to lean this sidecar answered
 
     @property
     def ttl_s(self) -> float:
@@ -250,12 +143,103 @@ class PoolStore:
             if status == -2:  # the store lost my hash (restarted): republish, then retry
                 self._publish_locked()
                 status = self._eval_charge(tenant, nb, nr, limits)
+            if status == 2:
+                self.take_backs += 1
+                status, nb, nr = self._await_lean(tenant, blocks, requests, limits)
             if status == 1:
                 claim.blocks, claim.requests = nb, nr
                 return Outcome.POOL
             if status == 0:
                 return Outcome.REFUSED
             return Outcome.FALLBACK
+
+    def _await_lean(self, tenant: str, blocks: int, requests: int,
+                    limits: Limits) -> tuple[int, int, int]:
+        """Retry a charge the others' allowances blocked while they lean, for at most
+        `take_back_s` (the lock let go meanwhile: this sidecar's own listener may be
+        asked to lean too); a sidecar that does not answer in time keeps its claim, and
+        the charge is refused (0) rather than granted above maxBlocks. Returns the
+        status and the new totals it was decided on."""
+        deadline = time.monotonic() + self.take_back_s
+        pause = 0.0005
+        claim = self._claims[tenant]
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return 0, 0, 0
+            self._lock.release()
+            try:
+                time.sleep(min(pause, left))
+            finally:
+                self._lock.acquire()
+            pause *= 2
+            nb, nr = claim.blocks + blocks, claim.requests + requests
+            status = self._eval_charge(tenant, nb, nr, limits, ask=False)
+            if status != 2:
+                return status, nb, nr
+
+    def listen(self) -> None:
+        """Answer the others' requests to lean (a thread on its own connection): when a
+        charge elsewhere that what the tenant holds leaves room for finds this sidecar's
+        unused allowance in the way, the allowance becomes what this sidecar holds, at once."""
+        if self._listening is not None:
+            return
+        stop = self._listening = threading.Event()
+        threading.Thread(target=self._listen, args=(stop,), daemon=True,
+                         name=f"kvquota-pool-{self._me}").start()
+
+    def close(self) -> None:
+        """Stop answering requests to lean (the thread ends within a second)."""
+        if self._listening is not None:
+            self._listening.set()
+            self._listening = None
+
+    def _listen(self, stop: threading.Event) -> None:
+        pause = 0.1
+        while not stop.is_set():
+            try:
+                pubsub = self._client.pubsub()
+                pubsub.subscribe(self._channel)
+                pause = 0.1
+                try:
+                    while not stop.is_set():
+                        message = pubsub.get_message(timeout=0.5)
+                        if message is None:
+                            continue
+                        if message["type"] == "subscribe":
+                            self.subscribed.set()
+                        elif message["type"] == "message":
+                            asker, _, tenant = bytes(message["data"]).decode().partition("\n")
+                            if asker != self._me:
+                                self.lean(tenant)
+                finally:
+                    self.subscribed.clear()
+                    pubsub.close()
+            except Exception:  # the store is down or restarting: subscribe again
+                stop.wait(pause)
+                pause = min(2.0, pause * 2)
+
+    def lean(self, tenant: str) -> None:
+        """This sidecar's allowance for `tenant` becomes what it holds, here (no local
+        admission beyond it from now on) and then on the store."""
+        with self._lock:
+            self.leans += 1
+            claim = self._claims.get(tenant)
+            if claim is None or tenant not in self._limits:
+                return
+            claim.allow_blocks = min(claim.allow_blocks, claim.blocks)
+            try:
+                pressured = int(self._lean(keys=self._keys, args=[
+                    *self._argv(), tenant, claim.blocks, claim.requests]))
+            except Exception:  # its claim still counts; the charge is refused meanwhile
+                self.reachable = False
+                return
+            self.round_trips += 1
+            self.reachable = True
+            if pressured == -2:
+                self._publish_locked()
+            else:
+                self._note_pressure(tenant, pressured == 1)
 
     def release(self, tenant: str, blocks: int, requests: int = 1) -> bool:
         """`blocks` and `requests` of `tenant` ended (`released`, by difference)."""
@@ -268,8 +252,8 @@ class PoolStore:
         """A request of `tenant` ended: its requests hold `blocks` and `requests` now.
         Written through (one round trip) when the claim was above the allowance (a
         store-granted charge the others' claims wait on) or the store last said the
-        tenant is under pressure (a charge within its guarantee elsewhere is checked
-        against what it holds); else the next refresh writes it. True: written."""
+        tenant is under pressure (a charge elsewhere is checked against what it
+        holds); else the next refresh writes it. True: written."""
         with self._lock:
             return self._released_locked(tenant, blocks, requests)
 
@@ -337,12 +321,14 @@ class PoolStore:
             self._note_pressure(tenant, int(granted[3 * n + 2]) == 1)
         return True
 
-    def _eval_charge(self, tenant: str, nb: int, nr: int, limits: Limits) -> int:
+    def _eval_charge(self, tenant: str, nb: int, nr: int, limits: Limits,
+                     ask: bool = True) -> int:
         try:
             status, _b, _r, pressured = self._charge(keys=self._keys, args=[
                 *self._argv(), tenant, nb, nr, limits.max_blocks,
                 NO_LIMIT if limits.max_requests is None else limits.max_requests,
-                NO_LIMIT if limits.guaranteed_blocks is None else limits.guaranteed_blocks])
+                NO_LIMIT if limits.guaranteed_blocks is None else limits.guaranteed_blocks,
+                1 if ask else 0])
         except Exception:  # down or slower than the timeout: fall back
             self.reachable = False
             return -1

@@ -192,15 +192,17 @@ class _Engine(TwinRun):
 
     def charged(self, tenant: str) -> int:
         """What this engine's admission charges `tenant` (`_TenantView.charged`): its
-        ledger's count, or the blocks its running requests hold plus the joint bound on
-        what they will still grow where more, from the plugin's stats as the sidecar
-        last read them (not refreshed: measuring must not move what the sidecar sees)."""
+        ledger's count, or the blocks its running requests hold where more, from the
+        plugin's stats as the sidecar last read them (not refreshed: measuring must not
+        move what the sidecar sees). Not running plus the joint bound, which admission
+        stopped charging: that counted the same tokens twice (8 engines, small, seed 31:
+        scraper 27 blocks "over" its pool-wide maxBlocks while the store's claims summed
+        4,776 of its 4,800)."""
         if self.gateway is None:
             return 0
-        ledger = self.gateway.ledger
         seen = self._stats.tenants.get(tenant) if self._stats is not None else None
         running = seen.running_blocks if seen is not None else 0
-        return max(ledger.reserved_blocks(tenant), running + ledger.growth(tenant).bound)
+        return max(self.gateway.ledger.reserved_blocks(tenant), running)
 
     def held(self) -> Counter[str]:
         """Blocks each tenant holds here: its running requests' (vLLM's block tables)
@@ -749,12 +751,15 @@ class PoolRun:
                 outcomes.update({o.value: n for o, n in queue.pool.charges.items()})
         admitted = outcomes["local"] + outcomes["pool"]
         needed = outcomes["pool"] + outcomes["refused"]
-        share = needed / max(1, admitted + outcomes["refused"])
+        decisions = max(1, admitted + outcomes["refused"])
+        share = needed / decisions
+        # A take-back costs the charge, the others' lean and the retry: three round trips.
+        trips = 3 if self.ledger.take_backs / decisions > 0.01 else 1
         return {
             "admittedLocally": outcomes["local"], "admittedByStore": outcomes["pool"],
             "refusedByStore": outcomes["refused"], "roundTrips": self.ledger.round_trips,
-            "storeShare": round(share, 4),
-            "p99AddedSeconds": self.ledger.rtt_s if share > 0.01 else 0.0,
+            "takeBacks": self.ledger.take_backs, "storeShare": round(share, 4),
+            "p99AddedSeconds": trips * self.ledger.rtt_s if share > 0.01 else 0.0,
         }
 
 

@@ -1,16 +1,18 @@
-"""The pool-wide ledger in the twin: the shared store's rule (`pool_store`'s Lua
-scripts) over one in-memory table, shared by the pool's engines.
+"""The pool-wide ledger in the twin: the shared store's rule (`pool_store`'s Lua scripts)
+over one in-memory table, shared by the pool's engines.
 
 Same claims as on the store, published when the store would see them (a charge that
 needs it, a refresh, a release while the claim was above the allowance or the tenant
-marked as the store last said), so the others decide on the same stale numbers: a sidecar's claim
-on a tenant is the more of what its requests hold and its allowance (what it admits
-with no round trip: its split, lowered to charge + margin on refresh for a TTL after a
-refusal for the tenant); a claim grows only within what the others' claims leave of the
-pool-wide limit, or, while what the tenant holds stays within its pool-wide guarantee,
-within that guarantee whatever the claims. No sidecar dies and the store never fails
-here, so no TTL and no grace. Round trips are counted; each costs `rtt_s`, which the
-report adds to the admissions that needed one (virtual time does not wait for it).
+marked as the store last said), so the others decide on the same stale numbers: a
+sidecar's claim on a tenant is the more of what its requests hold and its allowance
+(what it admits with no round trip: its split, lowered to charge + margin on refresh for
+a TTL after a refusal for the tenant); a claim grows only within what the others' claims
+leave of the pool-wide limit; for a tenant with a pool-wide guarantee, when what it
+holds leaves room, the others' allowances in the way are taken back first (each leans to
+what it holds, at once: every sidecar answers in time here). No sidecar dies and the
+store never fails here, so no TTL and no grace. Round trips are counted; each costs
+`rtt_s`, which the report adds to the admissions that needed one (virtual time does not
+wait for it).
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ class TwinLedger:
     round_trips: int = 0
     pressure: dict[str, float] = field(default_factory=dict)  # tenant -> refused at
     now: float = 0.0  # virtual time, set by the pool
+    # The sidecars, each listening for requests to lean (all answer at once here).
+    sidecars: dict[str, TwinPoolStore] = field(default_factory=dict)
+    take_backs: int = 0  # charges that asked the others to lean
 
     def others(self, me: str, tenant: str) -> tuple[int, int]:
         blocks = requests = 0
@@ -76,6 +81,7 @@ class TwinPoolStore:
         self.me = sidecar
         self.margin = (margin_blocks, margin_requests)
         self.published = ledger.claims.setdefault(sidecar, {})  # what the store holds
+        ledger.sidecars[sidecar] = self
         self.claims: dict[str, _Claim] = {}  # this sidecar's own books
         self.limits: dict[str, Limits] = {}
         self.pressured: set[str] = set()  # as the store's last answer said
@@ -95,6 +101,16 @@ class TwinPoolStore:
             self.pressured.add(tenant)
         else:
             self.pressured.discard(tenant)
+
+    def lean(self, tenant: str) -> None:
+        """Asked to lean (`PoolStore.lean`): the allowance becomes what it holds."""
+        claim = self.claims.get(tenant)
+        if claim is None or tenant not in self.limits:
+            return
+        claim.allow_blocks = min(claim.allow_blocks, claim.blocks)
+        self.ledger.round_trips += 1
+        self._publish(tenant)
+        self._note_pressure(tenant)
 
     def released(self, tenant: str, blocks: int, requests: int) -> bool:
         """As `PoolStore.released`: written through when the claim was above the
@@ -126,15 +142,23 @@ class TwinPoolStore:
         ob, orq = self.ledger.others(self.me, tenant)
         fits = ob + nb <= limits.max_blocks
         held = self.ledger.others_hold(self.me, tenant) + nb
-        guaranteed = (limits.guaranteed_blocks is not None
-                      and held <= min(limits.guaranteed_blocks, limits.max_blocks))
-        if (not fits and not guaranteed) or (
-                limits.max_requests is not None and orq + nr > limits.max_requests):
+        takeable = limits.guaranteed_blocks is not None and held <= limits.max_blocks
+        if not fits and takeable and (
+                limits.max_requests is None or orq + nr <= limits.max_requests):
+            # What is held leaves room: the others' allowances are taken back (each leans to
+            # what it holds, a round trip of its own), then the charge is retried.
+            self.ledger.pressure[tenant] = self.ledger.now
+            self.ledger.take_backs += 1
+            for sidecar, other in self.ledger.sidecars.items():
+                if sidecar != self.me:
+                    other.lean(tenant)
+            self.ledger.round_trips += 1
+            ob, orq = self.ledger.others(self.me, tenant)
+            fits = ob + nb <= limits.max_blocks
+        if not fits or (limits.max_requests is not None and orq + nr > limits.max_requests):
             self.ledger.pressure[tenant] = self.ledger.now
             self.pressured.add(tenant)
             return Outcome.REFUSED
-        if not fits:
-            self.ledger.pressure[tenant] = self.ledger.now
         self._note_pressure(tenant)
         claim.blocks, claim.requests = nb, nr
         mine = self.published.setdefault(tenant, _Claim())
