@@ -144,6 +144,10 @@ class SidecarStatus(_Wire):
         None, description="the pool-wide ledger's store answered the last round trip "
         "(False: admission keeps to what this sidecar had claimed); None: no store"
     )
+    pool_store_problem: str | None = Field(
+        None, description="why this sidecar does not use the store its policy names "
+        "(its password is not mounted); poolStoreReachable is then False"
+    )
     tenants: dict[str, TenantStatus] = Field(default_factory=dict)
     capacity_source: str | None = Field(
         None, description="where totalBlocks/freeBlocks come from: 'engine' (plugin stats), "

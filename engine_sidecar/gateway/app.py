@@ -296,6 +296,7 @@ class Gateway:
             policy_error=self.holder.error, ledger=self.ledger, counters=self.counters,
             stats=self.stats.current(), capacity=self.capacity(), queue=self.queue,
             stats_age=self.stats.age(), stats_stale=self.stats.stale(),
+            pool_store_problem=self.pool_link.problem,
         )
         return Response(status.model_dump_json(by_alias=True), media_type="application/json")
 

@@ -243,6 +243,15 @@ def test_a_pool_with_a_store_says_when_an_engine_cannot_reach_it() -> None:
     degraded = condition(status, "StoreDegraded")
     assert (degraded["status"], degraded["reason"]) == ("True", "StoreUnreachable")
     assert "e2" in degraded["message"] and "e1" not in degraded["message"]
+    # A sidecar that cannot use the store at all (its password Secret not mounted) says
+    # why, and the condition repeats it: the fix is in the pod's spec, not the network.
+    problem = "the store's password (key password) is not mounted"
+    unmounted = EngineView(ready=2, matched=2, versions=versions,
+                           store_reachable={"e1": True, "e2": False},
+                           store_problems={"e2": problem})
+    degraded = condition(pool_status(plan, engines=unmounted, old=None, generation=1, now=T0),
+                         "StoreDegraded")
+    assert degraded["status"] == "True" and degraded["message"].endswith(f"e2; {problem}")
     up = EngineView(ready=2, matched=2, versions=versions,
                     store_reachable={"e1": True, "e2": True})
     status = pool_status(plan, engines=up, old=status, generation=1, now=T0)

@@ -18,6 +18,7 @@ from engine_sidecar.gateway.admission.rules import UNKNOWN_CAPACITY, RequestShap
 from engine_sidecar.gateway.pool.admission import REASK_S, PoolAdmission
 from engine_sidecar.gateway.pool.link import PoolLink
 from engine_sidecar.gateway.pool.store import Outcome, PoolStore, connect
+from engine_sidecar.gateway.telemetry.status import DecisionCounters, build_status
 from tests.support.redis_server import RedisServer
 
 from .helpers import make_policy, tenant
@@ -145,11 +146,25 @@ def test_the_sidecar_reads_the_store_password_from_its_own_secret_and_never_logs
         admission = PoolLink(secrets, "engine-d", store_secrets_dir=store_secrets).for_policy(
             legacy)
         assert admission is not None and admission.refresh(legacy, UNKNOWN_CAPACITY)
-        # Without the file the link stays off (today's behaviour), saying why.
-        missing = store.model_copy(update={"password_file": "absent"})
-        assert PoolLink(secrets, "engine-b").for_policy(
-            POLICY.model_copy(update={"pool_store": missing})) is None
-        assert secret not in caplog.text and "absent" in caplog.text
+        # Without the file the link stays off, saying why in the sidecar's status (for
+        # the pool's StoreDegraded condition); once the Secret is mounted, it connects
+        # with no restart.
+        missing = POLICY.model_copy(update={"pool_store": store.model_copy(
+            update={"password_file": "absent"})})
+        link = PoolLink(secrets, "engine-b")
+        assert link.for_policy(missing) is None and link.for_policy(missing) is None
+        assert secret not in caplog.text and caplog.text.count("key absent") == 1  # once
+        status = build_status(ready=True, active=None, policy_error=None, ledger=Ledger(),
+                              counters=DecisionCounters(), stats=None, capacity=None,
+                              queue=AdmissionQueue(Ledger(), clock=time.monotonic),
+                              pool_store_problem=link.problem)
+        assert status.pool_store_reachable is False
+        assert status.pool_store_problem is not None and "absent" in status.pool_store_problem
+        (secrets / "absent").write_text(secret + "\n")
+        admission = link.for_policy(missing)
+        assert admission is not None and admission.refresh(missing, UNKNOWN_CAPACITY)
+        assert link.problem is None
+        link.close()
         # A policy without a store: no pool-wide admission.
         assert PoolLink(secrets, "engine-c").for_policy(POLICY) is None
     finally:

@@ -34,17 +34,24 @@ class PoolLink:
         self._spec: tuple[str, PoolStorePolicy] | None = None
         self.admission: PoolAdmission | None = None
         self._store: PoolStore | None = None  # the admission's, listening for leans
+        # Why the policy's store is not used (its password is not mounted or readable):
+        # the status reports it, so the pool's StoreDegraded condition says so.
+        self.problem: str | None = None
 
     def for_policy(self, policy: EnginePolicy) -> PoolAdmission | None:
-        """The pool-wide admission for `policy` (None: the policy names no store)."""
+        """The pool-wide admission for `policy` (None: the policy names no store, or
+        names one this sidecar cannot use yet: asked again, it looks for the password
+        again, so a Secret mounted later takes effect with no restart)."""
         spec = (policy.pool, policy.pool_store) if policy.pool_store is not None else None
-        if spec == self._spec:
+        if spec == self._spec and self.problem is None:
             return self.admission
         self._spec = spec
         if self._store is not None:
             self._store.close()
             self._store = None
         self.admission = None if spec is None else self._connect(*spec)
+        if spec is None:
+            self.problem = None
         return self.admission
 
     def close(self) -> None:
@@ -55,26 +62,36 @@ class PoolLink:
     def _connect(self, pool: str, store: PoolStorePolicy) -> PoolAdmission | None:
         password = None
         if store.password_file is not None:
-            dirs = [d for d in (self.store_secrets_dir, self.secrets_dir) if d is not None]
-            found = [d / store.password_file for d in dirs
-                     if (d / store.password_file).is_file()]
-            if not found:
-                logger.error("kvquota: the pool store's password (key %s) is in none of %s; "
-                             "pool-wide admission off (mount the Secret that "
-                             "spec.poolStore.passwordSecretRef names)", store.password_file,
-                             ", ".join(str(d) for d in dirs) or "no secrets directory")
+            password = self._password(store.password_file)
+            if password is None:
                 return None
-            try:
-                password = found[0].read_text().strip()
-            except OSError as error:
-                logger.error("kvquota: cannot read the pool store's password file %s (%s); "
-                             "pool-wide admission off", found[0], type(error).__name__)
-                return None
+        self.problem = None
         client = connect(store.address, password, timeout_s=store.timeout_ms / 1000)
         logger.info("kvquota: pool-wide admission on the store at %s", store.address)
         self._store = PoolStore(client, pool, self.sidecar, ttl_s=store.ttl_seconds)
         self._store.listen()
         return PoolAdmission(self._store)
+
+    def _password(self, key: str) -> str | None:
+        """The store's password from the first secrets directory that has `key`; None
+        (and `problem` set, logged once) when none has it or it cannot be read."""
+        dirs = [d for d in (self.store_secrets_dir, self.secrets_dir) if d is not None]
+        found = [d / key for d in dirs if (d / key).is_file()]
+        problem: str
+        if not found:
+            problem = (f"the store's password (key {key}) is not mounted: mount the Secret "
+                       "spec.poolStore.passwordSecretRef names (kvquota inject "
+                       "--pool-store-secret)")
+        else:
+            try:
+                return found[0].read_text().strip()
+            except OSError as error:
+                problem = f"cannot read the store's password file {key} ({type(error).__name__})"
+        if problem != self.problem:
+            logger.error("kvquota: %s; looked in %s; pool-wide admission off until it is "
+                         "there", problem, ", ".join(str(d) for d in dirs) or "no directory")
+        self.problem = problem
+        return None
 
     async def run(self, policy: Callable[[], EnginePolicy | None],
                   view: Callable[[], PoolView | None]) -> None:

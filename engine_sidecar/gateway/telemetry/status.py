@@ -70,9 +70,11 @@ def build_status(
     queue: AdmissionQueue,
     stats_age: float | None = None,
     stats_stale: bool = False,
+    pool_store_problem: str | None = None,
 ) -> SidecarStatus:
     """`stats` are the plugin's stats admission uses (None when missing or stale);
-    `stats_age` is how old the latest ones are, stale or not."""
+    `stats_age` is how old the latest ones are, stale or not; `pool_store_problem`: why
+    the store the policy names is not used (`PoolLink.problem`)."""
     errors = [policy_error] if policy_error else []
     if stats is not None and stats.policy_error:
         errors.append(f"scheduler plugin: {stats.policy_error}")
@@ -119,7 +121,9 @@ def build_status(
         total_blocks=(capacity.total_blocks if capacity else None) or 0,
         free_blocks=capacity.free_blocks if capacity and capacity.known else 0,
         degraded=bool(stats and stats.degraded),
-        pool_store_reachable=queue.pool.store.reachable if queue.pool is not None else None,
+        pool_store_reachable=(False if pool_store_problem is not None else
+                              queue.pool.store.reachable if queue.pool is not None else None),
+        pool_store_problem=pool_store_problem,
         tenants=tenants,
         capacity_source=capacity.source if capacity else None,
         engine_stats_age_seconds=round(stats_age, 3) if stats_age is not None else None,

@@ -308,6 +308,8 @@ class PoolReconciler:
             store_reachable={pod: reports[pod].pool_store_reachable is True
                              for pod in observation.ready
                              if pod in reports and reports[pod].pool_store_reachable is not None},
+            store_problems={pod: problem for pod in observation.ready if pod in reports
+                            and (problem := reports[pod].pool_store_problem) is not None},
         )
         version = plan.policy.version if plan.policy is not None else None
         metrics.set_engines(namespace, name, observed=engines.ready,

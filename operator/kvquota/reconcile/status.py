@@ -48,6 +48,8 @@ class EngineView:
     window_seconds: float = 300.0
     # ready pod -> its sidecar reached the pool's store (pods without a store: absent)
     store_reachable: Mapping[str, bool] = field(default_factory=dict)
+    # ready pod -> why its sidecar does not use the store at all (its password missing)
+    store_problems: Mapping[str, str] = field(default_factory=dict)
 
     def synced(self, version: str | None) -> int:
         return sum(1 for v in self.versions.values() if version and v == version)
@@ -252,10 +254,11 @@ def _pool_store_degraded(engines: EngineView | None) -> Want:
                     "no engine has reported on the pool's store yet")
     down = sorted(pod for pod, ok in engines.store_reachable.items() if not ok)
     if down:
+        why = sorted(set(engines.store_problems.values()))
         return Want(ConditionType.STORE_DEGRADED, "True", ConditionReason.STORE_UNREACHABLE,
                     f"{len(down)} of {len(engines.store_reachable)} engines cannot reach the "
                     f"pool's store and admit only what they had claimed of their split: "
-                    + ", ".join(down[:5]))
+                    + ", ".join(down[:5]) + "".join(f"; {problem}" for problem in why[:2]))
     return Want(ConditionType.STORE_DEGRADED, "False", ConditionReason.STORE_REACHABLE,
                 f"all {len(engines.store_reachable)} reporting engines reach the pool's store")
 
