@@ -118,6 +118,27 @@ def test_with_every_engine_full_all_stay_and_one_without_the_series_is_kept() ->
                        unknown) == 2
 
 
+def test_a_refused_free_request_retries_where_free_has_some_room() -> None:
+    """Every engine reads 0.8 or more to free. The retry's token and prefix name engine
+    0, which refused it with no room left (0.99); free's looser filter keeps the engines
+    with under 0.95, so the retry goes to one of them, not back to engine 0. Once every
+    engine reads 0.95 or more, both filters keep all and the token decides again."""
+    prompt = list(range(640))
+    picker = _picker(3)
+    first = RouteRequest("hob", "b", prompt, "hob", tier="free")
+    assert picker.pick(first, [_engine(0.0)] * 3) == 0  # indexed on engine 0
+    retry = RouteRequest("hob", "b", prompt, "hob", token_engine=0, tier="free")
+    full = [_engine(0.0, free_kv=0.99), _engine(0.0, free_kv=0.97),
+            _engine(0.0, free_kv=0.85)]
+    assert picker.pick(retry, full) == 2
+    fuller = [_engine(0.0, free_kv=0.99), _engine(0.0, free_kv=0.97),
+              _engine(0.0, free_kv=0.96)]
+    assert picker.pick(retry, fuller) == 0
+    # Premium keeps its single filter: its token's engine (its lease) still decides.
+    as_premium = RouteRequest("hob", "b", prompt, "hob", token_engine=0, tier="premium")
+    assert picker.pick(as_premium, [_engine(0.99), _engine(0.97), _engine(0.85)]) == 0
+
+
 def test_the_queue_series_is_scored_over_the_candidates_range() -> None:
     """endpoint-attribute-scorer, adaptive range: the shortest premium queue scores 1,
     the longest 0, whatever the free tier's queue."""

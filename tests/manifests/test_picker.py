@@ -273,15 +273,21 @@ def test_each_tier_has_a_profile_that_filters_and_scores_on_its_own_series(tier:
     assert handler["parameters"]["defaultProfile"] in profiles
     refs = profiles[tier]
     kinds = [plugins[r["pluginRef"]]["type"] for r in refs]
-    # Filters run before scorers whatever the order; the filter is the tier's KV series,
-    # absolute, never leaving a request without a pod.
-    (kv_filter,) = [plugins[r["pluginRef"]] for r in refs
-                    if plugins[r["pluginRef"]]["type"] == "endpoint-attribute-filter"]
-    params = kv_filter["parameters"]
-    assert _metric_spec(attributes[params["attribute"]]) == (KV_USAGE, {"tier": tier})
-    assert params["fallbackOnEmpty"] is True
-    assert params["algorithm"]["threshold"]["operator"] == "LessThan"
-    assert 0 < params["algorithm"]["threshold"]["value"] < 1
+    # Filters run before scorers whatever the order, one after the other in the
+    # profile's order; each is on the tier's KV series, absolute, never leaving a
+    # request without a pod, the loosest first (a later one narrows what it kept).
+    kv_filters = [plugins[r["pluginRef"]] for r in refs
+                  if plugins[r["pluginRef"]]["type"] == "endpoint-attribute-filter"]
+    assert kv_filters
+    values = []
+    for kv_filter in kv_filters:
+        params = kv_filter["parameters"]
+        assert _metric_spec(attributes[params["attribute"]]) == (KV_USAGE, {"tier": tier})
+        assert params["fallbackOnEmpty"] is True
+        assert params["algorithm"]["threshold"]["operator"] == "LessThan"
+        assert 0 < params["algorithm"]["threshold"]["value"] < 1
+        values.append(params["algorithm"]["threshold"]["value"])
+    assert values == sorted(values, reverse=True) and len(set(values)) == len(values)
     weights: dict[str, float] = {}
     for ref in refs:
         plugin = plugins[ref["pluginRef"]]
