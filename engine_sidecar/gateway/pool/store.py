@@ -62,11 +62,28 @@ class Limits:
 
 
 @dataclass
-class _Claim:
+class Claim:
+    """One sidecar's claim on one tenant: what its requests hold, and its allowance
+    (what it may admit with no round trip)."""
+
     blocks: int = 0
     requests: int = 0
     allow_blocks: int = 0
     allow_requests: int = 0
+
+    def claimed(self) -> tuple[int, int]:
+        """What the store counts against the pool-wide limits: the more of the two."""
+        return max(self.blocks, self.allow_blocks), max(self.requests, self.allow_requests)
+
+    def ended(self, blocks: int, requests: int, limits: Limits, pressured: bool) -> bool:
+        """A request ended: its tenant's requests hold `blocks` and `requests` now. True
+        when that must be written through at once: the claim was above the allowance
+        (a store-granted charge the others' claims wait on) or the tenant is under
+        pressure (a charge elsewhere is checked against what it holds)."""
+        above = self.blocks > self.allow_blocks or (
+            limits.max_requests is not None and self.requests > self.allow_requests)
+        self.blocks, self.requests = max(0, blocks), max(0, requests)
+        return above or pressured
 
 
 class PoolStore:
@@ -87,7 +104,7 @@ class PoolStore:
         self._me = sidecar
         self._ttl_ms = max(1, int(ttl_s * 1000))
         self._margin = (margin_blocks, margin_requests)
-        self._claims: dict[str, _Claim] = {}
+        self._claims: dict[str, Claim] = {}
         self._limits: dict[str, Limits] = {}
         self._lock = threading.Lock()
         self._charge = client.register_script(scripts.CHARGE)
@@ -125,7 +142,7 @@ class PoolStore:
         them now (it moves as requests decode and finish); no round trip: the next
         charge or refresh writes it."""
         with self._lock:
-            claim = self._claims.setdefault(tenant, _Claim())
+            claim = self._claims.setdefault(tenant, Claim())
             claim.blocks, claim.requests = max(0, blocks), max(0, requests)
 
     def charge(self, tenant: str, blocks: int, limits: Limits, requests: int = 1) -> Outcome:
@@ -133,7 +150,7 @@ class PoolStore:
         locally within the allowance, else one check-and-charge on the store."""
         with self._lock:
             self._limits[tenant] = limits
-            claim = self._claims.setdefault(tenant, _Claim())
+            claim = self._claims.setdefault(tenant, Claim())
             nb, nr = claim.blocks + blocks, claim.requests + requests
             if nb <= claim.allow_blocks and (
                     limits.max_requests is None or nr <= claim.allow_requests):
@@ -244,7 +261,7 @@ class PoolStore:
     def release(self, tenant: str, blocks: int, requests: int = 1) -> bool:
         """`blocks` and `requests` of `tenant` ended (`released`, by difference)."""
         with self._lock:
-            claim = self._claims.setdefault(tenant, _Claim())
+            claim = self._claims.setdefault(tenant, Claim())
             return self._released_locked(tenant, claim.blocks - blocks,
                                          claim.requests - requests)
 
@@ -259,12 +276,8 @@ class PoolStore:
 
     def _released_locked(self, tenant: str, blocks: int, requests: int) -> bool:
         claim, limits = self._claims.get(tenant), self._limits.get(tenant)
-        if claim is None or limits is None:
-            return False
-        above = claim.blocks > claim.allow_blocks or (
-            limits.max_requests is not None and claim.requests > claim.allow_requests)
-        claim.blocks, claim.requests = max(0, blocks), max(0, requests)
-        if not (above or tenant in self._pressured):
+        if claim is None or limits is None or not claim.ended(
+                blocks, requests, limits, tenant in self._pressured):
             return False
         try:
             pressured = self._release(keys=self._keys, args=[
@@ -297,7 +310,7 @@ class PoolStore:
         order = list(self._limits)
         args: list[Any] = self._argv()
         for tenant in order:
-            claim = self._claims.setdefault(tenant, _Claim())
+            claim = self._claims.setdefault(tenant, Claim())
             lim = self._limits[tenant]
             cr = lim.ceiling_requests if lim.ceiling_requests is not None else 0
             cr = cr if lim.max_requests else 0

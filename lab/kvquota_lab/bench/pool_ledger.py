@@ -20,20 +20,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from engine_sidecar.gateway.pool.store import Limits, Outcome, lean_margin
+from engine_sidecar.gateway.pool.store import Claim, Limits, Outcome, lean_margin
 
 DEFAULT_RTT_S = 0.001  # a store in the same zone
-
-
-@dataclass
-class _Claim:
-    blocks: int = 0
-    requests: int = 0
-    allow_blocks: int = 0
-    allow_requests: int = 0
-
-    def claimed(self) -> tuple[int, int]:
-        return max(self.blocks, self.allow_blocks), max(self.requests, self.allow_requests)
 
 
 @dataclass
@@ -41,7 +30,7 @@ class TwinLedger:
     """The store: sidecar -> tenant -> claim."""
 
     rtt_s: float = DEFAULT_RTT_S
-    claims: dict[str, dict[str, _Claim]] = field(default_factory=dict)
+    claims: dict[str, dict[str, Claim]] = field(default_factory=dict)
     round_trips: int = 0
     pressure: dict[str, float] = field(default_factory=dict)  # tenant -> refused at
     now: float = 0.0  # virtual time, set by the pool
@@ -82,18 +71,18 @@ class TwinPoolStore:
         self.margin = (margin_blocks, margin_requests)
         self.published = ledger.claims.setdefault(sidecar, {})  # what the store holds
         ledger.sidecars[sidecar] = self
-        self.claims: dict[str, _Claim] = {}  # this sidecar's own books
+        self.claims: dict[str, Claim] = {}  # this sidecar's own books
         self.limits: dict[str, Limits] = {}
         self.pressured: set[str] = set()  # as the store's last answer said
         self.releases_written = 0
 
     def _publish(self, tenant: str) -> None:
         claim = self.claims[tenant]
-        self.published[tenant] = _Claim(claim.blocks, claim.requests, claim.allow_blocks,
+        self.published[tenant] = Claim(claim.blocks, claim.requests, claim.allow_blocks,
                                         claim.allow_requests)
 
     def sync(self, tenant: str, blocks: int, requests: int) -> None:
-        claim = self.claims.setdefault(tenant, _Claim())
+        claim = self.claims.setdefault(tenant, Claim())
         claim.blocks, claim.requests = max(0, blocks), max(0, requests)
 
     def _note_pressure(self, tenant: str) -> None:
@@ -116,23 +105,19 @@ class TwinPoolStore:
         """As `PoolStore.released`: written through when the claim was above the
         allowance or the store last said the tenant is under pressure."""
         claim, limits = self.claims.get(tenant), self.limits.get(tenant)
-        if claim is None or limits is None:
-            return False
-        above = claim.blocks > claim.allow_blocks or (
-            limits.max_requests is not None and claim.requests > claim.allow_requests)
-        claim.blocks, claim.requests = max(0, blocks), max(0, requests)
-        if not (above or tenant in self.pressured):
+        if claim is None or limits is None or not claim.ended(
+                blocks, requests, limits, tenant in self.pressured):
             return False
         self.ledger.round_trips += 1
         self.releases_written += 1
-        mine = self.published.setdefault(tenant, _Claim())
+        mine = self.published.setdefault(tenant, Claim())
         mine.blocks, mine.requests = claim.blocks, claim.requests
         self._note_pressure(tenant)
         return True
 
     def charge(self, tenant: str, blocks: int, limits: Limits, requests: int = 1) -> Outcome:
         self.limits[tenant] = limits
-        claim = self.claims.setdefault(tenant, _Claim())
+        claim = self.claims.setdefault(tenant, Claim())
         nb, nr = claim.blocks + blocks, claim.requests + requests
         if nb <= claim.allow_blocks and (
                 limits.max_requests is None or nr <= claim.allow_requests):
@@ -161,7 +146,7 @@ class TwinPoolStore:
             return Outcome.REFUSED
         self._note_pressure(tenant)
         claim.blocks, claim.requests = nb, nr
-        mine = self.published.setdefault(tenant, _Claim())
+        mine = self.published.setdefault(tenant, Claim())
         mine.blocks, mine.requests = nb, nr
         return Outcome.POOL
 
@@ -170,7 +155,7 @@ class TwinPoolStore:
             self.limits.update(limits)
         self.ledger.round_trips += 1
         for tenant, lim in self.limits.items():
-            claim = self.claims.setdefault(tenant, _Claim())
+            claim = self.claims.setdefault(tenant, Claim())
             ob, orq = self.ledger.others(self.me, tenant)
             lean = self.ledger.pressured(tenant)
             want_b = (min(lim.ceiling_blocks, claim.blocks + lean_margin(
