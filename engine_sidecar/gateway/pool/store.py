@@ -240,23 +240,28 @@ class PoolStore:
         """This sidecar's allowance for `tenant` becomes what it holds, here (no local
         admission beyond it from now on) and then on the store."""
         with self._lock:
-            self.leans += 1
-            claim = self._claims.get(tenant)
-            if claim is None or tenant not in self._limits:
-                return
-            claim.allow_blocks = min(claim.allow_blocks, claim.blocks)
             try:
-                pressured = int(self._lean(keys=self._keys, args=[
-                    *self._argv(), tenant, claim.blocks, claim.requests]))
-            except Exception:  # its claim still counts; the charge is refused meanwhile
-                self.reachable = False
-                return
-            self.round_trips += 1
-            self.reachable = True
-            if pressured == -2:
-                self._publish_locked()
-            else:
-                self._note_pressure(tenant, pressured == 1)
+                self._lean_locked(tenant)
+            finally:
+                self.leans += 1  # counted once answered: the store has what it wrote
+
+    def _lean_locked(self, tenant: str) -> None:
+        claim = self._claims.get(tenant)
+        if claim is None or tenant not in self._limits:
+            return
+        claim.allow_blocks = min(claim.allow_blocks, claim.blocks)
+        try:
+            pressured = int(self._lean(keys=self._keys, args=[
+                *self._argv(), tenant, claim.blocks, claim.requests]))
+        except Exception:  # its claim still counts; the charge is refused meanwhile
+            self.reachable = False
+            return
+        self.round_trips += 1
+        self.reachable = True
+        if pressured == -2:
+            self._publish_locked()
+        else:
+            self._note_pressure(tenant, pressured == 1)
 
     def release(self, tenant: str, blocks: int, requests: int = 1) -> bool:
         """`blocks` and `requests` of `tenant` ended (`released`, by difference)."""
