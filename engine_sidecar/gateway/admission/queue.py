@@ -166,7 +166,6 @@ class AdmissionQueue(Backlog):
         self._note_idle_waits(now)
         return settled
 
-
     def released(self, tenant_id: str) -> None:
         """A reservation of `tenant_id` was released (the ledger's `on_release`): the
         pool-wide ledger, when the pool has one, hears what the tenant holds now."""
