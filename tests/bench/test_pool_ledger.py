@@ -45,6 +45,7 @@ def test_the_twin_ledger_matches_the_store(tmp_path: Path, limits: Limits) -> No
         outcomes = []
         written: set[bool] = set()
         asked_before = [0, 0, 0]  # the leans each real sidecar had answered
+        guarantee_refusals = 0
         for step in range(400):
             i = rng.randrange(3)
             if rng.random() < 0.1:
@@ -60,12 +61,16 @@ def test_the_twin_ledger_matches_the_store(tmp_path: Path, limits: Limits) -> No
                     real[i].sync("acme", held[i] * 6, held[i])
                     twin[i].sync("acme", held[i] * 6, held[i])
             else:
+                # A borrower past the watermark asks whether its tenant is still within its
+                # pool-wide guarantee (`PoolAdmission`): a round trip whatever the allowance.
+                within = limits.guaranteed_blocks is not None and rng.random() < 0.2
                 asked = real[i].take_backs
-                a = real[i].charge("acme", 6, limits)
+                a = real[i].charge("acme", 6, limits, within_guarantee=within)
                 if real[i].take_backs > asked:  # every other sidecar leans before what follows
                     _answered(real, i, asked_before)
                     asked_before = [s.leans for s in real]
-                b = twin[i].charge("acme", 6, limits)
+                b = twin[i].charge("acme", 6, limits, within_guarantee=within)
+                guarantee_refusals += within and a is Outcome.REFUSED
                 assert a is b, f"step {step}: store {a}, twin {b}"
                 outcomes.append(a)
                 if a.value in ("local", "pool"):
@@ -79,6 +84,7 @@ def test_the_twin_ledger_matches_the_store(tmp_path: Path, limits: Limits) -> No
         assert written == {True, False}
         if limits.guaranteed_blocks is not None:
             assert ledger.take_backs > 0 and sum(s.take_backs for s in real) == ledger.take_backs
+            assert guarantee_refusals > 0
     finally:
         for store in real:
             store.close()

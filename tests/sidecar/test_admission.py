@@ -122,6 +122,26 @@ def test_watermark_refuses_borrowers_only() -> None:
     assert _decide(borrower, 10, 86, view=_view(policy, None)).admitted  # capacity unknown
 
 
+def test_a_borrower_within_its_pool_wide_guarantee_may_take_the_watermarks_room() -> None:
+    """The pool-wide ledger vouches that the tenant stays within its pool-wide guarantee
+    (`pool_guarantee`): a borrower here may use the free blocks the watermark keeps, no
+    more (and what is reclaimable from lower classes, as any borrower)."""
+    borrower = tenant("free", guaranteed_blocks=0, max_blocks_per_engine=50, max_tokens=4096)
+    view = _view(make_policy(borrower), _stats(100, 12))  # the floor keeps 10 free
+
+    def run(max_tokens: int, pool_guarantee: bool) -> Verdict:
+        return decide(borrower, _shape(_prompt(10), max_tokens), block_size=BLOCK,
+                      watermark=0.1, view=view, max_model_len=2048,
+                      pool_guarantee=pool_guarantee)
+
+    assert run(86, False).decision is Decision.REJECTED_WATERMARK  # 3 blocks: 12 - 3 < 10
+    within = run(86, True)
+    assert within.admitted and within.borrowing  # still the first its class gives back
+    assert run(374, True).admitted  # 12 blocks: every free block
+    too_big = run(406, True)  # 13 blocks: more than the engine has free
+    assert too_big.decision is Decision.REJECTED_WATERMARK and too_big.waits
+
+
 def test_a_premium_borrower_counts_what_lower_borrowers_would_give_back() -> None:
     """The rule that agrees with preemption: the free tenant's blocks above its guarantee
     are reclaimable for premium, not for the free tenant itself."""

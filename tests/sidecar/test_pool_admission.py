@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_sidecar.contract.policy import PoolLimits, PoolStorePolicy
+from engine_sidecar.contract.policy import EnginePolicy, PoolLimits, PoolStorePolicy
 from engine_sidecar.gateway.admission.ledger import Ledger
 from engine_sidecar.gateway.admission.queue import AdmissionQueue, Ticket
 from engine_sidecar.gateway.admission.rules import UNKNOWN_CAPACITY, RequestShape
@@ -29,19 +29,23 @@ POLICY = make_policy(tenant(
     "acme", guaranteed_blocks=5, max_blocks_per_engine=10, max_tokens=4096, max_queue_seconds=30,
     max_queued_requests=100,
     pool_wide=PoolLimits(guaranteed_blocks=10, max_blocks=20)))
+# The same tenant on engines of 12 blocks whose watermark keeps 3 free: alone, an engine
+# admits it 9 (its 5 guaranteed, then 4 borrowed down to the floor).
+SMALL_ENGINES = POLICY.model_copy(update={"capacity_blocks": 12, "watermark": 0.25})
 
 
 class _Clock:
     now = 0.0
 
 
-def _engine(server: RedisServer | None, name: str) -> AdmissionQueue:
+def _engine(server: RedisServer | None, name: str,
+            policy: EnginePolicy = POLICY) -> AdmissionQueue:
     ledger = Ledger()
     queue = AdmissionQueue(ledger, clock=lambda: _Clock.now, rng=random.Random(1),
                            max_model_len=lambda: None)
     # As the sidecar wires it: a released reservation reaches the pool-wide ledger.
     ledger.on_release = lambda reservation: queue.released(reservation.tenant_id)
-    queue.set_policy(POLICY)
+    queue.set_policy(policy)
     if server is not None:
         store = PoolStore(connect(server.address, None, timeout_s=0.05), "ns/pool", name,
                           ttl_s=TTL_S, margin_blocks=2)
@@ -49,8 +53,9 @@ def _engine(server: RedisServer | None, name: str) -> AdmissionQueue:
     return queue
 
 
-def _started(server: RedisServer) -> tuple[AdmissionQueue, AdmissionQueue]:
-    a, b = _engine(server, "a"), _engine(server, "b")
+def _started(server: RedisServer,
+             policy: EnginePolicy = POLICY) -> tuple[AdmissionQueue, AdmissionQueue]:
+    a, b = _engine(server, "a", policy), _engine(server, "b", policy)
     _refresh(a, b)
     time.sleep(TTL_S)  # the new store's grace
     _refresh(a, b)
@@ -100,6 +105,32 @@ def test_a_tenant_routed_to_one_engine_gets_the_other_engines_idle_share(
     _Clock.now += REASK_S
     b.pump()
     assert on_b[2].admitted
+
+
+def test_a_tenant_within_its_pool_wide_guarantee_gets_the_watermarks_room(
+        server: RedisServer) -> None:
+    """Routing sends the tenant to engine a only: past the watermark there, it is still
+    within its pool-wide guarantee (10), so the store lets it into the free blocks the
+    watermark keeps, up to that guarantee counted over both engines, no further."""
+    a, b = _started(server, SMALL_ENGINES)
+    on_a = [a.submit("acme", _one_block()) for _ in range(12)]
+    assert a.pool is not None and b.pool is not None
+    assert _admitted(on_a) == 10 and a.pool.within_guarantee == 1
+    assert not on_a[10].settled  # 11 would pass the guarantee: it waits for room
+    on_b = [b.submit("acme", _one_block()) for _ in range(2)]
+    assert _admitted(on_b) == 2  # within b's own split: no round trip
+    _refresh(b)  # b's holdings reach the store at its refresh
+    on_a[0].reservation.release()  # type: ignore[union-attr]
+    _Clock.now += REASK_S
+    a.pump()
+    assert not on_a[10].settled  # 9 on a + 2 on b + 1 > 10 pool-wide
+    for ticket in on_b:
+        ticket.reservation.release()  # type: ignore[union-attr]
+    _refresh(b)
+    _Clock.now += REASK_S
+    a.pump()
+    assert on_a[10].admitted and not on_a[11].settled  # 10 again, all on a
+    assert a.pool.within_guarantee == 2
 
 
 def test_store_down_keeps_each_engine_to_what_it_claimed(server: RedisServer) -> None:

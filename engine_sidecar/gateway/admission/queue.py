@@ -307,12 +307,12 @@ class AdmissionQueue(Backlog):
             return Verdict(Decision.REJECTED_AUTH, 0, 0, error)
         policy, view = self.policy, self.view()
 
-        def run(tenant: TenantPolicy) -> Verdict:
+        def run(tenant: TenantPolicy, *, pool_guarantee: bool = False) -> Verdict:
             return decide(tenant, ticket.shape, block_size=policy.block_size,
                           watermark=policy.watermark, view=view,
                           max_model_len=self.max_model_len(),
                           outlook=self.estimates.outlook(tenant, ticket.shape.route, policy),
-                          beyond_max=beyond_max)
+                          beyond_max=beyond_max, pool_guarantee=pool_guarantee)
 
         if self.pool is None:
             return run(tenant)

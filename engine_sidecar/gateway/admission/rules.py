@@ -285,12 +285,16 @@ def decide(
     max_model_len: int | None,
     outlook: Outlook | None = None,
     beyond_max: bool = False,
+    pool_guarantee: bool = False,
 ) -> Verdict:
     """Admit or refuse now. `outlook`: what one of its sequences is expected to decode
     (`OutputEstimates.outlook`; None: max_tokens, the tier reserves Full).
     `beyond_max`: no other tenant's request waits for capacity, so a tenant whose
     `aboveMax` is Reclaimable may take free blocks above the watermark past its
-    maxBlocks (README: above maxBlocks)."""
+    maxBlocks (README: above maxBlocks). `pool_guarantee`: the pool-wide ledger says
+    its tenant stays within its pool-wide guarantee, so a borrower here may also take
+    the free blocks the watermark keeps for guaranteed capacity: a borrower is the first
+    its class gives back, so the engine's own guaranteed work still gets them."""
     max_tokens = effective_max_tokens(tenant, shape, max_model_len)
     full = blocks_for(shape, max_tokens, block_size)
     longest = max(shape.prompt_tokens, default=0)
@@ -365,7 +369,7 @@ def decide(
         ), borrowing)
     if borrowing and view.known:
         assert view.total_blocks is not None
-        floor = watermark_floor(watermark, view.total_blocks)
+        floor = 0 if pool_guarantee else watermark_floor(watermark, view.total_blocks)
         above = max(0, view.free_blocks - floor)
         if new_blocks > above:
             available = above + view.reclaimable(tenant.tenant_id, band, pinned_in_use)

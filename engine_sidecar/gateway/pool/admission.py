@@ -4,7 +4,10 @@ When routing concentrates a tenant on a few engines, its guarantee idles on the 
 while the per-engine split refuses it here. With a store, a request the split would
 refuse (blocks or concurrency) is decided again against the tenant's pool-wide
 maxBlocks and maxConcurrentRequests (the engine's capacity checks still apply), and
-admitted if one check-and-charge on the store allows it. Within what this sidecar has
+admitted if one check-and-charge on the store allows it. A borrower here that the
+watermark would refuse is decided again with the watermark's room too (`rules.decide`,
+`pool_guarantee`), and admitted if the store finds its tenant within its pool-wide
+guarantee, this request included. Within what this sidecar has
 claimed (its allowance) nothing goes to the store; a store down or slow leaves it to
 what it had claimed, never above the pool-wide maxBlocks; a sidecar that never reached
 its store keeps the split.
@@ -12,7 +15,7 @@ its store keeps the split.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Protocol
 
 from engine_sidecar.contract.policy import EnginePolicy, TenantPolicy
@@ -20,6 +23,12 @@ from engine_sidecar.gateway import errors
 from engine_sidecar.gateway.admission.rules import Decision, PoolView, Verdict
 from engine_sidecar.gateway.errors import ApiError
 from engine_sidecar.gateway.pool.store import Limits, Outcome
+
+
+class Decide(Protocol):
+    """`rules.decide` for one request, with the tenant policy given."""
+
+    def __call__(self, tenant: TenantPolicy, *, pool_guarantee: bool = False) -> Verdict: ...
 
 
 class ClaimStore(Protocol):
@@ -32,8 +41,8 @@ class ClaimStore(Protocol):
     @property
     def reachable(self) -> bool: ...
     def sync(self, tenant: str, blocks: int, requests: int) -> None: ...
-    def charge(self, tenant: str, blocks: int, limits: Limits,
-               requests: int = 1) -> Outcome: ...
+    def charge(self, tenant: str, blocks: int, limits: Limits, requests: int = 1, *,
+               within_guarantee: bool = False) -> Outcome: ...
     def released(self, tenant: str, blocks: int, requests: int) -> bool: ...
     def refresh(self, limits: Mapping[str, Limits] | None = None) -> bool: ...
 
@@ -74,14 +83,20 @@ class PoolAdmission:
         # Tenant -> when the store last refused it: its queued requests do not ask again
         # at every pump, only once the claims may have moved.
         self._refused: dict[str, float] = {}
+        self._beyond_guarantee: dict[str, float] = {}  # the same, for its guarantee
+        self.within_guarantee = 0  # admitted into the watermark's room on the store's word
 
-    def decide(self, tenant: TenantPolicy, view: PoolView,
-               run: Callable[[TenantPolicy], Verdict], now: float = 0.0) -> Verdict:
+    def decide(self, tenant: TenantPolicy, view: PoolView, run: Decide,
+               now: float = 0.0) -> Verdict:
         """`run(tenant)`: `rules.decide` for this request with that tenant policy;
         `now`: the queue's clock."""
         verdict = run(tenant)
         limits = limits_of(tenant)
-        if limits is None or not (verdict.admitted or verdict.decision in _SPLIT_REFUSALS):
+        if limits is None:
+            return verdict
+        if verdict.decision is Decision.REJECTED_WATERMARK:
+            return self._guaranteed(tenant, view, run, verdict, limits, now)
+        if not (verdict.admitted or verdict.decision in _SPLIT_REFUSALS):
             return verdict
         load = view.tenant(tenant.tenant_id)
         refused_at = self._refused.get(tenant.tenant_id)
@@ -95,11 +110,36 @@ class PoolAdmission:
         if asked:
             return verdict
         wide = run(pool_wide(tenant))
+        if wide.decision is Decision.REJECTED_WATERMARK:
+            return self._guaranteed(pool_wide(tenant), view, run, verdict, limits, now)
         if not wide.admitted or wide.above_max:
             return verdict
         granted = self._asked(tenant.tenant_id, now, self._charge(
             tenant, load.charged, load.inflight, wide, limits))
         return granted if granted.admitted else verdict
+
+    def _guaranteed(self, tenant: TenantPolicy, view: PoolView, run: Decide,
+                    refused: Verdict, limits: Limits, now: float) -> Verdict:
+        """A borrower the watermark refuses here, admitted into the watermark's room if
+        the store finds its tenant within its pool-wide guarantee (one round trip, asked
+        again no sooner than REASK_S after a no); else `refused`."""
+        tenant_id = tenant.tenant_id
+        at = self._beyond_guarantee.get(tenant_id)
+        if not limits.guaranteed_blocks or (at is not None and now - at < REASK_S):
+            return refused
+        verdict = run(tenant, pool_guarantee=True)
+        if not verdict.admitted:
+            return refused
+        load = view.tenant(tenant_id)
+        self.store.sync(tenant_id, load.charged, load.inflight)
+        outcome = self.store.charge(tenant_id, verdict.blocks, limits, within_guarantee=True)
+        self.charges[outcome] += 1
+        if outcome is not Outcome.POOL:
+            self._beyond_guarantee[tenant_id] = now
+            return refused
+        self._beyond_guarantee.pop(tenant_id, None)
+        self.within_guarantee += 1
+        return verdict
 
     def _asked(self, tenant_id: str, now: float, verdict: Verdict) -> Verdict:
         if verdict.admitted:
@@ -126,11 +166,13 @@ class PoolAdmission:
         when others may be waiting on it (`PoolStore.released`)."""
         load = view.tenant(tenant_id)
         self._refused.pop(tenant_id, None)  # room here: its next request may fit
+        self._beyond_guarantee.pop(tenant_id, None)
         self.store.released(tenant_id, load.charged, load.inflight)
 
     def refresh(self, policy: EnginePolicy, view: PoolView) -> bool:
         """Republish what this sidecar's requests hold (call 3x per TTL)."""
         self._refused.clear()
+        self._beyond_guarantee.clear()
         limits: dict[str, Limits] = {}
         for tenant_id, tenant in policy.tenants.items():
             lim = limits_of(tenant)

@@ -6,7 +6,10 @@ the protocol: docs/gateway.md (pool).
 
 # KEYS: live zset, my hash, epoch. ARGV: me, key prefix, ttl ms, grace ms, tenant,
 # new b, new r, max b (-1: none), max r (-1: none), guaranteed b (-1: none), ask (1: may
-# ask the others to lean). Returns {status, others' b claims, others' r claims,
+# ask the others to lean), within (1: grant only if what the tenant holds pool-wide,
+# this charge included, stays within its guarantee; a no marks the tenant, so what
+# every sidecar holds of it is written through for one TTL and the next check is fresh).
+# Returns {status, others' b claims, others' r claims,
 # pressured}: 1 granted, 0 refused, 2 what is held leaves room but the others'
 # allowances fill maxBlocks (they were asked to lean: retry), -1 warming (grace after an empty
 # store), -2 my hash is gone (republish first); pressured: 1 while a sidecar of the pool
@@ -49,6 +52,10 @@ local b, r, held = others(tenant)
 if warming then return {-1, b, r, redis.call('EXISTS', pressure .. tenant)} end
 local nb, nr = tonumber(ARGV[6]), tonumber(ARGV[7])
 local mb, mr, gb = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
+if ARGV[12] == '1' and (gb < 0 or held + nb > gb) then
+  redis.call('SET', pressure .. tenant, 1, 'PX', tonumber(ARGV[3]))
+  return {0, b, r, 1}
+end
 local fits = mb < 0 or b + nb <= mb
 -- A tenant with a pool-wide guarantee is checked against what it holds, not against
 -- the room the others may still admit into locally (their allowances, what they held

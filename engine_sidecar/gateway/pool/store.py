@@ -145,21 +145,25 @@ class PoolStore:
             claim = self._claims.setdefault(tenant, Claim())
             claim.blocks, claim.requests = max(0, blocks), max(0, requests)
 
-    def charge(self, tenant: str, blocks: int, limits: Limits, requests: int = 1) -> Outcome:
+    def charge(self, tenant: str, blocks: int, limits: Limits, requests: int = 1, *,
+               within_guarantee: bool = False) -> Outcome:
         """Admit `blocks` and `requests` more for `tenant` if the pool-wide ledger allows:
-        locally within the allowance, else one check-and-charge on the store."""
+        locally within the allowance, else one check-and-charge on the store.
+        `within_guarantee`: only if what the tenant holds pool-wide, these blocks
+        included, stays within its pool-wide guarantee (always a round trip: the
+        allowance says nothing of what the others hold)."""
         with self._lock:
             self._limits[tenant] = limits
             claim = self._claims.setdefault(tenant, Claim())
             nb, nr = claim.blocks + blocks, claim.requests + requests
-            if nb <= claim.allow_blocks and (
+            if not within_guarantee and nb <= claim.allow_blocks and (
                     limits.max_requests is None or nr <= claim.allow_requests):
                 claim.blocks, claim.requests = nb, nr
                 return Outcome.LOCAL
-            status = self._eval_charge(tenant, nb, nr, limits)
+            status = self._eval_charge(tenant, nb, nr, limits, within=within_guarantee)
             if status == -2:  # the store lost my hash (restarted): republish, then retry
                 self._publish_locked()
-                status = self._eval_charge(tenant, nb, nr, limits)
+                status = self._eval_charge(tenant, nb, nr, limits, within=within_guarantee)
             if status == 2:
                 self.take_backs += 1
                 status, nb, nr = self._await_lean(tenant, blocks, requests, limits)
@@ -340,13 +344,13 @@ class PoolStore:
         return True
 
     def _eval_charge(self, tenant: str, nb: int, nr: int, limits: Limits,
-                     ask: bool = True) -> int:
+                     ask: bool = True, within: bool = False) -> int:
         try:
             status, _b, _r, pressured = self._charge(keys=self._keys, args=[
                 *self._argv(), tenant, nb, nr, limits.max_blocks,
                 NO_LIMIT if limits.max_requests is None else limits.max_requests,
                 NO_LIMIT if limits.guaranteed_blocks is None else limits.guaranteed_blocks,
-                1 if ask else 0])
+                1 if ask else 0, 1 if within else 0])
         except Exception:  # down or slower than the timeout: fall back
             self.reachable = False
             return -1

@@ -745,10 +745,12 @@ class PoolRun:
         at the p99 of admissions (one round trip when more than 1% needed it)."""
         assert self.ledger is not None
         outcomes: Counter[str] = Counter()
+        within = 0  # admitted into a watermark's room on the pool-wide guarantee
         for engine in self.engines:
             queue = engine.gateway.queue if engine.gateway is not None else None
             if queue is not None and queue.pool is not None:
                 outcomes.update({o.value: n for o, n in queue.pool.charges.items()})
+                within += queue.pool.within_guarantee
         admitted = outcomes["local"] + outcomes["pool"]
         needed = outcomes["pool"] + outcomes["refused"]
         decisions = max(1, admitted + outcomes["refused"])
@@ -758,7 +760,8 @@ class PoolRun:
         return {
             "admittedLocally": outcomes["local"], "admittedByStore": outcomes["pool"],
             "refusedByStore": outcomes["refused"], "roundTrips": self.ledger.round_trips,
-            "takeBacks": self.ledger.take_backs, "storeShare": round(share, 4),
+            "takeBacks": self.ledger.take_backs, "withinGuarantee": within,
+            "storeShare": round(share, 4),
             "p99AddedSeconds": trips * self.ledger.rtt_s if share > 0.01 else 0.0,
         }
 

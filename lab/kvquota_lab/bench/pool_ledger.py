@@ -115,11 +115,12 @@ class TwinPoolStore:
         self._note_pressure(tenant)
         return True
 
-    def charge(self, tenant: str, blocks: int, limits: Limits, requests: int = 1) -> Outcome:
+    def charge(self, tenant: str, blocks: int, limits: Limits, requests: int = 1, *,
+               within_guarantee: bool = False) -> Outcome:
         self.limits[tenant] = limits
         claim = self.claims.setdefault(tenant, Claim())
         nb, nr = claim.blocks + blocks, claim.requests + requests
-        if nb <= claim.allow_blocks and (
+        if not within_guarantee and nb <= claim.allow_blocks and (
                 limits.max_requests is None or nr <= claim.allow_requests):
             claim.blocks, claim.requests = nb, nr
             return Outcome.LOCAL
@@ -127,6 +128,11 @@ class TwinPoolStore:
         ob, orq = self.ledger.others(self.me, tenant)
         fits = ob + nb <= limits.max_blocks
         held = self.ledger.others_hold(self.me, tenant) + nb
+        if within_guarantee and (limits.guaranteed_blocks is None
+                                 or held > limits.guaranteed_blocks):
+            self.ledger.pressure[tenant] = self.ledger.now  # releases written through
+            self.pressured.add(tenant)
+            return Outcome.REFUSED
         takeable = limits.guaranteed_blocks is not None and held <= limits.max_blocks
         if not fits and takeable and (
                 limits.max_requests is None or orq + nr <= limits.max_requests):
