@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from engine_sidecar.contract.policy import EnginePolicy, PoolLimits, PoolStorePolicy
 from engine_sidecar.gateway.admission.ledger import Ledger
@@ -18,6 +19,7 @@ from engine_sidecar.gateway.admission.rules import UNKNOWN_CAPACITY, RequestShap
 from engine_sidecar.gateway.pool.admission import REASK_S, PoolAdmission
 from engine_sidecar.gateway.pool.link import PoolLink
 from engine_sidecar.gateway.pool.store import Outcome, PoolStore, connect
+from engine_sidecar.gateway.telemetry.metrics import StateCollector, StateSources
 from engine_sidecar.gateway.telemetry.status import DecisionCounters, build_status
 from tests.support.redis_server import RedisServer
 
@@ -131,6 +133,13 @@ def test_a_tenant_within_its_pool_wide_guarantee_gets_the_watermarks_room(
     a.pump()
     assert on_a[10].admitted and not on_a[11].settled  # 10 again, all on a
     assert a.pool.within_guarantee == 2
+    # What a platform team reads on the admin port's /metrics.
+    registry = CollectorRegistry()
+    registry.register(StateCollector(StateSources(
+        ledger=a.ledger, active=lambda: None, stats=lambda: None, label=str, queue=a)))
+    metrics = generate_latest(registry).decode()
+    assert "kvquota_pool_store_guarantee_admissions_total 2.0" in metrics
+    assert 'kvquota_pool_store_charges_total{outcome="local"} 9.0' in metrics
 
 
 def test_store_down_keeps_each_engine_to_what_it_claimed(server: RedisServer) -> None:

@@ -27,6 +27,7 @@ from engine_sidecar.gateway.admission.ledger import Ledger
 from engine_sidecar.gateway.admission.output_estimate import ALL_ROUTES
 from engine_sidecar.gateway.admission.queue import AdmissionQueue
 from engine_sidecar.gateway.policy.active import ActivePolicy
+from engine_sidecar.gateway.pool.admission import PoolAdmission
 
 OTHER = "other"
 UNKNOWN = "unknown"
@@ -100,6 +101,8 @@ class StateCollector(Collector):
             yield from self._queue_families(queue, tenants, label)
             if active is not None and queue.policy is not None:
                 yield from self._reservation_families(queue, active, label)
+            if queue.pool is not None:
+                yield from self._pool_families(queue.pool)
 
         if active is not None:
             info = GaugeMetricFamily("kvquota_policy_info", "The active policy version (1).",
@@ -120,6 +123,23 @@ class StateCollector(Collector):
             modes.add_metric([mode[:32]], count)
         yield modes
         yield from self._plugin_families(stats, tenants, label)
+
+    @staticmethod
+    def _pool_families(pool: PoolAdmission) -> Iterator[Metric]:
+        """What the pool-wide ledger decided (only for pools with a store)."""
+        charges = CounterMetricFamily(
+            "kvquota_pool_store_charges",
+            "Admissions checked against the pool-wide ledger, by outcome: local (within "
+            "this sidecar's allowance, no round trip), pool (granted by the store), "
+            "refused (the pool-wide total did not allow it), fallback (store down: "
+            "beyond what this sidecar had claimed).", labels=["outcome"])
+        for outcome, count in sorted(pool.charges.items()):
+            charges.add_metric([outcome.value], count)
+        yield charges
+        yield CounterMetricFamily(
+            "kvquota_pool_store_guarantee_admissions",
+            "Borrowers admitted into this engine's watermark room because the store found "
+            "their tenant within its pool-wide guarantee.", value=pool.within_guarantee)
 
     @staticmethod
     def _queue_families(
