@@ -109,6 +109,22 @@ def test_a_tenant_routed_to_one_engine_gets_the_other_engines_idle_share(
     assert on_b[2].admitted
 
 
+def test_after_a_refusal_what_fits_the_allowance_is_still_admitted_with_no_round_trip(
+        server: RedisServer) -> None:
+    """The store refused a request of the tenant on a; for REASK_S a asks the store
+    nothing more, but a smaller request within what a has claimed goes in locally."""
+    a, b = _started(server)
+    assert _admitted([b.submit("acme", _one_block()) for _ in range(10)]) == 10
+    assert _admitted([a.submit("acme", _one_block()) for _ in range(8)]) == 8
+    big = a.submit("acme", RequestShape((3 * BLOCK - 1,), 1))  # past a's split of 10
+    assert not big.settled  # the pool is full: b holds 10, a claims 10
+    assert a.pool is not None and isinstance(a.pool.store, PoolStore)
+    trips = a.pool.store.round_trips
+    small = a.submit("acme", RequestShape((2 * BLOCK - 1,), 1))
+    assert small.admitted and a.pool.store.round_trips == trips
+    assert not big.settled
+
+
 def test_a_tenant_within_its_pool_wide_guarantee_gets_the_watermarks_room(
         server: RedisServer) -> None:
     """Routing sends the tenant to engine a only: past the watermark there, it is still

@@ -41,6 +41,7 @@ class ClaimStore(Protocol):
     @property
     def reachable(self) -> bool: ...
     def sync(self, tenant: str, blocks: int, requests: int) -> None: ...
+    def allows(self, tenant: str, blocks: int, limits: Limits, requests: int = 1) -> bool: ...
     def charge(self, tenant: str, blocks: int, limits: Limits, requests: int = 1, *,
                within_guarantee: bool = False) -> Outcome: ...
     def released(self, tenant: str, blocks: int, requests: int) -> bool: ...
@@ -102,7 +103,10 @@ class PoolAdmission:
         refused_at = self._refused.get(tenant.tenant_id)
         asked = refused_at is not None and now - refused_at < REASK_S
         if verdict.admitted and not verdict.above_max:
-            if asked:
+            if asked:  # no round trip: within the allowance, or refused as last time
+                self.store.sync(tenant.tenant_id, load.charged, load.inflight)
+                if self.store.allows(tenant.tenant_id, verdict.blocks, limits):
+                    return self._charge(tenant, load.charged, load.inflight, verdict, limits)
                 return _full(tenant, load.charged, verdict)
             return self._asked(tenant.tenant_id, now, self._charge(
                 tenant, load.charged, load.inflight, verdict, limits))

@@ -71,6 +71,11 @@ class Claim:
     allow_blocks: int = 0
     allow_requests: int = 0
 
+    def allows(self, blocks: int, requests: int, limits: Limits) -> bool:
+        """Whether `blocks` and `requests` more fit the allowance (no round trip)."""
+        return self.blocks + blocks <= self.allow_blocks and (
+            limits.max_requests is None or self.requests + requests <= self.allow_requests)
+
     def claimed(self) -> tuple[int, int]:
         """What the store counts against the pool-wide limits: the more of the two."""
         return max(self.blocks, self.allow_blocks), max(self.requests, self.allow_requests)
@@ -127,6 +132,12 @@ class PoolStore:
     def _argv(self) -> list[Any]:
         return [self._me, self._prefix, self._ttl_ms, self._ttl_ms]
 
+    def allows(self, tenant: str, blocks: int, limits: Limits, requests: int = 1) -> bool:
+        """Whether `charge` would admit these locally, within the allowance."""
+        with self._lock:
+            claim = self._claims.get(tenant)
+            return claim is not None and claim.allows(blocks, requests, limits)
+
     def held(self, tenant: str) -> tuple[int, int]:
         """What this sidecar's admitted requests of `tenant` hold: blocks, requests."""
         claim = self._claims.get(tenant)
@@ -156,8 +167,7 @@ class PoolStore:
             self._limits[tenant] = limits
             claim = self._claims.setdefault(tenant, Claim())
             nb, nr = claim.blocks + blocks, claim.requests + requests
-            if not within_guarantee and nb <= claim.allow_blocks and (
-                    limits.max_requests is None or nr <= claim.allow_requests):
+            if not within_guarantee and claim.allows(blocks, requests, limits):
                 claim.blocks, claim.requests = nb, nr
                 return Outcome.LOCAL
             status = self._eval_charge(tenant, nb, nr, limits, within=within_guarantee)

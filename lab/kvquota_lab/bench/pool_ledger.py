@@ -115,13 +115,16 @@ class TwinPoolStore:
         self._note_pressure(tenant)
         return True
 
+    def allows(self, tenant: str, blocks: int, limits: Limits, requests: int = 1) -> bool:
+        claim = self.claims.get(tenant)
+        return claim is not None and claim.allows(blocks, requests, limits)
+
     def charge(self, tenant: str, blocks: int, limits: Limits, requests: int = 1, *,
                within_guarantee: bool = False) -> Outcome:
         self.limits[tenant] = limits
         claim = self.claims.setdefault(tenant, Claim())
         nb, nr = claim.blocks + blocks, claim.requests + requests
-        if not within_guarantee and nb <= claim.allow_blocks and (
-                limits.max_requests is None or nr <= claim.allow_requests):
+        if not within_guarantee and claim.allows(blocks, requests, limits):
             claim.blocks, claim.requests = nb, nr
             return Outcome.LOCAL
         self.ledger.round_trips += 1
