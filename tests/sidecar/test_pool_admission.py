@@ -158,6 +158,27 @@ def test_a_tenant_within_its_pool_wide_guarantee_gets_the_watermarks_room(
     assert 'kvquota_pool_store_charges_total{outcome="local"} 9.0' in metrics
 
 
+def test_a_request_about_to_be_refused_asks_the_store_once_more(server: RedisServer) -> None:
+    """Asked again no sooner than REASK_S, except for a request whose refusal would be
+    its answer: at its deadline it gets a fresh decision, so room another engine gave
+    back a moment ago is not missed."""
+    a, b = _started(server, SMALL_ENGINES)
+    on_b = [b.submit("acme", _one_block()) for _ in range(2)]
+    _refresh(b)  # the store sees b's 2
+    on_a = [a.submit("acme", _one_block()) for _ in range(10)]
+    assert _admitted(on_a) == 9  # 2 + 9 + 1 would pass the pool-wide guarantee of 10
+    last = on_a[9]
+    _Clock.now = last.deadline - REASK_S / 5
+    a.pump()  # asks again (long past REASK_S): still no
+    assert not last.settled
+    for ticket in on_b:
+        ticket.reservation.release()  # type: ignore[union-attr]
+    _refresh(b)
+    _Clock.now = last.deadline
+    a.pump()
+    assert last.admitted
+
+
 def test_store_down_keeps_each_engine_to_what_it_claimed(server: RedisServer) -> None:
     a, b = _started(server)
     on_a = [a.submit("acme", _one_block()) for _ in range(15)]

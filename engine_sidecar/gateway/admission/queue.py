@@ -136,7 +136,8 @@ class AdmissionQueue(Backlog):
             rate = queue.drain_rate(now)
             full = position >= tenant.max_queued_requests
             too_slow = rate is not None and (position + 1) / rate > tenant.max_queue_seconds
-            if full or too_slow:
+            if (full or too_slow) and not (  # alone in its queue: one last, fresh decision
+                    position == 0 and self._try(tenant_id, queue, ticket, 0, now, final=True)):
                 queue.tickets.remove(ticket)
                 self._refuse(ticket, now)
         return ticket
@@ -231,11 +232,12 @@ class AdmissionQueue(Backlog):
 
     def _try(
         self, tenant_id: str, queue: TenantQueue, ticket: Ticket, index: int, now: float,
-        beyond_max: bool = False,
+        beyond_max: bool = False, final: bool = False,
     ) -> bool:
-        """Decide one queued ticket; settle it (True) unless it must keep waiting."""
+        """Decide one queued ticket; settle it (True) unless it must keep waiting.
+        `final`: refused if it waits (the pool-wide ledger is asked, however recently)."""
         assert self.policy is not None
-        verdict = self._decide_now(ticket, beyond_max)
+        verdict = self._decide_now(ticket, beyond_max, final)
         ticket.verdict = verdict
         if verdict.waits:
             ticket.waited_on = verdict.decision
@@ -267,9 +269,9 @@ class AdmissionQueue(Backlog):
                 continue
             while queue.tickets and (gone or queue.tickets[0].deadline <= now):
                 ticket = queue.tickets[0]
-                if not gone and (self._try(tenant_id, queue, ticket, 0, now) or (
+                if not gone and (self._try(tenant_id, queue, ticket, 0, now, final=True) or (
                         not self._capacity_wanted()
-                        and self._try(tenant_id, queue, ticket, 0, now, beyond_max=True))):
+                        and self._try(tenant_id, queue, ticket, 0, now, True, True))):
                     settled.append(ticket)
                     continue
                 queue.tickets.popleft()
@@ -298,7 +300,8 @@ class AdmissionQueue(Backlog):
             retry_after=_retry_after(queue, now, tenant, self.rng), headers=dict(error.headers))
         self._settle(ticket, now)
 
-    def _decide_now(self, ticket: Ticket, beyond_max: bool = False) -> Verdict:
+    def _decide_now(self, ticket: Ticket, beyond_max: bool = False,
+                    final: bool = False) -> Verdict:
         assert self.policy is not None
         tenant = self.policy.tenants.get(ticket.tenant_id)
         if tenant is None:
@@ -316,7 +319,7 @@ class AdmissionQueue(Backlog):
 
         if self.pool is None:
             return run(tenant)
-        return self.pool.decide(tenant, view, run, self.clock())
+        return self.pool.decide(tenant, view, run, self.clock(), final=final)
 
     def growth(self, tenant_id: str, shape: RequestShape, max_tokens: int) -> RequestGrowth:
         """How an admitted request's take and remainder follow what it decodes (its

@@ -88,20 +88,21 @@ class PoolAdmission:
         self.within_guarantee = 0  # admitted into the watermark's room on the store's word
 
     def decide(self, tenant: TenantPolicy, view: PoolView, run: Decide,
-               now: float = 0.0) -> Verdict:
+               now: float = 0.0, final: bool = False) -> Verdict:
         """`run(tenant)`: `rules.decide` for this request with that tenant policy;
-        `now`: the queue's clock."""
+        `now`: the queue's clock; `final`: a refusal would be the request's answer, so
+        the store is asked even if it refused the tenant within REASK_S."""
         verdict = run(tenant)
         limits = limits_of(tenant)
         if limits is None:
             return verdict
         if verdict.decision is Decision.REJECTED_WATERMARK:
-            return self._guaranteed(tenant, view, run, verdict, limits, now)
+            return self._guaranteed(tenant, view, run, verdict, limits, now, final)
         if not (verdict.admitted or verdict.decision in _SPLIT_REFUSALS):
             return verdict
         load = view.tenant(tenant.tenant_id)
         refused_at = self._refused.get(tenant.tenant_id)
-        asked = refused_at is not None and now - refused_at < REASK_S
+        asked = not final and refused_at is not None and now - refused_at < REASK_S
         if verdict.admitted and not verdict.above_max:
             if asked:  # no round trip: within the allowance, or refused as last time
                 self.store.sync(tenant.tenant_id, load.charged, load.inflight)
@@ -115,7 +116,7 @@ class PoolAdmission:
             return verdict
         wide = run(pool_wide(tenant))
         if wide.decision is Decision.REJECTED_WATERMARK:
-            return self._guaranteed(pool_wide(tenant), view, run, verdict, limits, now)
+            return self._guaranteed(pool_wide(tenant), view, run, verdict, limits, now, final)
         if not wide.admitted or wide.above_max:
             return verdict
         granted = self._asked(tenant.tenant_id, now, self._charge(
@@ -123,13 +124,14 @@ class PoolAdmission:
         return granted if granted.admitted else verdict
 
     def _guaranteed(self, tenant: TenantPolicy, view: PoolView, run: Decide,
-                    refused: Verdict, limits: Limits, now: float) -> Verdict:
+                    refused: Verdict, limits: Limits, now: float, final: bool) -> Verdict:
         """A borrower the watermark refuses here, admitted into the watermark's room if
         the store finds its tenant within its pool-wide guarantee (one round trip, asked
         again no sooner than REASK_S after a no); else `refused`."""
         tenant_id = tenant.tenant_id
         at = self._beyond_guarantee.get(tenant_id)
-        if not limits.guaranteed_blocks or (at is not None and now - at < REASK_S):
+        if not limits.guaranteed_blocks or (
+                not final and at is not None and now - at < REASK_S):
             return refused
         verdict = run(tenant, pool_guarantee=True)
         if not verdict.admitted:
