@@ -136,8 +136,9 @@ class AdmissionQueue(Backlog):
             rate = queue.drain_rate(now)
             full = position >= tenant.max_queued_requests
             too_slow = rate is not None and (position + 1) / rate > tenant.max_queue_seconds
-            if (full or too_slow) and not (  # alone in its queue: one last, fresh decision
-                    position == 0 and self._try(tenant_id, queue, ticket, 0, now, final=True)):
+            # Alone in its queue, with a pool store: one last decision that asks the store.
+            if (full or too_slow) and not (position == 0 and self.pool is not None and self._try(
+                    tenant_id, queue, ticket, 0, now, final=True)):
                 queue.tickets.remove(ticket)
                 self._refuse(ticket, now)
         return ticket
