@@ -272,7 +272,8 @@ class AdmissionQueue(Backlog):
                 ticket = queue.tickets[0]
                 if not gone and (self._try(tenant_id, queue, ticket, 0, now, final=True) or (
                         not self._capacity_wanted()
-                        and self._try(tenant_id, queue, ticket, 0, now, True, True))):
+                        and self._try(tenant_id, queue, ticket, 0, now, beyond_max=True,
+                                      final=True))):
                     settled.append(ticket)
                     continue
                 queue.tickets.popleft()
