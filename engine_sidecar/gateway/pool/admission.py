@@ -81,10 +81,10 @@ class PoolAdmission:
     def __init__(self, store: ClaimStore) -> None:
         self.store = store
         self.charges = {outcome: 0 for outcome in Outcome}  # what decisions needed
-        # Tenant -> when the store last refused it: its queued requests do not ask again
-        # at every pump, only once the claims may have moved.
-        self._refused: dict[str, float] = {}
-        self._beyond_guarantee: dict[str, float] = {}  # the same, for its guarantee
+        # (tenant, asked about its guarantee) -> when the store last said no: its queued
+        # requests do not ask the same again at every pump, only once the claims may
+        # have moved (REASK_S, a request's end here, the refresh).
+        self._noes: dict[tuple[str, bool], float] = {}
         self.within_guarantee = 0  # admitted into the watermark's room on the store's word
 
     def decide(self, tenant: TenantPolicy, view: PoolView, run: Decide,
@@ -101,15 +101,14 @@ class PoolAdmission:
         if not (verdict.admitted or verdict.decision in _SPLIT_REFUSALS):
             return verdict
         load = view.tenant(tenant.tenant_id)
-        refused_at = self._refused.get(tenant.tenant_id)
-        asked = not final and refused_at is not None and now - refused_at < REASK_S
+        asked = not final and self._said_no(tenant.tenant_id, False, now)
         if verdict.admitted and not verdict.above_max:
             if asked:  # no round trip: within the allowance, or refused as last time
                 self.store.sync(tenant.tenant_id, load.charged, load.inflight)
-                if self.store.allows(tenant.tenant_id, verdict.blocks, limits):
-                    return self._charge(tenant, load.charged, load.inflight, verdict, limits)
-                return _full(tenant, load.charged, verdict)
-            return self._asked(tenant.tenant_id, now, self._charge(
+                if not self.store.allows(tenant.tenant_id, verdict.blocks, limits):
+                    return _full(tenant, load.charged, verdict)
+                return self._charge(tenant, load.charged, load.inflight, verdict, limits)
+            return self._answered(tenant.tenant_id, False, now, self._charge(
                 tenant, load.charged, load.inflight, verdict, limits))
         # Refused by the split (or admitted only into idle KV beyond it): try the pool.
         if asked:
@@ -119,7 +118,7 @@ class PoolAdmission:
             return self._guaranteed(pool_wide(tenant), view, run, verdict, limits, now, final)
         if not wide.admitted or wide.above_max:
             return verdict
-        granted = self._asked(tenant.tenant_id, now, self._charge(
+        granted = self._answered(tenant.tenant_id, False, now, self._charge(
             tenant, load.charged, load.inflight, wide, limits))
         return granted if granted.admitted else verdict
 
@@ -129,9 +128,7 @@ class PoolAdmission:
         the store finds its tenant within its pool-wide guarantee (one round trip, asked
         again no sooner than REASK_S after a no); else `refused`."""
         tenant_id = tenant.tenant_id
-        at = self._beyond_guarantee.get(tenant_id)
-        if not limits.guaranteed_blocks or (
-                not final and at is not None and now - at < REASK_S):
+        if not limits.guaranteed_blocks or (not final and self._said_no(tenant_id, True, now)):
             return refused
         verdict = run(tenant, pool_guarantee=True)
         if not verdict.admitted:
@@ -141,17 +138,23 @@ class PoolAdmission:
         outcome = self.store.charge(tenant_id, verdict.blocks, limits, within_guarantee=True)
         self.charges[outcome] += 1
         if outcome is not Outcome.POOL:
-            self._beyond_guarantee[tenant_id] = now
+            self._noes[(tenant_id, True)] = now
             return refused
-        self._beyond_guarantee.pop(tenant_id, None)
+        self._noes.pop((tenant_id, True), None)
         self.within_guarantee += 1
         return verdict
 
-    def _asked(self, tenant_id: str, now: float, verdict: Verdict) -> Verdict:
+    def _said_no(self, tenant_id: str, guarantee: bool, now: float) -> bool:
+        """The store said no to this ask for the tenant within REASK_S."""
+        at = self._noes.get((tenant_id, guarantee))
+        return at is not None and now - at < REASK_S
+
+    def _answered(self, tenant_id: str, guarantee: bool, now: float,
+                  verdict: Verdict) -> Verdict:
         if verdict.admitted:
-            self._refused.pop(tenant_id, None)
+            self._noes.pop((tenant_id, guarantee), None)
         else:  # refused, or the store is down: a round trip that did not help
-            self._refused[tenant_id] = now
+            self._noes[(tenant_id, guarantee)] = now
         return verdict
 
     def _charge(self, tenant: TenantPolicy, charged: int, inflight: int, verdict: Verdict,
@@ -171,14 +174,13 @@ class PoolAdmission:
         """A request of `tenant_id` ended: the store hears what its requests hold now
         when others may be waiting on it (`PoolStore.released`)."""
         load = view.tenant(tenant_id)
-        self._refused.pop(tenant_id, None)  # room here: its next request may fit
-        self._beyond_guarantee.pop(tenant_id, None)
+        for guarantee in (False, True):  # room here: its next request may fit
+            self._noes.pop((tenant_id, guarantee), None)
         self.store.released(tenant_id, load.charged, load.inflight)
 
     def refresh(self, policy: EnginePolicy, view: PoolView) -> bool:
         """Republish what this sidecar's requests hold (call 3x per TTL)."""
-        self._refused.clear()
-        self._beyond_guarantee.clear()
+        self._noes.clear()
         limits: dict[str, Limits] = {}
         for tenant_id, tenant in policy.tenants.items():
             lim = limits_of(tenant)

@@ -79,7 +79,7 @@ class TwinPoolStore:
     def _publish(self, tenant: str) -> None:
         claim = self.claims[tenant]
         self.published[tenant] = Claim(claim.blocks, claim.requests, claim.allow_blocks,
-                                        claim.allow_requests)
+                                       claim.allow_requests)
 
     def sync(self, tenant: str, blocks: int, requests: int) -> None:
         claim = self.claims.setdefault(tenant, Claim())
