@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvquota-installed
 
-.PHONY: test demo lint typecheck crds install clean cross-version redis-server
+.PHONY: test demo lint typecheck crds install clean cross-version redis-server cluster-test
 
 $(STAMP): pyproject.toml
 	@echo "Setting up $(VENV): kvquota with all its extras (vLLM's CPU build,"
@@ -50,6 +50,13 @@ redis-server:
 test: $(STAMP) lint typecheck cross-version redis-server
 	$(VENV)/bin/kvquota crds --check
 	$(PY) -m pytest
+
+# The cluster suite (tests/cluster) against the cluster in KUBECONFIG (any real API
+# server, v1.34 or newer): installs the CRDs and manifests/base as README says, then runs
+# the operator locally under its own ServiceAccount's token. Needs kubectl; not part of
+# `make test` (there, every cluster test skips).
+cluster-test: $(STAMP)
+	KVQUOTA_CLUSTER_TESTS=1 $(PY) -m pytest tests/cluster -v -rs
 
 demo: $(STAMP)
 	@echo "kvquota demo: two vLLM engine starts (~40 s each) and two workload runs; about 2.5 minutes"
