@@ -239,18 +239,34 @@ def api(cluster: Cluster) -> Iterator[Cluster]:
 
 
 @pytest.fixture(scope="session")
-def namespace(api: Cluster) -> Iterator[str]:
-    """This run's namespace (created only where the server serves Namespaces)."""
-    name = f"kvq-test-{uuid.uuid4().hex[:6]}"
-    if api.serves("namespaces"):
-        api.kubectl.run("create", "namespace", name)
-    yield name
-    if api.serves("namespaces"):
-        api.kubectl.run("delete", "namespace", name, "--ignore-not-found", "--wait=false",
-                        check=False)
-    else:
-        for kind in ("tenantquotas.kvquota.dev", "inferencepools.kvquota.dev"):
-            api.kubectl.run("delete", kind, "--all", "-n", name, "--wait=false", check=False)
+def new_namespace(api: Cluster) -> Iterator[Callable[[str], str]]:
+    """Namespaces of this run, `kvq-test-<run>-<purpose>` (created only where the server
+    serves Namespaces); deleted at the end without waiting for their finalization."""
+    run = uuid.uuid4().hex[:6]
+    made: list[str] = []
+
+    def make(purpose: str) -> str:
+        name = f"kvq-test-{run}-{purpose}"
+        if api.serves("namespaces"):
+            api.kubectl.run("create", "namespace", name)
+        made.append(name)
+        return name
+
+    yield make
+    for name in made:
+        if api.serves("namespaces"):
+            api.kubectl.run("delete", "namespace", name, "--ignore-not-found", "--wait=false",
+                            check=False)
+        else:
+            for kind in ("tenantquotas.kvquota.dev", "inferencepools.kvquota.dev"):
+                api.kubectl.run("delete", kind, "--all", "-n", name, "--wait=false",
+                                check=False)
+
+
+@pytest.fixture(scope="session")
+def namespace(new_namespace: Callable[[str], str]) -> str:
+    """The namespace of the API-only tests (samples, examples, the invalid table)."""
+    return new_namespace("api")
 
 
 @pytest.fixture(scope="session")
@@ -382,10 +398,9 @@ def run_operator(operator_kubeconfig: Path, tmp_path: Path
     started: list[Operator] = []
 
     def start(name: str, *flags: str, priority: int = 300) -> Operator:
-        args = [*(flags or deployed_flags()), "--priority", str(priority),
-                "--webhook-listen", f"127.0.0.1:{free_port()}"]
-        if any(f.startswith("--webhook-listen") for f in flags):
-            args = [*flags, "--priority", str(priority)]
+        args = [*(flags or deployed_flags()), "--priority", str(priority)]
+        if "--webhook-listen" not in flags:
+            args += ["--webhook-listen", f"127.0.0.1:{free_port()}"]
         operator = Operator(name, args, operator_kubeconfig, tmp_path / f"{name}.log")
         started.append(operator.start())
         operator.wait_ready()
