@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvquota.api.validation import validate_object
+from kvquota.api.validation import RULES_NOT_CHECKED, validate_object
 
 SAMPLES = Path(__file__).resolve().parents[2] / "manifests" / "samples"
 
@@ -61,12 +61,11 @@ def _kv(**kv: Any) -> dict[str, Any]:
 
 PLANTED: list[tuple[str, dict[str, Any], str]] = [
     ("max below guaranteed", _tenant(kvCache=_kv(guaranteedBlocks=30)),
-     'spec.kvCache: Invalid value: "object": maxBlocks (20) must be >= guaranteedBlocks (30)'),
+     "spec.kvCache: Invalid value: maxBlocks must be >= guaranteedBlocks"),
     ("watermark too high", _pool(kvCache={"watermark": 0.5}),
-     "spec.kvCache: Invalid value: \"object\": kvCache.watermark must be >= 0 and < 0.5, "
-     "got 0.5"),
+     "spec.kvCache.watermark: Invalid value: 0.5: kvCache.watermark must be >= 0 and < 0.5"),
     ("watermark negative", _pool(kvCache={"watermark": -0.1}),
-     "kvCache.watermark must be >= 0 and < 0.5, got -0.1"),
+     "spec.kvCache.watermark: Invalid value: -0.1: kvCache.watermark must be >= 0 and < 0.5"),
     ("unknown tier", _tenant(tier="gold"),
      'spec.tier: Unsupported value: "gold": supported values: "premium", "standard", "free"'),
     ("bad tenantId", _tenant(tenantId="Acme Corp"),
@@ -111,7 +110,21 @@ def test_planted_bad_object_fails_with_its_rule(
 ) -> None:
     errors = validate_object(_drop_nones(copy.deepcopy(doc)))
     assert any(message in e for e in errors), errors
-    assert len(errors) == 1, f"{case}: expected only its own error, got {errors}"
+    own = [e for e in errors if e != RULES_NOT_CHECKED]
+    assert len(own) == 1, f"{case}: expected only its own error, got {errors}"
+
+
+def test_schema_errors_that_block_the_rules_say_so_as_the_api_server_does() -> None:
+    """A missing, unsupported, too long or mistyped value stops the CEL rules and the
+    API server adds a line saying some were not checked; a pattern or bound error does
+    not stop them, and both errors are reported."""
+    blocked = _drop_nones(_tenant(tier="gold", kvCache=_kv(guaranteedBlocks=30)))
+    errors = validate_object(blocked)
+    assert errors[-1] == RULES_NOT_CHECKED and len(errors) == 2, errors
+    assert "maxBlocks must be >= guaranteedBlocks" not in " ".join(errors)
+    both = validate_object(_tenant(tenantId="Acme Corp", kvCache=_kv(guaranteedBlocks=30)))
+    assert len(both) == 2 and RULES_NOT_CHECKED not in both, both
+    assert "maxBlocks must be >= guaranteedBlocks" in both[1]
 
 
 def test_metadata_name_must_be_a_tenant_id_when_tenant_id_is_unset() -> None:
@@ -127,7 +140,7 @@ def test_tenant_id_is_immutable_on_update() -> None:
     old = _tenant(tenantId="acme")
     new = _tenant(tenantId="acme-2")
     errors = validate_object(new, old=validate_object(old) or old)
-    assert errors == ['spec: Invalid value: "object": tenantId is immutable']
+    assert errors == ["spec: Invalid value: tenantId is immutable"]
     assert validate_object(_tenant(tenantId="acme"), old=old) == []
 
 

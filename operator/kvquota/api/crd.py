@@ -126,10 +126,6 @@ _KIND_DOC = (
     "The type of the object ({kind}), in CamelCase: the REST resource it represents. The "
     "API server can tell it from the endpoint a request is sent to."
 )
-_METADATA_DOC = (
-    "Standard object metadata: name, namespace, labels, annotations and what the API "
-    "server records (uid, generation, timestamps)."
-)
 _SPEC_DOC = "The desired state, written by the user."
 _STATUS_DOC = "The observed state, written by the operator; users do not set it."
 
@@ -218,7 +214,9 @@ def build_crd(kind: str) -> dict[str, Any]:
         "properties": {
             "apiVersion": {"type": "string", "description": _API_VERSION_DOC},
             "kind": {"type": "string", "description": _KIND_DOC.format(kind=kind)},
-            "metadata": {"type": "object", "description": _METADATA_DOC},
+            # Only `type`: the API server refuses anything else on the root metadata
+            # (it documents ObjectMeta itself; `kubectl explain` shows that).
+            "metadata": {"type": "object"},
             "spec": {**spec_schema, "description": _SPEC_DOC},
             "status": {**status_schema, "description": _STATUS_DOC},
         },

@@ -39,16 +39,9 @@ BLOCK_SIZE_MULTIPLE = 16
 MAX_BLOCK_SIZE = 2048  # vLLM sets no maximum: this one catches a typo such as 16384
 
 
-class KVCacheSpec(BaseModel):
+class KVCacheSpec(ApiModel):
     """The engines' KV cache as vLLM runs it, and the share kept free for borrowing."""
 
-    model_config = with_cel_rules(
-        (
-            "self.watermark >= 0.0 && self.watermark < 0.5",
-            "kvCache.watermark must be >= 0 and < 0.5",
-            "'kvCache.watermark must be >= 0 and < 0.5, got ' + string(self.watermark)",
-        ),
-    )
     block_size: int = Field(
         16, ge=BLOCK_SIZE_MULTIPLE, le=MAX_BLOCK_SIZE, multiple_of=BLOCK_SIZE_MULTIPLE,
         description="vLLM --block-size (tokens): the same value as the engines' flag, a "
@@ -61,6 +54,11 @@ class KVCacheSpec(BaseModel):
     watermark: float = Field(
         0.15, description="Free-block fraction below which borrowing requests get 503. "
         "Guarantees may total at most the pool's capacity times (1 - watermark).",
+        # A rule on the field itself, so the API server quotes the value it refused.
+        json_schema_extra={"x-kubernetes-validations": [
+            {"rule": "self >= 0.0 && self < 0.5",
+             "message": "kvCache.watermark must be >= 0 and < 0.5"},
+        ]},
     )
 
 

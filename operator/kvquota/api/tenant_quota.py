@@ -55,14 +55,10 @@ class TenantKVCacheSpec(BaseModel):
         (
             "self.maxBlocks >= self.guaranteedBlocks",
             "maxBlocks must be >= guaranteedBlocks",
-            "'maxBlocks (' + string(self.maxBlocks) + ') must be >= guaranteedBlocks (' "
-            "+ string(self.guaranteedBlocks) + ')'",
         ),
         (
             "!has(self.lease.maxBlocks) || self.lease.maxBlocks <= self.maxBlocks",
             "lease.maxBlocks must be <= maxBlocks",
-            "'lease.maxBlocks (' + string(self.lease.maxBlocks) + ') must be <= maxBlocks (' "
-            "+ string(self.maxBlocks) + ')'",
         ),
     )
     guaranteed_blocks: int = Field(

@@ -82,18 +82,21 @@ def _cel_map(value: dict[str, Any]) -> Any:
     )
 
 
-def _message(rule: dict[str, Any], activation: dict[str, Any]) -> str:
-    """The rule's messageExpression evaluated, as the API server shows it; its static
-    message when there is none, or when it fails or is not a non-empty string."""
-    expression = rule.get("messageExpression")
-    if expression:
-        try:
-            text = _program(expression).evaluate(activation)
-        except celpy.CELEvalError:
-            text = None
-        if isinstance(text, str) and text.strip():
-            return str(text)
-    return str(rule["message"])
+def _cel_value(value: Any) -> str:
+    """How the API server shows the value a CEL rule refused: an object's or a list's
+    is left out (field.OmitValueType), a scalar's quoted."""
+    return "Invalid value" if isinstance(value, dict | list) else f"Invalid value: {_quote(value)}"
+
+
+# Schema errors after which the API server runs no CEL rule (the custom resource
+# strategy's hasBlockingErr: NotSupported, Required, TooLong, TooMany, TypeInvalid); it
+# says so with this error. Other schema errors (pattern, bounds) leave the rules running.
+_BLOCKING = (": Unsupported value: ", ": Required value", ": Too long: ", ": Too many: ",
+             " in body must be of type ")
+RULES_NOT_CHECKED = (
+    "<nil>: Invalid value: null: some validation rules were not checked because the "
+    "object was invalid; correct the existing errors to complete validation"
+)
 
 
 def _is_type(value: Any, expected: str) -> bool:
@@ -103,7 +106,8 @@ def _is_type(value: Any, expected: str) -> bool:
 
 
 class _Validator:
-    """Two passes, as the API server: CEL rules run only on a structurally valid object."""
+    """Two passes, as the API server: the schema, then the CEL rules unless a schema
+    error blocks them (`_BLOCKING`)."""
 
     def __init__(self, rules: bool) -> None:
         self.rules = rules
@@ -227,8 +231,7 @@ class _Validator:
             if ok is not True and not (
                 isinstance(ok, celpy.celtypes.BoolType) and bool(ok)
             ):
-                message = _message(rule, activation)
-                self.errors.append(f"{path}: Invalid value: {_quote(value)}: {message}")
+                self.errors.append(f"{path}: {_cel_value(value)}: {rule['message']}")
 
 
 def _normalised(kind: Any) -> str:
@@ -288,8 +291,8 @@ def validate_object(obj: dict[str, Any], old: dict[str, Any] | None = None) -> l
         if rules:
             validator._check_rules(obj, schema, "<nil>", old)
         errors += validator.errors
-        if errors:
-            break
+        if any(marker in error for error in errors for marker in _BLOCKING):
+            return [*errors, RULES_NOT_CHECKED]
     return errors
 
 
