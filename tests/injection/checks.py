@@ -6,11 +6,12 @@ import argparse
 import re
 from typing import Any
 
+from manifests.atomic import unfilled_atomic_fields
 from manifests.schemas import schema_errors
 
-from engine_sidecar.contract.names import PLUGIN_CLASS
+from engine_sidecar.contract.names import ENGINE_NAME_ENV, PLUGIN_CLASS
 from kvquota.cli import build_parser
-from kvquota.inject.pod import SIDECAR
+from kvquota.inject.pod import INIT, SIDECAR
 from kvquota.inject.vllm_argv import VllmCommand
 
 # Each flag the plugin needs, once, with its value (parsed by vLLM's own parser).
@@ -26,9 +27,21 @@ def vllm_container(pod: dict[str, Any]) -> dict[str, Any]:
 def check_injected_pod(
     pod: dict[str, Any], parser: argparse.ArgumentParser
 ) -> argparse.Namespace:
-    """Schema-valid, vLLM's argv parses, the plugin flags appear exactly once; returns
-    vLLM's parsed arguments for further checks."""
+    """Schema-valid, nothing left for the API server to fill in an atomic struct, vLLM's
+    argv parses, the plugin flags appear exactly once; returns vLLM's parsed arguments
+    for further checks."""
     assert schema_errors(pod) == []
+    # What injection adds, re-applied by another field manager (a GitOps tool re-syncing
+    # `kvquota inject` output), must not conflict. The workload's own env is the user's
+    # (the check-plugin init container copies the vLLM container's).
+    spec = pod["spec"]
+    added = {"kind": "Pod", "spec": {
+        "containers": [c for c in [*spec.get("initContainers", []), *spec["containers"]]
+                       if c["name"] in (SIDECAR, INIT)],
+        "env": [e for e in vllm_container(pod).get("env", []) if e["name"] == ENGINE_NAME_ENV],
+    }}
+    missing = unfilled_atomic_fields(added)
+    assert missing == [], missing
     command = VllmCommand.parse(vllm_container(pod))
     argv = command.server_argv()
     names = [t.split("=", 1)[0].replace("_", "-") for t in argv if t.startswith("--")]

@@ -94,7 +94,8 @@ def test_sidecar_loads_the_policy_configmap_of_the_pool_that_selects_the_engine(
     configmap = command[command.index("--policy-configmap") + 1]
     assert configmap == "$(POD_NAMESPACE)/$(KVQUOTA_POOL)-kvquota-policy"
     env = _env(sidecar)
-    assert env["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert env["POD_NAMESPACE"] == {
+        "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}}
     label = env["KVQUOTA_POOL"]["fieldRef"]["fieldPath"]
     assert label == "metadata.labels['kvquota.dev/pool']"
     # What the downward API resolves $(KVQUOTA_POOL) to is the pool selecting this pod.
@@ -146,7 +147,8 @@ def test_the_admin_port_is_the_one_the_operator_polls_bound_to_the_pod_ip() -> N
     sidecar = _container(pod, "kvquota-sidecar")
     command = sidecar["command"]
     assert command[command.index("--admin-listen") + 1] == "$(POD_IP):9100"
-    assert _env(sidecar)["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert _env(sidecar)["POD_IP"] == {
+        "fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIP"}}
     running = {"metadata": pod["metadata"], "spec": pod["spec"],
                "status": {"podIP": "10.1.2.3"}}
     assert status_url(running) == "http://10.1.2.3:9100/kvquota/status"

@@ -284,7 +284,10 @@ def _add_plugin_env(vllm: dict[str, Any]) -> None:
 
 
 def _field(path: str) -> dict[str, Any]:
-    return {"fieldRef": {"fieldPath": path}}
+    # `apiVersion` is what the API server would default: a fieldRef is an atomic struct
+    # under server-side apply, so one without it differs from the stored pod and a
+    # second applier of the same manifest conflicts with the first.
+    return {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}
 
 
 def _sidecar(options: InjectionOptions, serve_port: int, engine_port: int,

@@ -5,8 +5,9 @@ module and the sidecar image of the release that injected it; injecting it again
 leaves it alone (a pod injected twice stays the same). `kvquota inject --upgrade`
 rewrites those names by `engine_sidecar.contract.renamed.RENAMED`, points the
 KVQuota containers at this release's image, mounts what this release's sidecar reads
-that the old one did not (the pool store password's own Secret, optional), and changes
-nothing else the user wrote.
+that the old one did not (the pool store password's own Secret, optional), writes the
+`apiVersion` into the fieldRefs it injected (so re-applying does not conflict), and
+changes nothing else the user wrote.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine_sidecar.contract.names import ENGINE_NAME_ENV
 from engine_sidecar.contract.renamed import RENAMED, Renamed
 from kvquota.inject.objects import TEMPLATE_KINDS, describe
 from kvquota.inject.pod import (
@@ -96,10 +98,29 @@ def upgrade_object(obj: dict[str, Any], image: str,
                                   f"{container.get('image')} -> {image}")
             container["image"] = image
     _mount_store_secret(pod["spec"], store_secret, result, where)
+    _fill_field_refs(pod["spec"], result, where)
     annotations = (pod.get("metadata") or {}).get("annotations") or {}
     if INJECTED_ANNOTATION in annotations:
         annotations[INJECTED_ANNOTATION] = image
     return result
+
+
+def _fill_field_refs(spec: dict[str, Any], result: Upgrade, where: str) -> None:
+    """Before 0.2.0 the fieldRefs injection wrote had no `apiVersion`; the API server
+    fills in `v1` within an atomic struct, so a second field manager applying the
+    manifest conflicted with the first. Only KVQuota's containers, and the engine-name
+    variable injection adds to the others, are touched."""
+    for container in _containers(spec):
+        ours = container.get("name") in (SIDECAR, INIT)
+        for var in container.get("env") or []:
+            ref = (var.get("valueFrom") or {}).get("fieldRef")
+            if not isinstance(ref, dict) or "apiVersion" in ref:
+                continue
+            if ours or (var.get("name") == ENGINE_NAME_ENV
+                        and ref.get("fieldPath") == "metadata.name"):
+                var["valueFrom"]["fieldRef"] = {"apiVersion": "v1", **ref}
+                result.changes.append(f"{where}: container {container['name']!r}: env "
+                                      f"{var.get('name')}: fieldRef apiVersion v1")
 
 
 def _mount_store_secret(spec: dict[str, Any], secret: str, result: Upgrade,
