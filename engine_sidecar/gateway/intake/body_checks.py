@@ -98,8 +98,10 @@ def string_or_strings(max_chars: int, max_items: int) -> Check:
     return check
 
 
-def object_with(allowed: dict[str, Check], required: Collection[str] = ()) -> Check:
-    """A JSON object with only the `allowed` keys (null values skip their check)."""
+def object_with(allowed: dict[str, Check], required: Collection[str] = (),
+                open_ended: bool = False) -> Check:
+    """A JSON object with only the `allowed` keys (null values skip their check); `open_ended`:
+    other keys too, unchecked (the engine judges them)."""
     def check(param: str, value: Any) -> None:
         json_object(param, value)
         for key in required:
@@ -107,6 +109,8 @@ def object_with(allowed: dict[str, Check], required: Collection[str] = ()) -> Ch
                 raise invalid(f"{param}.{key} is required", f"{param}.{key}")
         for key, element in value.items():
             if key not in allowed:
+                if open_ended:
+                    continue
                 raise invalid(f"{param}.{key} is not a field the KVQuota sidecar accepts here "
                               f"(accepted: {', '.join(sorted(allowed))})", f"{param}.{key}")
             if element is not None:

@@ -1,13 +1,14 @@
 """Parse the parts of an OpenAI request body that admission needs, vet it, and rewrite it.
 
-A field reaches the engine only if the route's allow-list below names it and its value
-passed the listed check (DESIGN.md section 4). Listed fields are part of the prompt
-(counted: `prompt`, `messages`, `tools` and what the chat template reads), sampling or
-output options that change neither KV usage nor the request's identity (bounded where
-they cost the engine), or set by the sidecar whatever the client sent (`priority`,
-`vllm_xargs`, `cache_salt`, the clamped max-tokens fields). Fields that would let a
-request escape admission are refused with their reason (`REFUSED`), any other as
-unknown: a 400 naming the field. A null value means the default and is not forwarded.
+The sidecar judges only what admission needs (issue 46): the fields listed below are
+vetted with their check, because they are part of the prompt (counted: `prompt`,
+`messages`, `tools` and what the chat template reads), change what a request reserves
+(`n`, the max-tokens fields, bounded), or are set by the sidecar whatever the client sent
+(`priority`, `vllm_xargs`, `cache_salt`). Fields that would take a request out of the
+sidecar's accounting are refused with their reason (`REFUSED`). Every other field is
+forwarded unchanged, and vLLM accepts or refuses it as it would without the sidecar
+(vLLM ignores fields its request models do not name). A null value means the default
+and is not forwarded.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ from engine_sidecar.gateway.intake.body_checks import (
     number,
     object_with,
     one_of,
-    shown,
     string,
     string_or_strings,
 )
@@ -92,8 +92,9 @@ SHARED_FIELDS: dict[str, Check] = {
     "model": string(1024),  # mapped to the engine's name by the app
     "user": string(MAX_SESSION_ID_CHARS * 4),  # a session id source (`session_id`)
     "stream": boolean,
+    # The output meter reads usage when the client asked for it; other keys are vLLM's.
     "stream_options": object_with({"include_usage": boolean,
-                                   "continuous_usage_stats": boolean}),
+                                   "continuous_usage_stats": boolean}, open_ended=True),
     "n": integer(1, MAX_N),
     "max_tokens": anything,  # parse() reads and bounds it; rewrite() clamps it
     "temperature": number,
@@ -190,12 +191,12 @@ def load_body(raw: bytes) -> tuple[dict[str, Any], bool]:
 
 
 def vet_fields(kind: Kind, body: dict[str, Any]) -> None:
-    """Drop nulls and harmless defaults; refuse anything not on the route's allow-list."""
-    vet_body(body, FIELDS[kind], REFUSED, HARMLESS, kind.value)
+    """Drop nulls and harmless defaults; check the listed fields; refuse `REFUSED`."""
+    vet_body(body, FIELDS[kind], REFUSED, HARMLESS)
 
 
 def vet_body(body: dict[str, Any], allowed: dict[str, Check], refused: dict[str, str],
-             harmless: dict[str, Any], route: str) -> None:
+             harmless: dict[str, Any]) -> None:
     """`vet_fields` with a route's own lists (`responses_request` has its own)."""
     for name, value in list(body.items()):
         if value is None or (name in harmless and value is harmless[name]):
@@ -205,10 +206,8 @@ def vet_body(body: dict[str, Any], allowed: dict[str, Check], refused: dict[str,
             raise invalid(f"{name} is not accepted through the KVQuota sidecar: "
                           f"{refused[name]}", param=name)
         check = allowed.get(name)
-        if check is None:
-            raise invalid(f"unknown field {shown(name)}: the KVQuota sidecar forwards only the "
-                          f"{route} fields it has vetted; remove it", param=name)
-        check(name, value)
+        if check is not None:
+            check(name, value)  # any other field goes to the engine as sent
 
 
 def _optional_positive_int(body: dict[str, Any], name: str) -> int | None:

@@ -124,7 +124,7 @@ class ResponsesRequest(ParsedRequest):
 
 def parse_responses(raw: bytes) -> ResponsesRequest:
     body, strict = load_body(raw)
-    vet_body(body, FIELDS, REFUSED_HERE, HARMLESS, "responses")
+    vet_body(body, FIELDS, REFUSED_HERE, HARMLESS)
     if "input" not in body:
         raise bc.invalid("input is required", param="input")
     messages, continued = input_messages(body.get("instructions"), body["input"])
