@@ -232,10 +232,12 @@ def _run_sidecar(args: argparse.Namespace) -> int:
     import prometheus_client
     import uvicorn
 
-    from engine_sidecar.gateway import server
+    from engine_sidecar.gateway import request_id, server
 
     logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                        format="%(asctime)s %(levelname)s %(name)s [%(request_id)s]: "
+                               "%(message)s")
+    request_id.label_log_lines()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call
     prometheus_client.disable_created_metrics()  # no `_created` series per label set
     (host, port), (admin_host, admin_port) = check_server_flags(args)
@@ -250,6 +252,7 @@ def _run_sidecar(args: argparse.Namespace) -> int:
     admin = server.AdminServer(server.server_config(
         gateway.admin_app, admin_limits, lifespan="off", log_level=args.log_level,
         access_log=args.access_log))
+    request_id.label_log_lines()  # after uvicorn set up its loggers
     client_sock = server.listen(host, port, "--listen")
     admin_sock = server.listen(admin_host, admin_port, "--admin-listen")
     logging.getLogger(__name__).info(

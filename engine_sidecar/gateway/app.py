@@ -47,6 +47,7 @@ from engine_sidecar.gateway.relay.admitted import Relay
 from engine_sidecar.gateway.relay.exchange import Upstream, send_error
 from engine_sidecar.gateway.relay.models_route import ModelsRoute
 from engine_sidecar.gateway.relay.passthrough import Passthrough, supported_routes
+from engine_sidecar.gateway.request_id import RequestIds
 from engine_sidecar.gateway.telemetry.engine_stats import EngineStatsReader
 from engine_sidecar.gateway.telemetry.metrics import GatewayMetrics, StateSources
 from engine_sidecar.gateway.telemetry.picker_signals import PickerSignals, SignalSources
@@ -145,7 +146,8 @@ class Gateway:
             ],
             exception_handlers={HTTPException: _http_exception},
         )
-        self.app: ASGIHandler = _GatewayApp(self.dispatch)
+        # Every answer on the client port carries the request's x-request-id.
+        self.app: ASGIHandler = RequestIds(_GatewayApp(self.dispatch))
         self.admin_app: ASGIHandler = _GatewayApp(self.dispatch_admin)
 
     async def dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -262,6 +264,8 @@ class Gateway:
                                                      active, tenant_id, trace)
             except ApiError as error:
                 status = error.status
+                logger.debug("refused %s: %d %s (tenant %s)", scope["path"], error.status,
+                              error.code, tenant_id if body_read else "-")
                 await send_error(send, error if body_read else unread(scope, error))
                 return
             if admitted is None:

@@ -228,7 +228,9 @@ def test_only_allow_listed_headers_reach_the_engine(vetting: Vetting) -> None:
     _chat(client, extra_headers={"traceparent": "00-zz-bad-01", "tracestate": "vendor=1"})
     traced, malformed = stub.received_headers
     # host and content-length are the sidecar's own, for its request to the engine
+    # x-request-id: the one the sidecar answers with (the client's here, test_request_ids)
     assert set(traced) == {"host", "content-length", "content-type", "accept", "traceparent",
-                           "tracestate"}
+                           "tracestate", "x-request-id"}
     assert traced["traceparent"] == TRACEPARENT and traced["content-type"] == "application/json"
-    assert set(malformed) == {"host", "content-length", "content-type", "accept"}
+    assert traced["x-request-id"] == "chosen-by-client"
+    assert set(malformed) == {"host", "content-length", "content-type", "accept", "x-request-id"}

@@ -84,6 +84,9 @@ def test_an_admitted_request_is_traced_from_the_client_to_vllm(
     for step in (auth, admission, upstream):
         assert step.parent is not None and step.parent.span_id == request.context.span_id
     assert request.attributes["http.response.status_code"] == 200
+    # Every span names the request as its answer does (x-request-id).
+    assert {s.attributes["kvquota.request_id"] for s in (request, auth, admission, upstream)
+            } == {response.headers["x-request-id"]}
     assert auth.attributes["kvquota.tenant"] == "acme"
     assert admission.attributes["kvquota.decision"] == "admitted"
     assert admission.attributes["kvquota.blocks"] >= 1

@@ -45,11 +45,13 @@ HOP_BY_HOP = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
     b"trailer", b"trailers", b"transfer-encoding", b"upgrade",
 })
-# The only client headers the engine sees. vLLM acts on others: X-Request-Id names the
-# response and the engine request, X-data-parallel-rank picks a rank, X-Vllm-Priority
-# overrides the priority, X-Session-ID the session; the credentials are the sidecar's.
-# W3C trace context passes (vLLM's tracing reads it), when well-formed.
-REQUEST_ALLOW = frozenset({b"content-type", b"accept", b"traceparent", b"tracestate"})
+# The only client headers the engine sees. vLLM acts on others: X-data-parallel-rank
+# picks a rank, X-Vllm-Priority overrides the priority, X-Session-ID the session; the
+# credentials are the sidecar's. W3C trace context passes (vLLM's tracing reads it), when
+# well-formed. X-Request-Id is the one `request_id.RequestIds` chose (the client's when
+# usable): vLLM names its request and response after it.
+REQUEST_ALLOW = frozenset({b"content-type", b"accept", b"traceparent", b"tracestate",
+                           b"x-request-id"})
 TRACE_CONTEXT = frozenset({b"traceparent", b"tracestate"})
 _TRACEPARENT = re.compile(rb"(?!ff)[0-9a-f]{2}-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}"
                           rb"-[0-9a-f]{2}")

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.types import Scope
 
-from engine_sidecar.gateway import errors
+from engine_sidecar.gateway import errors, request_id
 from engine_sidecar.gateway.admission.rules import Decision
 from engine_sidecar.gateway.errors import ApiError
 from engine_sidecar.gateway.telemetry.observer import NO_OBSERVER, Headers, Observer, RequestTrace
@@ -37,6 +37,7 @@ ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_
 SERVICE_NAME = "kvquota-sidecar"
 TRACE_HEADERS = (b"traceparent", b"tracestate")
 INSTRUMENTATION = "engine_sidecar.gateway"
+REQUEST_ID_ATTRIBUTE = "kvquota.request_id"  # on every span: the response's x-request-id
 
 
 def enabled(environ: Mapping[str, str] = os.environ) -> bool:
@@ -106,6 +107,7 @@ class _SpanTrace(RequestTrace):
         "auth",
         "context",
         "request",
+        "request_id",
         "ticket",
         "token",
         "tracer",
@@ -118,10 +120,12 @@ class _SpanTrace(RequestTrace):
         from opentelemetry import context, propagate, trace
 
         self.tracer = tracer
+        self.request_id = request_id.of(scope) or ""
         parent = propagate.extract(_headers(scope["headers"]))
         self.request = tracer.start_span(
             "kvquota.request", context=parent, kind=trace.SpanKind.SERVER,
-            attributes={"http.request.method": scope["method"], "url.path": scope["path"]})
+            attributes={"http.request.method": scope["method"], "url.path": scope["path"],
+                        REQUEST_ID_ATTRIBUTE: self.request_id})
         self.context: Context = trace.set_span_in_context(self.request, parent)
         self.token = context.attach(self.context)
         self.ticket: Ticket | None = None
@@ -135,7 +139,9 @@ class _SpanTrace(RequestTrace):
         from opentelemetry import trace
 
         context = self.context if parent is None else trace.set_span_in_context(parent)
-        return self.tracer.start_span(name, context=context, **kwargs)
+        span = self.tracer.start_span(name, context=context, **kwargs)
+        span.set_attribute(REQUEST_ID_ATTRIBUTE, self.request_id)
+        return span
 
     def auth_started(self) -> None:
         self.auth = self._child("kvquota.auth")
