@@ -33,10 +33,11 @@ class Band(IntEnum):
 class Holding:
     """One tenant's KV on an engine, as the victim order sees it (plain counts).
 
-    `used` is what counts against the tenant's guarantee (blocks held plus growth its
-    admitted requests may still allocate); `held` is what it holds now, running and
-    pinned, i.e. what preemption and lease releases can actually free; `idle_leased`
-    is the part of `held` pinned by leases of sessions with no request in flight;
+    `guaranteed` is the tenant's guarantee on this engine (its split of the pool-wide
+    one); `used` is what counts against it (blocks held plus growth its admitted
+    requests may still allocate); `held` is what it holds now, running and pinned,
+    i.e. what preemption and lease releases can actually free; `idle_leased` is the
+    part of `held` pinned by leases of sessions with no request in flight;
     `above_max` is the part of `held` its requests admitted beyond its maxBlocks hold.
     """
 
@@ -48,13 +49,23 @@ class Holding:
     above_max: int = 0
 
 
-def requester_band(used: int, blocks: int, guaranteed: int, ceiling: int | None = None) -> Band:
-    """The class of a new request: borrowing if it would take its tenant over its
-    guarantee (Kueue's nominal quota), above-max work if over its `ceiling`. `used`
-    leaves out the tenant's idle leases, which yield to its own new work."""
-    if ceiling is not None and used + blocks > ceiling:
+def quota_band(used: int, guaranteed_per_engine: int) -> Band:
+    """The borrower rule (Kueue's nominal quota): a tenant whose usage on this engine
+    passes its guarantee there is borrowing, else it is within its guarantee. The
+    victim order ranks a tenant's running work and leases by it, admission a new
+    request (`requester_band`)."""
+    return Band.BORROWER if used > guaranteed_per_engine else Band.GUARANTEED
+
+
+def requester_band(used: int, blocks: int, guaranteed_per_engine: int,
+                   max_blocks_per_engine: int | None = None) -> Band:
+    """The class of a new request of `blocks`: the band its tenant would be in once it
+    holds them, or above-max work if that passes `max_blocks_per_engine` (given only
+    when the tenant may run work beyond it). `used` leaves out the tenant's idle
+    leases, which yield to its own new work."""
+    if max_blocks_per_engine is not None and used + blocks > max_blocks_per_engine:
         return Band.ABOVE_MAX
-    return Band.BORROWER if used + blocks > guaranteed else Band.GUARANTEED
+    return quota_band(used + blocks, guaranteed_per_engine)
 
 
 def reclaimable_blocks(

@@ -31,7 +31,7 @@ class Reclaim:
         self._leases = leases
         self._victims = victims
         self._offload = offload
-        self.allocation_failed = False  # in this step
+        self._allocation_failed = False  # in this step
         # A waiting request that found no room in the last step, the key it ranks with
         # and the free blocks it needed: running work ranked above it is preempted
         # before the next step (`reclaim_for_waiting`).
@@ -43,7 +43,7 @@ class Reclaim:
     ) -> Any:
         """vLLM could not allocate for `request`: free what the victim order allows and
         `retry()`, or mark the victim vLLM is to preempt and return None."""
-        self.allocation_failed = True
+        self._allocation_failed = True
         state, engine, leases, victims = self._state, self._engine, self._leases, self._victims
         has_leases = bool(len(state.leases))
         if state.policy is None and not has_leases:
@@ -101,6 +101,11 @@ class Reclaim:
         if requester_running:
             victims.mark(request)
         return None
+
+    def end_step(self) -> bool:
+        """The step is over: did an allocation fail in it?"""
+        failed, self._allocation_failed = self._allocation_failed, False
+        return failed
 
     def reclaim_for_waiting(self) -> None:
         """Preempt running work ranked above the request that found no room last step.

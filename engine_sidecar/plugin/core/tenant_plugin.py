@@ -128,9 +128,8 @@ class TenantPlugin:
         """After vLLM's schedule(), also when it raised."""
         self.in_step = False
         self.victims.end_step()
-        if self.state.degraded.end_step(self.reclaim.allocation_failed):
+        if self.state.degraded.end_step(self.reclaim.end_step()):
             self._next_publish = 0.0
-        self.reclaim.allocation_failed = False
 
     def step_scheduled(self, new_request_hits: Iterable[tuple[str, int]]) -> None:
         """The step's output: (req_id, prefix-hit tokens) of the requests it admitted."""

@@ -99,6 +99,7 @@ class VictimOrder:
             if lease.tenant == tenant and lease.key not in state.active
         )
         used = max(0, ranker.usage.get(tenant_policy.tenant_id, 0) - idle)
+        # The policy the plugin holds is this engine's split: both bounds are per engine.
         band = requester_band(used, need, tenant_policy.guaranteed_blocks,
                               tenant_policy.ceiling if identity.above_max else None)
         return (band, tenant_policy.priority, 0, 0, arrival_time)

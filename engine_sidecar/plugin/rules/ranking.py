@@ -13,7 +13,7 @@ from enum import StrEnum
 from typing import Any
 
 from engine_sidecar.contract.policy import EnginePolicy, TenantPolicy
-from engine_sidecar.contract.reclaim import Band
+from engine_sidecar.contract.reclaim import Band, quota_band
 from engine_sidecar.plugin.rules.leases import Lease
 
 
@@ -68,8 +68,9 @@ class VictimRanker:
         return self.policy.tenants.get(tenant)
 
     def band(self, tenant_policy: TenantPolicy) -> Band:
-        used = self.usage.get(tenant_policy.tenant_id, 0)
-        return Band.BORROWER if used > tenant_policy.guaranteed_blocks else Band.GUARANTEED
+        # The policy the plugin holds is this engine's split: its guarantee is per engine.
+        return quota_band(self.usage.get(tenant_policy.tenant_id, 0),
+                          tenant_policy.guaranteed_blocks)
 
     def running_key(
         self,
