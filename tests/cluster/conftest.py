@@ -97,12 +97,14 @@ class Kubectl:
     def get(self, resource: str, name: str, namespace: str | None = None) -> Any:
         """The object, or None when it does not exist."""
         scope = ["-n", namespace] if namespace else []
-        out = self.run("get", resource, name, *scope, "-o", "json", "--ignore-not-found").stdout
+        out = self.run("get", resource, name, *scope, "-o", "json", "--ignore-not-found",
+                       "--show-managed-fields").stdout
         return json.loads(out) if out.strip() else None
 
     def items(self, resource: str, namespace: str | None = None, *selector: str) -> list[Any]:
         scope = ["-n", namespace] if namespace else []
-        return list(self.json("get", resource, *scope, *selector)["items"])
+        return list(self.json("get", resource, *scope, *selector,
+                              "--show-managed-fields")["items"])
 
     def apply(self, objects: list[dict[str, Any]] | str, *, manager: str = FIELD_MANAGER,
               dry_run: bool = False, force: bool = False, check: bool = True
@@ -223,19 +225,28 @@ def api(cluster: Cluster) -> Iterator[Cluster]:
     each Established. Removed at the end if this run created them."""
     crds = [c["metadata"]["name"] for c in cluster.kubectl.kustomize(MANIFESTS / "crds")]
     existed = [n for n in crds if cluster.kubectl.get("crd", n)]
-    cluster.kubectl.apply(str(MANIFESTS / "crds"), manager="kubectl")
-    for name in crds:
-        wait_for(lambda name=name: cluster.kubectl.get("crd", name),
-                 lambda crd: (condition(crd, "Established") or {}).get("status") == "True",
-                 f"CRD {name} Established")
-    wait_for(lambda: (cluster.discover(), cluster)[1],
-             lambda c: c.serves("inferencepools.kvquota.dev") and c.serves(
-                 "tenantquotas.kvquota.dev"), "the kvquota.dev API in discovery")
-    yield cluster
-    created = [n for n in crds if n not in existed]
-    if created:
-        cluster.kubectl.run("delete", "crd", *created, "--ignore-not-found", "--wait=false",
-                            check=False)
+    try:
+        cluster.kubectl.apply(str(MANIFESTS / "crds"), manager="kubectl")
+        for name in crds:
+            wait_for(lambda name=name: cluster.kubectl.get("crd", name),
+                     lambda crd: (condition(crd, "Established") or {}).get("status") == "True",
+                     f"CRD {name} Established")
+        wait_for(lambda: (cluster.discover(), cluster)[1],
+                 lambda c: c.serves("inferencepools.kvquota.dev") and c.serves(
+                     "tenantquotas.kvquota.dev"), "the kvquota.dev API in discovery")
+        # kubectl validates against the published OpenAPI, which trails Established by
+        # a few seconds: an apply in between fails with "failed to download openapi".
+        versions = {f"apis/{c['spec']['group']}/{v['name']}" for c in
+                    cluster.kubectl.kustomize(MANIFESTS / "crds") for v in c["spec"]["versions"]}
+        wait_for(lambda: set(json.loads(cluster.kubectl.run(
+            "get", "--raw", "/openapi/v3").stdout)["paths"]),
+            lambda paths: versions <= paths, f"OpenAPI v3 to publish {sorted(versions)}")
+        yield cluster
+    finally:
+        created = [n for n in crds if n not in existed]
+        if created:
+            cluster.kubectl.run("delete", "crd", *created, "--ignore-not-found",
+                                "--wait=false", check=False)
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@ then pools and quotas; every sample and example accepted."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -50,11 +51,12 @@ def test_samples_are_accepted_with_their_defaults(api: Cluster, namespace: str) 
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=[p.name for p in EXAMPLES])
-def test_example_is_accepted(api: Cluster, namespace: str, example: Path) -> None:
-    """Server-side dry-run: the examples name images, nodes and Secrets that are not here.
-    Kinds this server does not serve (the Gateway API's, or every core kind on a
-    CRD-only server) are left out and named."""
-    objects = in_namespace(api.kubectl.kustomize(example), namespace)
+def test_example_is_accepted(api: Cluster, new_namespace: Callable[[str], str],
+                             example: Path) -> None:
+    """Server-side dry-run, each in a namespace of its own: the examples name images,
+    nodes and Secrets that are not here. Kinds this server does not serve (the Gateway
+    API's, or every core kind on a CRD-only server) are left out and named."""
+    objects = in_namespace(api.kubectl.kustomize(example), new_namespace(example.name))
     served = [o for o in objects if api.serves_kind(o["apiVersion"], o["kind"])]
     left_out = sorted({f"{o['apiVersion']}/{o['kind']}" for o in objects if o not in served})
     if not served:

@@ -177,8 +177,8 @@ def webhook(installed: Cluster, new_namespace: Callable[[str], str],
             if address is None:
                 tried.append(f"{mode}: no non-loopback address on this host")
                 continue
-            point(address)
             try:
+                point(address)
                 wait_for(lambda: _dry_run(installed, ns), lambda r: r[0],
                          f"the API server to call the webhook ({mode} to {address}:{port})",
                          timeout=30, interval=1)
