@@ -14,11 +14,13 @@ from dataclasses import dataclass, field
 INVALID_REQUEST = "INVALID_REQUEST"
 PROMPT_TOO_LONG = "PROMPT_TOO_LONG"
 REQUEST_EXCEEDS_TENANT_QUOTA = "REQUEST_EXCEEDS_TENANT_QUOTA"
+REQUEST_EXCEEDS_ENGINE_CAPACITY = "REQUEST_EXCEEDS_ENGINE_CAPACITY"
 # 401 / 403
 UNAUTHENTICATED = "UNAUTHENTICATED"
 UNKNOWN_TENANT = "UNKNOWN_TENANT"
 # 404 / 405 / 408 / 413 / 431
 NOT_FOUND = "NOT_FOUND"
+MODEL_NOT_FOUND = "model_not_found"  # OpenAI's own code (and type invalid_request_error)
 METHOD_NOT_ALLOWED = "METHOD_NOT_ALLOWED"
 REQUEST_TIMEOUT = "REQUEST_TIMEOUT"
 REQUEST_TOO_LARGE = "REQUEST_TOO_LARGE"
@@ -63,6 +65,7 @@ class ApiError(Exception):
     param: str | None = None
     retry_after: int | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    error_type: str | None = None  # else the status's (`_TYPES`)
 
     def __str__(self) -> str:
         return f"{self.status} {self.code}: {self.message}"
@@ -70,12 +73,12 @@ class ApiError(Exception):
     def __reduce__(self) -> tuple[type[ApiError], tuple[object, ...]]:
         """Pickled whole (raised in a tokenizer worker process, re-raised in the app)."""
         return (ApiError, (self.status, self.code, self.message, self.param,
-                           self.retry_after, self.headers))
+                           self.retry_after, self.headers, self.error_type))
 
     def body(self) -> bytes:
         error = {
             "message": self.message,
-            "type": _TYPES.get(self.status, "error"),
+            "type": self.error_type or _TYPES.get(self.status, "error"),
             "code": self.code,
             "param": self.param,
         }

@@ -35,7 +35,7 @@ class StubEngine:
     chunks: int = 3
     chunk_delay: float = 0.0
     head_delay: float = 0.0  # seconds before a stream's response head goes out
-    model_id: str = "stub-model"  # what /v1/models names (vLLM: the path, if no served name)
+    model_id: str = "tiny"  # what /v1/models names (vLLM: the path, if no served name)
     # Set: every stream stops after its first chunk until the test sets the event (a
     # request that holds its slot for exactly as long as the test needs).
     hold: threading.Event | None = None

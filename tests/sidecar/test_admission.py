@@ -108,6 +108,36 @@ def test_a_request_larger_than_the_whole_quota_is_400_not_429() -> None:
     assert (verdict.error.status, verdict.error.code) == (400, "REQUEST_EXCEEDS_TENANT_QUOTA")
 
 
+def test_a_request_no_state_of_the_engine_could_admit_is_400_at_once() -> None:
+    """Issue 46's numbers: a 640-block engine, watermark 0.15 (96 kept), a tenant without
+    guarantee asking n=10 x (10 + 1900) tokens = 600 blocks of 32: within its maxBlocks,
+    but a borrower can never get more than the 544 above the watermark."""
+    free = tenant("free", guaranteed_blocks=0, max_blocks_per_engine=600, max_tokens=4096)
+    paid = tenant("paid", guaranteed_blocks=600, max_blocks_per_engine=700, max_tokens=4096)
+    policy = make_policy(free, paid)
+    empty = _view(policy, _stats(640, 640))
+    never = _decide(free, 10, 1900, n=10, view=empty, watermark=0.15)
+    assert never.error is not None and not never.waits
+    assert (never.error.status, never.error.code, never.error.param) == (
+        400, "REQUEST_EXCEEDS_ENGINE_CAPACITY", "max_tokens")
+    assert "600 new KV blocks" in never.error.message
+    assert "at most the 544 of the engine's 640 blocks above its 0.15 watermark" in (
+        never.error.message)
+    # 544 blocks fit an empty engine: n=8 x 1900 is 480.
+    assert _decide(free, 10, 1900, n=8, view=empty, watermark=0.15).admitted
+    # Within a guarantee the watermark never refuses; the engine's size still binds.
+    assert _decide(paid, 10, 1900, n=10, view=empty, watermark=0.15).admitted
+    too_big = _decide(paid, 10, 2000, n=11, view=empty, watermark=0.15)  # 693 blocks
+    assert too_big.error is not None and too_big.error.code == (
+        "REQUEST_EXCEEDS_ENGINE_CAPACITY") and "holds 640 KV blocks in all" in (
+        too_big.error.message)
+    # A full engine: the same request that fits an empty one waits (503), not 400.
+    full = _view(policy, _stats(640, 0))
+    assert _decide(free, 10, 1900, n=8, view=full, watermark=0.15).waits
+    # Unknown capacity: nothing to compare with.
+    assert _decide(free, 10, 1900, n=10, view=_view(policy, None), watermark=0.15).admitted
+
+
 def test_watermark_refuses_borrowers_only() -> None:
     borrower = tenant("free", guaranteed_blocks=0, max_blocks_per_engine=50)
     guaranteed = tenant("premium", guaranteed_blocks=20, max_blocks_per_engine=50)

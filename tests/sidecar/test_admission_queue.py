@@ -90,6 +90,23 @@ def test_a_full_tenant_queue_refuses_at_once() -> None:
     assert queue.depth("acme") == 2
 
 
+def test_a_request_no_state_of_the_engine_could_admit_never_waits() -> None:
+    """Behind a waiting request of its tenant, a request larger than the engine's room
+    above the watermark (100 blocks, 10 kept) is refused for good at once: a 400 with the
+    numbers, not a 503 after the tier's queue time."""
+    full = EngineStats(timestamp=0, total_blocks=100, free_blocks=5)
+    queue, _, _ = _queue(_t("free", guaranteed_blocks=0, max_blocks_per_engine=200),
+                         stats=lambda: full)
+    waiting = queue.submit("free", _shape(10))
+    never = queue.submit("free", _shape(91))
+    assert not waiting.settled and waiting.waited_on is Decision.REJECTED_WATERMARK
+    assert never.settled and never.error is not None and never.error.retry_after is None
+    assert (never.error.status, never.error.code) == (400, "REQUEST_EXCEEDS_ENGINE_CAPACITY")
+    assert "at most the 90 of the engine's 100 blocks" in never.error.message
+    assert queue.depth("free") == 1
+    assert not queue.submit("free", _shape(90)).settled  # fits an emptier engine: waits
+
+
 def test_a_client_that_leaves_the_queue_holds_nothing() -> None:
     queue, _, ledger = _queue(_t("acme", max_blocks_per_engine=10))
     holder = queue.submit("acme", _shape(10))

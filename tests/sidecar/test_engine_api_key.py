@@ -93,12 +93,12 @@ def test_every_engine_call_carries_vllms_key_and_no_tenant_token(
     token = keys.hs("acme")
     client = openai.OpenAI(base_url=harness.url + "/v1", api_key=token, max_retries=0,
                            timeout=30)
-    client.completions.create(model="stub-model", prompt="tenant quota", max_tokens=2)
-    client.chat.completions.create(model="stub-model", max_tokens=2,
+    client.completions.create(model="tiny", prompt="tenant quota", max_tokens=2)
+    client.chat.completions.create(model="tiny", max_tokens=2,
                                    messages=[{"role": "user", "content": "tenant quota"}])
-    client.responses.create(model="stub-model", input="tenant quota", max_output_tokens=2)
+    client.responses.create(model="tiny", input="tenant quota", max_output_tokens=2)
     client.models.list()
-    client.embeddings.create(model="stub-model", input="tenant quota", encoding_format="float")
+    client.embeddings.create(model="tiny", input="tenant quota", encoding_format="float")
     bearer = {"Authorization": f"Bearer {token}"}
     assert http_post(harness.url + "/tokenize", json={"prompt": "a"}, headers=bearer,
                      timeout=30).status_code == 200
@@ -124,12 +124,12 @@ def test_an_engine_that_refuses_the_sidecar_is_a_clear_502(
     token = keys.hs("acme")
     client = openai.OpenAI(base_url=harness.url + "/v1", api_key=token, max_retries=0,
                            timeout=30)
-    for call in (lambda: client.completions.create(model="stub-model", prompt="a",
+    for call in (lambda: client.completions.create(model="tiny", prompt="a",
                                                    max_tokens=2),
                  lambda: client.chat.completions.create(
-                     model="stub-model", max_tokens=2,
+                     model="tiny", max_tokens=2,
                      messages=[{"role": "user", "content": "a"}]),
-                 lambda: client.embeddings.create(model="stub-model", input="a",
+                 lambda: client.embeddings.create(model="tiny", input="a",
                                                   encoding_format="float")):
         with pytest.raises(openai.APIStatusError) as refused:
             call()

@@ -32,10 +32,10 @@ def test_the_tenant_owns_priority_attribution_cache_salt_and_the_ceiling(
     stubbed: tuple[Harness, RecordingEngine, Any],
 ) -> None:
     harness, stub, client = stubbed
-    client.responses.create(model="stub-model", input="hi", max_output_tokens=10_000,
+    client.responses.create(model="tiny", input="hi", max_output_tokens=10_000,
                             extra_body={"priority": -5, "cache_salt": "someone-elses",
                                         "vllm_xargs": {"kvq_tenant": "other"}})
-    client.responses.create(model="stub-model", input="again")
+    client.responses.create(model="tiny", input="again")
     first, second = stub.forwarded["/v1/responses"]
     assert first["priority"] == 1  # the tenant's, not the client's -5
     assert first["vllm_xargs"] == {"kvq_tenant": "acme", "kvq_reserved_blocks": 1,
@@ -71,7 +71,7 @@ def test_what_cannot_be_counted_is_refused_naming_the_field(
 ) -> None:
     harness, stub, client = stubbed
     with pytest.raises(openai.BadRequestError) as refused:
-        client.responses.create(**{"model": "stub-model", "input": "hi", **fields})
+        client.responses.create(**{"model": "tiny", "input": "hi", **fields})
     assert refused.value.param == param
     assert words in refused.value.message
     assert "/v1/responses" not in stub.forwarded

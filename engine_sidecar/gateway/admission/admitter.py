@@ -37,8 +37,9 @@ from engine_sidecar.gateway.counting.prompt_count import PromptCounting
 from engine_sidecar.gateway.counting.tokenizer_setup import TokenizerSetup
 from engine_sidecar.gateway.counting.tokens import TokenCounter, TokenIds
 from engine_sidecar.gateway.errors import ApiError
+from engine_sidecar.gateway.intake.body_checks import shown
 from engine_sidecar.gateway.intake.entry import Intake
-from engine_sidecar.gateway.intake.model_names import engine_name
+from engine_sidecar.gateway.intake.model_names import engine_name, is_served, served_names
 from engine_sidecar.gateway.intake.openai_request import Kind, ParsedRequest, rewrite, session_id
 from engine_sidecar.gateway.intake.responses_request import rewrite_responses
 from engine_sidecar.gateway.policy.active import ActivePolicy, PolicyHolder
@@ -138,6 +139,7 @@ class Admitter:
         except ApiError as error:
             raise self._count_error(error, tenant_id, tenant.tier.value) from None
         if "model" in request.body:  # the public name /v1/models shows -> the engine's
+            await self._check_model(request.body["model"], active)
             request.body["model"] = engine_name(request.body["model"], self.monitor.model,
                                                 active.policy.model)
         session = session_id(dict(raw_headers), request.body)
@@ -193,6 +195,22 @@ class Admitter:
                                    reservation.turn_blocks, tenant.max_blocks_per_engine)
         return Admitted(reservation, body, tier, ticket.waited,
                         request.n * max(1, len(shape.prompt_tokens)), call_back)
+
+    async def _check_model(self, requested: object, active: ActivePolicy) -> None:
+        """A model the engine does not serve is OpenAI's 404 `model_not_found`, naming
+        what is served, before the request is counted or queued. The engine's list is
+        read again first: an adapter may have been loaded since it was last read."""
+        monitor, served_name = self.monitor, active.policy.model
+        if not monitor.served or is_served(requested, monitor.served, served_name):
+            return
+        await monitor.learn_models()
+        if is_served(requested, monitor.served, served_name):
+            return
+        names = ", ".join(served_names(monitor.served, served_name))
+        raise self.intake.reject(ApiError(
+            404, errors.MODEL_NOT_FOUND,
+            f"The model {shown(requested)} does not exist here; this server serves: {names}",
+            param="model", error_type="invalid_request_error"), "model_not_found")
 
     def _count_error(self, error: ApiError, tenant_id: str, tier: str) -> ApiError:
         if error.code == errors.PROMPT_TOO_LONG:

@@ -129,6 +129,12 @@ class AdmissionQueue(Backlog):
             queue = self._queues[tenant_id] = TenantQueue()
         if not queue.tickets:
             self._lift(tenant_id, queue)
+        else:  # behind its tenant's earlier requests: a refusal for good comes now
+            verdict = self._decide_alone(ticket, tenant)
+            if verdict.error is not None and not verdict.waits:
+                ticket.verdict, ticket.error = verdict, verdict.error
+                self._settle(ticket, now)
+                return ticket
         queue.tickets.append(ticket)
         self.pump()
         if not ticket.settled:  # still last in its tenant's queue
@@ -301,6 +307,16 @@ class AdmissionQueue(Backlog):
             error.status, error.code, error.message, param=error.param,
             retry_after=_retry_after(queue, now, tenant, self.rng), headers=dict(error.headers))
         self._settle(ticket, now)
+
+    def _decide_alone(self, ticket: Ticket, tenant: TenantPolicy) -> Verdict:
+        """The decision on this engine alone (no pool-wide ledger): what the request
+        asks for may be refused for good (400) whatever the queue and the store say."""
+        assert self.policy is not None
+        policy = self.policy
+        return decide(tenant, ticket.shape, block_size=policy.block_size,
+                      watermark=policy.watermark, view=self.view(),
+                      max_model_len=self.max_model_len(),
+                      outlook=self.estimates.outlook(tenant, ticket.shape.route, policy))
 
     def _decide_now(self, ticket: Ticket, beyond_max: bool = False,
                     final: bool = False) -> Verdict:

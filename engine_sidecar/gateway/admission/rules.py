@@ -8,8 +8,9 @@ tiers: max_tokens in full), or what its running requests hold in the engine when
 Blocks count once each, as vLLM holds them (shared prefixes, a session's leased blocks).
 
 Checks, cheapest first, the most specific reason winning: prompt length (400) -> larger
-than the tenant's whole quota (400) -> concurrency (429) -> block quota (429) ->
-capacity for borrowers (503). 400s are final; the others wait in the queue
+than the tenant's whole quota (400) -> larger than the engine could ever give it
+(`_never_fits`, 400) -> concurrency (429) -> block quota (429) -> capacity for
+borrowers (503). 400s are final; the others wait in the queue
 (`Verdict.waits`). Above maxBlocks only with `aboveMax: Reclaimable`: docs/gateway.md.
 """
 
@@ -275,6 +276,36 @@ class Verdict:
         return self.error is not None and self.error.status in (429, 503)
 
 
+def _never_fits(tenant: TenantPolicy, shape: RequestShape, view: PoolView, watermark: float,
+                blocks: int, new_blocks: int, reserved: int, max_tokens: int) -> ApiError | None:
+    """A 400 for a request no state of this engine could admit, so that a client does not
+    wait in the queue and retry 503s for it: more new blocks than the engine has, or, for
+    a request beyond its tenant's guarantee (a borrower whatever the tenant holds), more
+    than a borrower can ever get, the blocks above the watermark (everything it counts
+    as available, free and reclaimable, lies there). A tenant with a pool-wide guarantee
+    may borrow the watermark's room too (`pool_guarantee`): only the engine's size binds."""
+    assert view.total_blocks is not None
+    total = view.total_blocks
+    wide = tenant.pool_wide
+    floor = 0 if wide is not None and wide.guaranteed_blocks else watermark_floor(
+        watermark, total)
+    if new_blocks <= total and (blocks <= tenant.guaranteed_blocks
+                                or new_blocks <= total - floor):
+        return None
+    needs = (f"this request needs {new_blocks} new KV blocks on admission (prompt + "
+             f"{reserved} output tokens per sequence, n={shape.n}, max_tokens={max_tokens})")
+    if new_blocks > total:
+        limit = f"the engine holds {total} KV blocks in all"
+    else:
+        limit = (f"tenant {tenant.tenant_id!r} is guaranteed {tenant.guaranteed_blocks} "
+                 f"blocks, and beyond them a request can use at most the {total - floor} of "
+                 f"the engine's {total} blocks above its {watermark:g} watermark")
+    return ApiError(
+        400, errors.REQUEST_EXCEEDS_ENGINE_CAPACITY,
+        f"{needs}, but {limit}: it can never be admitted here. Lower max_tokens or n, "
+        "or shorten the prompt.", param=shape.max_tokens_param)
+
+
 def decide(
     tenant: TenantPolicy,
     shape: RequestShape,
@@ -341,6 +372,9 @@ def decide(
             f"({tenant.max_blocks_per_engine}). Lower max_tokens or shorten the prompt.",
             param=shape.max_tokens_param,
         ))
+    if view.known and (never := _never_fits(tenant, shape, view, watermark, blocks,
+                                            new_blocks, reserved, max_tokens)) is not None:
+        return refuse(Decision.REJECTED_WATERMARK, never)
     # The leases of sessions in flight are their requests' prefixes, reserved with them;
     # idle leases yield to the tenant's own new work: neither counts again.
     used = load.charged

@@ -58,3 +58,16 @@ def public_cards(payload: Any, served_name: str | None) -> Any:
             if is_path(value):
                 card[key] = names.get(value) or own or public_name(value, None)
     return payload
+
+
+def served_names(engine_models: tuple[str, ...], served_name: str | None) -> list[str]:
+    """The names clients may ask for, as /v1/models lists them (the first card is the
+    base model, which the pool's served name stands for)."""
+    return [public_name(model, served_name if index == 0 else None)
+            for index, model in enumerate(engine_models)]
+
+
+def is_served(requested: object, engine_models: tuple[str, ...],
+              served_name: str | None) -> bool:
+    """Whether the engine serves `requested`, by its own name or the public one."""
+    return requested in engine_models or requested in served_names(engine_models, served_name)

@@ -49,6 +49,8 @@ class EngineMonitor:
         self.local_error: str | None = None  # the last probe failed in the sidecar itself
         self.model: str | None = None
         self.model_root: str | None = None
+        self.served: tuple[str, ...] = ()  # every card's id: the base model, then adapters
+        self._client: httpx.AsyncClient | None = None
         self.max_model_len: int | None = None
         self._recheck = asyncio.Event()
 
@@ -78,11 +80,20 @@ class EngineMonitor:
         self.up, self.error = healthy, reason
         return healthy
 
+    async def learn_models(self) -> None:
+        """Read the engine's model cards again (an adapter may have been loaded since)."""
+        if self._client is not None:
+            await self._learn_model(self._client)
+
     async def _learn_model(self, client: httpx.AsyncClient) -> None:
         try:
             cards = (await client.get("/v1/models", timeout=5.0)).json().get("data") or []
         except (httpx.HTTPError, ValueError, AttributeError):
             return
+        if not isinstance(cards, list):
+            return
+        self.served = tuple(card["id"] for card in cards
+                            if isinstance(card, dict) and isinstance(card.get("id"), str))
         if cards and isinstance(cards[0], dict):
             card = cards[0]
             self.model = card.get("id") if isinstance(card.get("id"), str) else None
@@ -91,6 +102,7 @@ class EngineMonitor:
             self.max_model_len = length if isinstance(length, int) and length > 0 else None
 
     async def run(self, client: httpx.AsyncClient) -> None:
+        self._client = client
         while True:
             self._recheck.clear()
             started = time.monotonic()
