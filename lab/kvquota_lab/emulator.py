@@ -5,8 +5,9 @@ extra: kmock is pinned there, pre-1.0). KMock 0.8 keeps objects, serves discover
 lists, watches and patches; `ApiServer` adds what kopf needs from a real API server
 (see /work/shared/KMOCK.md): uid, creationTimestamp, generation and resourceVersion
 bookkeeping, status subresource semantics, generateName, 422 for a failed JSON-patch
-`test`, typed lists, and ownerReference garbage collection.
-It still does not validate, default, prune, authorise, or honour label selectors.
+`test`, typed lists, ownerReference garbage collection, and 404 for a resource no CRD
+declares. A test may deny resources (403, as RBAC would) and record who wrote what.
+It still does not validate, default, prune, or honour label selectors.
 """
 
 from __future__ import annotations
@@ -39,6 +40,22 @@ OUR_RESOURCES = {
 }
 
 
+@dataclass(frozen=True)
+class Write:
+    """One write request as the API server would attribute it."""
+
+    action: str  # create, update (any PATCH or PUT) or delete
+    resource: str  # plural[.group][/subresource]
+    field_manager: str | None  # the `fieldManager` query parameter
+    user_agent: str
+
+    @property
+    def manager(self) -> str:
+        """The manager managedFields record: `fieldManager`, else the User-Agent up to
+        its first "/" (prefixFromUserAgent, k8s.io/apiserver/pkg/endpoints/handlers)."""
+        return self.field_manager or self.user_agent.split("/", 1)[0]
+
+
 def _with_data(request: kmock.Request, data: Any) -> kmock.Request:
     """Replace the body KMock will store. In place: KMock matches its reactions by the
     identity of the request object it recorded, so a copy would match nothing."""
@@ -56,6 +73,10 @@ class ApiServer(kmock.KubernetesEmulator):
     _epoch: datetime.datetime = attrs.field(
         factory=lambda: datetime.datetime.now(datetime.UTC).replace(microsecond=0), init=False
     )
+    # (group, plural) every request for which is refused with 403, as RBAC would.
+    forbidden: set[tuple[str, str]] = attrs.field(factory=set, init=False)
+    # Every write, when a test sets a list here (off by default: benchmarks write a lot).
+    writes: list[Write] | None = attrs.field(default=None, init=False)
 
     def declare(self) -> None:
         """Built-in kinds plus our CRDs (with their status subresource)."""
@@ -128,7 +149,33 @@ class ApiServer(kmock.KubernetesEmulator):
         finally:
             self._forget(request)
 
+    def _refuse(self, request: kmock.Request) -> None:
+        """404 for a resource no CRD declares (KMock would store it), 403 for a denied
+        one; and the write recorded, if a test asked for that."""
+        resource = request.resource
+        if resource is None or not resource.plural:  # discovery, not a resource
+            return
+        group, plural = str(resource.group or ""), str(resource.plural)
+        if request.action in (kmock.action.CREATE, kmock.action.UPDATE, kmock.action.DELETE
+                              ) and self.writes is not None:
+            name = f"{plural}.{group}" if group else plural
+            self.writes.append(Write(
+                str(request.action.value).lower(),
+                name + (f"/{request.subresource}" if request.subresource else ""),
+                request.params.get("fieldManager"), request.headers.get("User-Agent", "")))
+        if resource not in self.resources:
+            raise kmock.KubernetesError(status=404, reason="NotFound",
+                                        message="the server could not find the requested "
+                                                "resource")
+        if (group, plural) in self.forbidden:
+            raise kmock.KubernetesError(
+                status=403, reason="Forbidden",
+                message=f"{plural}.{group} is forbidden: User \"system:serviceaccount:"
+                        f"kvquota-system:kvquota-operator\" cannot {request.method} resource "
+                        f"\"{plural}\" in API group \"{group}\"")
+
     async def _handle_recorded(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        self._refuse(request)
         action = request.action
         if request.resource is None or action not in (
             kmock.action.CREATE, kmock.action.UPDATE, kmock.action.DELETE

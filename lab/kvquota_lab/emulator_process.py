@@ -38,12 +38,14 @@ def write_kubeconfig(path: Path, server: str) -> Path:
 @dataclass
 class OperatorProcess:
     """One operator process. `args` are extra `kvquota operator` flags (e.g.
-    `--priority 100`); `identity` is its peering identity (a pod's name: POD_ID)."""
+    `--priority 100`); `identity` is its peering identity (a pod's name: POD_ID);
+    `namespaces` are watched with `--namespace` (none: `--all-namespaces`)."""
 
     api_url: str
     workdir: Path
     identity: str = "kvquota-operator-0"
     args: Sequence[str] = ()
+    namespaces: Sequence[str] = ()
     liveness_port: int = field(default_factory=free_port)
     metrics_port: int = field(default_factory=free_port)
     _process: ManagedProcess | None = None
@@ -59,17 +61,22 @@ class OperatorProcess:
         return self.workdir / f"{self.identity}.log"
 
     def command(self) -> list[str]:
+        scope = [f"--namespace={ns}" for ns in self.namespaces] or ["--all-namespaces"]
         return [
-            sys.executable, "-m", "kvquota.cli", "operator", "--all-namespaces",
+            sys.executable, "-m", "kvquota.cli", "operator", *scope,
             "--liveness", f"http://127.0.0.1:{self.liveness_port}/healthz",
             "--metrics", f"127.0.0.1:{self.metrics_port}", *self.args,
         ]
 
+    def environment(self) -> dict[str, str]:
+        """What the process runs with beside the inherited environment."""
+        kubeconfig = write_kubeconfig(self.workdir / "kubeconfig", self.api_url)
+        return {"KUBECONFIG": str(kubeconfig), "POD_ID": self.identity}
+
     async def start(self, timeout: float = 60.0) -> None:
         """Start, and return once kopf's liveness endpoint answers (kopf serves it
         after its startup handlers, ours included, have run)."""
-        kubeconfig = write_kubeconfig(self.workdir / "kubeconfig", self.api_url)
-        env = {"KUBECONFIG": str(kubeconfig), "POD_ID": self.identity}
+        env = self.environment()
         # Appended to: a restarted operator (same identity) keeps its earlier log.
         self._process = ManagedProcess(self.identity, self.command(), self.log_path, env,
                                        append_log=True).start()

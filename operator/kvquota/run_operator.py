@@ -109,11 +109,11 @@ def main(args: argparse.Namespace) -> int:
         webhook=webhook_config(args),
         metrics_address=args.metrics,
         peering_lifetime=args.peering_lifetime,
+        namespaces=tuple(args.namespace),
     )
     run_cluster(
         config,
         verbose=args.verbose,
-        namespaces=args.namespace,
         liveness=args.liveness,
         standalone=args.standalone,
         require_peering=args.require_peering,
@@ -145,25 +145,35 @@ def run_cluster(
     config: OperatorConfig,
     *,
     verbose: bool = False,
-    namespaces: list[str] | None = None,
     liveness: str | None = None,
     standalone: bool = False,
     require_peering: bool = False,
     priority: int = 0,
 ) -> None:
-    """Run kopf until interrupted (blocking)."""
+    """Run kopf until interrupted (blocking); watches `config.namespaces`, or all.
+    Exits (SystemExit, naming what is missing) when required peering cannot work."""
     import kopf
 
     import kvquota.handlers  # noqa: F401  (registers the handlers)
+    from kvquota.handlers.lifecycle import PeeringUnavailable
 
     kopf.configure(verbose=verbose)
-    kopf.run(
-        clusterwide=not namespaces,
-        namespaces=namespaces or (),
-        standalone=standalone,
-        priority=priority,
-        # Named here, peering is mandatory; else `configure_settings` names it (optional).
-        peering_name=PEERING_NAME if require_peering else None,
-        liveness_endpoint=liveness,
-        memo=kopf.Memo(config=config),
-    )
+    try:
+        kopf.run(
+            clusterwide=not config.namespaces,
+            namespaces=config.namespaces,
+            standalone=standalone,
+            priority=priority,
+            # Named here, peering is mandatory; else `configure_settings` names it
+            # (optional).
+            peering_name=PEERING_NAME if require_peering else None,
+            liveness_endpoint=liveness,
+            memo=kopf.Memo(config=config),
+        )
+    except Exception as error:  # kopf wraps a failed startup handler in its own error
+        cause: BaseException | None = error
+        while cause is not None and not isinstance(cause, PeeringUnavailable):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        raise SystemExit(f"kvquota operator: {cause}") from None

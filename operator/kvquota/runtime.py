@@ -25,6 +25,7 @@ class OperatorConfig:
     status_concurrency: int = 16  # parallel status patches during a fan-out
     metrics_address: tuple[str, int] | None = None  # serve /metrics here (host, port)
     peering_lifetime: int = 60  # seconds peers trust our keep-alive (kopf's default)
+    namespaces: tuple[str, ...] = ()  # --namespace: watched namespaces (none: all)
     # Clock (seconds) of the disruption window; tests substitute one they advance.
     clock: Callable[[], float] = time.monotonic
     timeouts: Timeouts = field(default_factory=Timeouts)

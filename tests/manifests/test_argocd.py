@@ -271,7 +271,8 @@ def test_sync_waves_create_api_then_operator_then_quotas() -> None:
 
 
 CRDS = {"inferencepools.kvquota.dev", "tenantquotas.kvquota.dev",
-        "clusterkopfpeerings.kopf.dev"}  # kopf's peering CRD: operator HA
+        # kopf's peering CRDs: operator HA, cluster-wide and with --namespace
+        "clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"}
 KEEP = "argocd.argoproj.io/sync-options"
 
 

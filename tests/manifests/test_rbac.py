@@ -28,6 +28,11 @@ NEEDED = [
     ("kopf.dev", "clusterkopfpeerings", "watch"),
     ("kopf.dev", "clusterkopfpeerings", "patch"),
     ("kopf.dev", "clusterkopfpeerings", "create"),
+    # --namespace NS: kopf's namespaced peering (#45: it stayed paused without it).
+    ("kopf.dev", "kopfpeerings", "list"),
+    ("kopf.dev", "kopfpeerings", "watch"),
+    ("kopf.dev", "kopfpeerings", "patch"),
+    ("kopf.dev", "kopfpeerings", "create"),
 ]
 # What it must not be able to do.
 FORBIDDEN = [

@@ -33,6 +33,7 @@ PATHS = {
     "GatewayInferencePool": "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools",
 }
 PEERINGS = "/apis/kopf.dev/v1/clusterkopfpeerings"
+NAMESPACED_PEERINGS = "/apis/kopf.dev/v1/namespaces/{ns}/kopfpeerings"
 
 
 @dataclass
@@ -67,18 +68,22 @@ class Cluster:
             kind="InferencePool", singular="inferencepool", namespaced=True,
             verbs={"get", "list", "watch", "create", "patch", "delete"})
 
-    def install_peering_crd(self) -> None:
-        """Serve kopf's ClusterKopfPeering (as crds/kopf.dev_clusterkopfpeerings.yaml
-        declares it: cluster-scoped, status a plain field, no subresource)."""
+    def install_peering_crd(self, *, namespaced: bool = False) -> None:
+        """Serve kopf's ClusterKopfPeering, or its namespaced KopfPeering (as
+        crds/kopf.dev_*kopfpeerings.yaml declare them: status a plain field, no
+        subresource)."""
         from kmock import ResourceInfo
 
-        self.server.resources["kopf.dev/v1/clusterkopfpeerings"] = ResourceInfo(
-            kind="ClusterKopfPeering", singular="clusterkopfpeering", namespaced=False,
+        kind = "KopfPeering" if namespaced else "ClusterKopfPeering"
+        self.server.resources[f"kopf.dev/v1/{kind.lower()}s"] = ResourceInfo(
+            kind=kind, singular=kind.lower(), namespaced=namespaced,
             verbs={"get", "list", "watch", "create", "patch", "delete"})
 
-    async def peers(self, name: str) -> dict[str, Any]:
-        """The peering object's status: kopf identity -> priority, lifetime, lastseen."""
-        async with self.session.get(f"{self.url}{PEERINGS}/{name}") as response:
+    async def peers(self, name: str, *, namespace: str | None = None) -> dict[str, Any]:
+        """The peering object's status: kopf identity -> priority, lifetime, lastseen
+        (a KopfPeering in `namespace`, else the ClusterKopfPeering)."""
+        path = NAMESPACED_PEERINGS.format(ns=namespace) if namespace else PEERINGS
+        async with self.session.get(f"{self.url}{path}/{name}") as response:
             return dict((await self._json(response)).get("status") or {})
 
     async def patch(self, kind: str, name: str, patch: dict[str, Any], *,

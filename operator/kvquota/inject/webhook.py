@@ -157,7 +157,7 @@ def ca_publisher(api_server: str | None, configuration: str = CONFIGURATION) -> 
     async def publish(bundle: bytes) -> None:
         import kubernetes.client
 
-        from kvquota.reconcile.kube import api_client
+        from kvquota.reconcile.kube import FIELD_MANAGER, api_client
 
         api = kubernetes.client.AdmissionregistrationV1Api(api_client(api_server))
         timeout = (5.0, 30.0)
@@ -174,7 +174,7 @@ def ca_publisher(api_server: str | None, configuration: str = CONFIGURATION) -> 
              "value": base64.b64encode(bundle).decode("ascii")},
         ]
         await asyncio.to_thread(api.patch_mutating_webhook_configuration, configuration,
-                                patch, _request_timeout=timeout)
+                                patch, field_manager=FIELD_MANAGER, _request_timeout=timeout)
 
     return publish
 

@@ -9,11 +9,13 @@ model classes, one place for timeouts and 404 handling, easy to fake in tests.
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine_sidecar.contract.names import GROUP, VERSION
+from kvquota import __version__
 
 if TYPE_CHECKING:
     import kubernetes.client
@@ -25,6 +27,13 @@ GATEWAY_POOL_APIS = (
 
 
 CONNECTIONS = 32  # kept-alive connections to the API server
+
+# Who the operator's writes are from, in managedFields and in conflict messages. Each of
+# our writes passes it; and the API server names the manager of a write that passes
+# none (kopf's own patches, events and peering keep-alives) after its User-Agent up to
+# the first "/", so every client of the operator sends USER_AGENT.
+FIELD_MANAGER = "kvquota-operator"
+USER_AGENT = f"{FIELD_MANAGER}/{__version__}"
 
 
 @dataclass(frozen=True)
@@ -52,10 +61,27 @@ def api_client(server: str | None) -> kubernetes.client.ApiClient:
     # The client's default (5 per CPU: 10 on 2 cores) is below the status writes in
     # flight during a fan-out; urllib3 then discards and reconnects ("pool is full").
     configuration.connection_pool_maxsize = CONNECTIONS
-    return kubernetes.client.ApiClient(configuration)
+    client = kubernetes.client.ApiClient(configuration)
+    client.user_agent = USER_AGENT
+    return client
 
 
-PEERING_GROUP = "kopf.dev"  # kopf's peering CRDs (crds/kopf.dev_clusterkopfpeerings.yaml)
+PEERING_GROUP = "kopf.dev"  # kopf's peering CRDs (crds/kopf.dev_*kopfpeerings.yaml)
+PEERING_VERSION = "v1"
+
+
+class PeeringSetup(enum.Enum):
+    """What creating the peering object found."""
+
+    READY = "ready"  # created, or there already
+    CRD_MISSING = "crd-missing"  # kopf's peering CRD is not installed
+    FORBIDDEN = "forbidden"  # RBAC refuses the operator's account
+
+
+def peering_crd(namespace: str | None) -> str:
+    """The CRD kopf meets its peers in: cluster-wide, or in watched namespaces."""
+    plural = "kopfpeerings" if namespace else "clusterkopfpeerings"
+    return f"{plural}.{PEERING_GROUP}"
 
 
 class KubeApi:
@@ -93,14 +119,14 @@ class KubeApi:
     async def create_configmap(self, body: dict[str, Any]) -> None:
         await self._call(
             self._core.create_namespaced_config_map, body["metadata"]["namespace"], body,
-            parse=False,
+            field_manager=FIELD_MANAGER, parse=False,
         )
 
     async def patch_configmap(self, namespace: str, name: str, patch: dict[str, Any]) -> bool:
         """Strategic-merge-patch a ConfigMap; False when it does not exist."""
         try:
             await self._call(self._core.patch_namespaced_config_map, name, namespace, patch,
-                             parse=False)
+                             field_manager=FIELD_MANAGER, parse=False)
         except Exception as error:
             if self._is_missing(error):
                 return False
@@ -121,6 +147,7 @@ class KubeApi:
             await self._call(
                 self._custom.patch_namespaced_custom_object_status,
                 GROUP, VERSION, namespace, plural, name, {"status": status},
+                field_manager=FIELD_MANAGER,
                 parse=False,  # the echo is the whole object; the watch brings it anyway
             )
         except Exception as error:
@@ -144,18 +171,30 @@ class KubeApi:
             return result
         return None
 
-    async def ensure_cluster_peering(self, name: str) -> bool:
-        """Create kopf's ClusterKopfPeering `name` unless it exists; False when kopf's
-        peering CRD is not installed."""
-        body = {"apiVersion": f"{PEERING_GROUP}/v1", "kind": "ClusterKopfPeering",
-                "metadata": {"name": name}}
+    async def ensure_peering(self, name: str, namespace: str | None = None) -> PeeringSetup:
+        """Create kopf's peering object `name` unless it exists: a ClusterKopfPeering, or
+        with `namespace` a KopfPeering there."""
+        plural = peering_crd(namespace).split(".", 1)[0]
+        body: dict[str, Any] = {
+            "apiVersion": f"{PEERING_GROUP}/{PEERING_VERSION}",
+            "kind": "KopfPeering" if namespace else "ClusterKopfPeering",
+            "metadata": {"name": name, **({"namespace": namespace} if namespace else {})},
+        }
         try:
-            await self._call(self._custom.create_cluster_custom_object,
-                             PEERING_GROUP, "v1", "clusterkopfpeerings", body)
+            if namespace:
+                await self._call(self._custom.create_namespaced_custom_object, PEERING_GROUP,
+                                 PEERING_VERSION, namespace, plural, body,
+                                 field_manager=FIELD_MANAGER)
+            else:
+                await self._call(self._custom.create_cluster_custom_object, PEERING_GROUP,
+                                 PEERING_VERSION, plural, body, field_manager=FIELD_MANAGER)
         except Exception as error:
-            if self._is_missing(error):
-                return False
-            if isinstance(error, self._exception) and getattr(error, "status", None) == 409:
-                return True
+            status = getattr(error, "status", None) if isinstance(error, self._exception) else None
+            if status == 409:
+                return PeeringSetup.READY
+            if status == 404:
+                return PeeringSetup.CRD_MISSING
+            if status == 403:
+                return PeeringSetup.FORBIDDEN
             raise
-        return True
+        return PeeringSetup.READY
