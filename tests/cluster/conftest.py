@@ -258,6 +258,8 @@ def new_namespace(api: Cluster) -> Iterator[Callable[[str], str]]:
 
     def make(purpose: str) -> str:
         name = f"kvq-test-{run}-{purpose}"
+        if name in made:  # a function-scoped fixture asks again
+            name = f"{name}-{len(made)}"
         if api.serves("namespaces"):
             api.kubectl.run("create", "namespace", name)
         made.append(name)
