@@ -7,14 +7,21 @@ manifest without `--force-conflicts` (Flux, a CI job, a person with a different
 kubectl field manager) gets `conflict with "kubectl": ...valueFrom.fieldRef`. Writing
 the default in the manifest makes both managers apply the stored value.
 
+The same holds for the items of an atomic list (`+listType=atomic`): the list is owned
+whole, so a default inside one item makes it differ.
+
 Source: k8s.io/api/core/v1/types.go (`ObjectFieldSelector` and `ResourceFieldSelector`
 are `+structType=atomic`) and pkg/apis/core/v1/defaults.go (`apiVersion: v1`); a
-`resourceFieldRef` is stored with `divisor: "0"` when none is given. Issue #45, finding 5,
-is the conflict a real kube-apiserver reported for `POD_ID`'s fieldRef.
+`resourceFieldRef` is stored with `divisor: "0"` when none is given.
+k8s.io/api/networking/v1 (`NetworkPolicyIngressRule.ports`, `...EgressRule.ports`:
+atomic lists; `protocol` defaults to TCP) and k8s.io/api/admissionregistration/v1
+(`rules`: an atomic list; `scope` defaults to "*"). Issue #45, finding 5, is the
+conflict a real kube-apiserver reported for `POD_ID`'s fieldRef.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,6 +29,11 @@ from typing import Any
 SERVER_FILLED = {
     "fieldRef": ("apiVersion",),
     "resourceFieldRef": ("divisor",),
+}
+# atomic list (a pattern of its path) -> the fields the API server fills in its items
+SERVER_FILLED_IN_ITEMS = {
+    re.compile(r"\.spec\.(ingress|egress)\[[^]]+\]\.ports$"): ("protocol",),
+    re.compile(r"^\.webhooks\[[^]]+\]\.rules$"): ("scope",),
 }
 
 
@@ -46,4 +58,9 @@ def unfilled_atomic_fields(obj: dict[str, Any]) -> list[str]:
         if struct in SERVER_FILLED and isinstance(value, dict):
             found += [f"{where}: {path} lacks {field}"
                       for field in SERVER_FILLED[struct] if field not in value]
+        for pattern, fields in SERVER_FILLED_IN_ITEMS.items():
+            if pattern.search(path) and isinstance(value, list):
+                found += [f"{where}: {path}[{i}] lacks {field}"
+                          for i, item in enumerate(value) for field in fields
+                          if isinstance(item, dict) and field not in item]
     return found

@@ -45,3 +45,15 @@ def test_the_check_finds_a_fieldref_without_its_api_version() -> None:
     assert unfilled_atomic_fields(deployment) == [
         "Deployment/kvquota-operator: .spec.template.spec.containers[operator].env[POD_ID]"
         ".valueFrom.fieldRef lacks apiVersion"]
+
+
+def test_the_check_finds_defaults_inside_atomic_lists() -> None:
+    policy = {"kind": "NetworkPolicy", "metadata": {"name": "p"}, "spec": {
+        "ingress": [{"ports": [{"port": "http"}]}]}}
+    webhooks = {"kind": "MutatingWebhookConfiguration", "metadata": {"name": "w"},
+                "webhooks": [{"name": "inject.kvquota.dev", "rules": [
+                    {"operations": ["CREATE"], "resources": ["pods"]}]}]}
+    assert unfilled_atomic_fields(policy) == [
+        "NetworkPolicy/p: .spec.ingress[0].ports[0] lacks protocol"]
+    assert unfilled_atomic_fields(webhooks) == [
+        "MutatingWebhookConfiguration/w: .webhooks[inject.kvquota.dev].rules[0] lacks scope"]
