@@ -157,6 +157,31 @@ def in_namespace(objects: list[dict[str, Any]], namespace: str) -> list[dict[str
     return moved
 
 
+# ------------------------------------------------------------------ objects
+
+API_VERSION = "kvquota.dev/v1alpha1"
+
+
+def pool(name: str, namespace: str) -> dict[str, Any]:
+    """A small valid InferencePool (1,000 blocks per engine)."""
+    return {
+        "apiVersion": API_VERSION, "kind": "InferencePool",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"selector": {"matchLabels": {"kvquota.dev/pool": name}}, "model": "tiny",
+                 "kvCache": {"blockSize": 16, "capacityBlocks": 1000}},
+    }
+
+
+def quota(name: str, namespace: str, pool_name: str = "demo-pool") -> dict[str, Any]:
+    """A small valid TenantQuota (10 guaranteed, 100 at most)."""
+    return {
+        "apiVersion": API_VERSION, "kind": "TenantQuota",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"poolRef": {"name": pool_name}, "tier": "standard",
+                 "kvCache": {"guaranteedBlocks": 10, "maxBlocks": 100}},
+    }
+
+
 # ------------------------------------------------------------------ the cluster
 
 

@@ -23,9 +23,10 @@ from .conftest import (
     condition,
     dump,
     in_namespace,
+    pool,
+    quota,
     wait_for,
 )
-from .test_validation import pool, quota
 
 POOLS, QUOTAS = "inferencepools.kvquota.dev", "tenantquotas.kvquota.dev"
 CM_SUFFIX = "-kvquota-policy"  # kvquota.reconcile.configmap.configmap_name

@@ -12,28 +12,9 @@ import pytest
 
 from kvquota.api.validation import validate_object
 
-from .conftest import FIELD_MANAGER, Cluster, dump
+from .conftest import FIELD_MANAGER, Cluster, dump, pool, quota
 
-API_VERSION = "kvquota.dev/v1alpha1"
 Edit = Callable[[dict[str, Any]], None]
-
-
-def pool(name: str, namespace: str) -> dict[str, Any]:
-    return {
-        "apiVersion": API_VERSION, "kind": "InferencePool",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {"selector": {"matchLabels": {"kvquota.dev/pool": name}}, "model": "tiny",
-                 "kvCache": {"blockSize": 16, "capacityBlocks": 1000}},
-    }
-
-
-def quota(name: str, namespace: str, pool_name: str = "demo-pool") -> dict[str, Any]:
-    return {
-        "apiVersion": API_VERSION, "kind": "TenantQuota",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {"poolRef": {"name": pool_name}, "tier": "standard",
-                 "kvCache": {"guaranteedBlocks": 10, "maxBlocks": 100}},
-    }
 
 
 def _set(path: str, value: Any) -> Edit:
