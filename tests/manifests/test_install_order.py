@@ -26,6 +26,9 @@ _CRDS = re.compile(r"-k\s+\"?(?:\$\{\w+\}/)?manifests/crds\b")
 _DELETE = re.compile(r"\bdelete\s+(?:\S+\s+)*$")
 _NEGATION = re.compile(r"\b(no|not|never|none|without)\b", re.IGNORECASE)
 _SENTENCE_END = re.compile(r"(?<=[.;:])\s+")
+# "manifests/base installs (holds, ...) the CRDs", as a claim about base itself.
+_BASE_HOLDS = re.compile(r"manifests/base`?\s+(?:\w+\s+)?(?:installs|holds|contains|"
+                         r"includes|has|brings)\b[^.;]*\bCRD")
 
 
 def paragraphs(text: str, suffix: str) -> list[str]:
@@ -56,11 +59,13 @@ def base_before_crds(paragraph: str) -> bool:
 
 
 def says_base_installs_crds(paragraph: str) -> bool:
-    """A sentence naming manifests/base and CRDs, without manifests/crds or a negation
-    ("holds no CRD", "deletes no CRD")."""
+    """A sentence that applies manifests/base and names CRDs without applying
+    manifests/crds, or says manifests/base installs them; unless negated ("holds no
+    CRD", "deletes no CRD")."""
     return any(
-        "manifests/base" in sentence and "CRD" in sentence
-        and "manifests/crds" not in sentence and not _NEGATION.search(sentence)
+        ((_BASE.search(sentence) and "CRD" in sentence and not _CRDS.search(sentence))
+         or _BASE_HOLDS.search(sentence))
+        and not _NEGATION.search(sentence)
         for sentence in _SENTENCE_END.split(paragraph)
     )
 
@@ -93,4 +98,7 @@ def test_the_checks_catch_what_the_docs_said_before() -> None:
                                 "`kubectl apply --server-side -k\n   manifests/base`")
     assert not base_before_crds("Removing the operator: `kubectl delete -k manifests/base`")
     assert not says_base_installs_crds("`kubectl delete -k manifests/base` deletes no CRD.")
+    assert says_base_installs_crds("Then `manifests/base` also installs the CRDs.")
+    assert not says_base_installs_crds("It installs the CRDs and `manifests/base` in the "
+                                       "order above.")
 
