@@ -80,8 +80,10 @@ def _wait_samples(cluster: Cluster, ns: str, operator: Operator) -> dict[str, An
         _wait_quota(cluster, ns, name, lambda q: _accepted(q) and _reconciled(q),
                     "Accepted and reconciled", operator)
     return dict(wait_for(lambda: cluster.kubectl.get(POOLS, "demo-pool", ns),
-                         lambda p: _reconciled(p) and p["status"].get("policyHash"),
-                         "InferencePool demo-pool reconciled with a policy"))
+                         lambda p: _reconciled(p) and p["status"].get("policyHash") and p[
+                             "status"].get("tenants") == len(SAMPLE_QUOTAS),
+                         "InferencePool demo-pool reconciled with the samples' policy",
+                         timeout=RECONCILE_S))
 
 
 def _versions(cluster: Cluster, ns: str) -> dict[str, str]:
