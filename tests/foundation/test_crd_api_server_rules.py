@@ -74,6 +74,11 @@ def test_a_message_that_quotes_a_number_is_refused_where_the_api_server_refused_
     })
     with pytest.raises(CelCostError, match=r"spec\.kvCache\[2\]\.messageExpression"):
         check_budget("TenantQuota", schema)
+    # What the CRDs do instead: format() on a literal, which the same server accepted.
+    schema["properties"]["spec"]["properties"]["kvCache"]["x-kubernetes-validations"][2][
+        "messageExpression"] = ("'maxBlocks (%d) must be >= guaranteedBlocks (%d)'"
+                                ".format([self.maxBlocks, self.guaranteedBlocks])")
+    assert check_budget("TenantQuota", schema)
 
 
 def test_a_rule_over_an_unbounded_string_in_an_unbounded_list_is_refused() -> None:

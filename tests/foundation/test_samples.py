@@ -61,7 +61,7 @@ def _kv(**kv: Any) -> dict[str, Any]:
 
 PLANTED: list[tuple[str, dict[str, Any], str]] = [
     ("max below guaranteed", _tenant(kvCache=_kv(guaranteedBlocks=30)),
-     "spec.kvCache: Invalid value: maxBlocks must be >= guaranteedBlocks"),
+     "spec.kvCache: Invalid value: maxBlocks (20) must be >= guaranteedBlocks (30)"),
     ("watermark too high", _pool(kvCache={"watermark": 0.5}),
      "spec.kvCache.watermark: Invalid value: 0.5: kvCache.watermark must be >= 0 and < 0.5"),
     ("watermark negative", _pool(kvCache={"watermark": -0.1}),
@@ -95,7 +95,10 @@ PLANTED: list[tuple[str, dict[str, Any], str]] = [
     ("missing poolRef", _tenant(poolRef=None), "spec.poolRef: Required value"),
     ("unknown field", _tenant(quota=5), 'unknown field "spec.quota"'),
     ("wrong type", _tenant(kvCache=_kv(maxBlocks="lots")),
-     "spec.kvCache.maxBlocks in body must be of type integer"),
+     'spec.kvCache.maxBlocks: Invalid value: "string": spec.kvCache.maxBlocks in body must '
+     'be of type integer: "string"'),
+    ("name not a subdomain", _tenant(tenantId="acme") | {"metadata": {"name": "Acme"}},
+     'metadata.name: Invalid value: "Acme": a lowercase RFC 1123 subdomain must consist of'),
 ]
 
 
@@ -114,6 +117,16 @@ def test_planted_bad_object_fails_with_its_rule(
     assert len(own) == 1, f"{case}: expected only its own error, got {errors}"
 
 
+def test_every_message_expression_is_shown_with_its_values() -> None:
+    """Local mode evaluates each messageExpression (CEL's `format`) as the API server
+    does, rather than falling back to the static message."""
+    doc = _tenant(kvCache=_kv(guaranteedBlocks=30, maxBlocks=20, lease={"maxBlocks": 25}))
+    assert validate_object(doc) == [
+        "spec.kvCache: Invalid value: maxBlocks (20) must be >= guaranteedBlocks (30)",
+        "spec.kvCache: Invalid value: lease.maxBlocks (25) must be <= maxBlocks (20)",
+    ]
+
+
 def test_schema_errors_that_block_the_rules_say_so_as_the_api_server_does() -> None:
     """A missing, unsupported, too long or mistyped value stops the CEL rules and the
     API server adds a line saying some were not checked; a pattern or bound error does
@@ -121,15 +134,20 @@ def test_schema_errors_that_block_the_rules_say_so_as_the_api_server_does() -> N
     blocked = _drop_nones(_tenant(tier="gold", kvCache=_kv(guaranteedBlocks=30)))
     errors = validate_object(blocked)
     assert errors[-1] == RULES_NOT_CHECKED and len(errors) == 2, errors
-    assert "maxBlocks must be >= guaranteedBlocks" not in " ".join(errors)
+    assert "must be >= guaranteedBlocks" not in " ".join(errors)
     both = validate_object(_tenant(tenantId="Acme Corp", kvCache=_kv(guaranteedBlocks=30)))
     assert len(both) == 2 and RULES_NOT_CHECKED not in both, both
-    assert "maxBlocks must be >= guaranteedBlocks" in both[1]
+    assert "maxBlocks (20) must be >= guaranteedBlocks (30)" in both[1]
+
+
+def test_an_unknown_field_is_the_only_error_as_the_servers_strict_decoding_says() -> None:
+    errors = validate_object(_tenant(quota=5, tier="gold", kvCache=_kv(guaranteedBlocks=30)))
+    assert errors == ['unknown field "spec.quota"']
 
 
 def test_metadata_name_must_be_a_tenant_id_when_tenant_id_is_unset() -> None:
     doc = _tenant()
-    doc["metadata"]["name"] = "Acme.Corp-" + "x" * 60
+    doc["metadata"]["name"] = "acme.corp-" + "x" * 60  # a valid object name
     errors = validate_object(doc)
     assert errors and "metadata.name must be a valid tenant id" in errors[0]
     doc["spec"]["tenantId"] = "acme"

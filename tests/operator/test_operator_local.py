@@ -167,7 +167,7 @@ def test_invalid_object_is_refused_with_the_crd_message(repo: Path, out: Path) -
     stderr = io.StringIO()
     assert run_local(repo, once=True, output=out, stdout=io.StringIO(), stderr=stderr) == 1
     expected = describe(bad, validate_object(dict(bad)))
-    assert "spec.kvCache: Invalid value: maxBlocks must be >= guaranteedBlocks" in expected
+    assert "spec.kvCache: Invalid value: maxBlocks (5) must be >= guaranteedBlocks (10)" in expected
     assert expected in stderr.getvalue()
     assert "bad" not in _tenants(out)
     assert not (out / "status/default.tenantquota.bad.yaml").exists()
@@ -355,7 +355,7 @@ def test_lease_max_blocks_above_the_tenants_max_blocks_is_refused(repo: Path, ou
     _samples_with(repo, "acme", lambda spec: spec["kvCache"]["lease"].update(maxBlocks=500))
     message = _refusal(repo, out)
     assert ('tenantquotas.kvquota.dev "acme" is invalid: spec.kvCache: Invalid value: '
-            'lease.maxBlocks must be <= maxBlocks') in message
+            'lease.maxBlocks (500) must be <= maxBlocks (448)') in message
     assert "acme" not in _tenants(out)
 
 

@@ -8,8 +8,9 @@ with no bound makes the estimate explode. KMock and cel-python have no such esti
 `kvquota crds` runs this one and refuses to write a CRD over budget.
 
 It follows cel-go's cost model (checker/cost.go: a select or an identifier costs 1, a
-string traversal 0.1 per character, a regex match (string length + 1) x 0.1 x (pattern
-length x 0.25), a loop its range times its body) and never estimates below it; what it
+string traversal 0.1 per character, a list literal 10, a regex match (string length +
+1) x 0.1 x (pattern length x 0.25), a loop its range times its body, `format` its
+template's traversal) and never estimates below it; what it
 does not model (an unknown function) is refused rather than guessed. Where a value's
 size cannot be bounded (a string built by `string(...)`), anything that traverses it is
 unbounded, as on the server.
@@ -35,6 +36,7 @@ MAX_REQUEST_SIZE_BYTES = 3 * 1024 * 1024  # an unbounded list holds at most this
 # cel-go's cost factors (common/cost.go).
 _TRAVERSAL = 0.1  # StringTraversalCostFactor
 _REGEX = 0.25  # RegexStringLengthCostFactor
+_LIST_CREATE = 10  # ListCreateBaseCost
 
 UNBOUNDED = math.inf
 # The API server gives metadata.name and generateName this bound in root rules.
@@ -199,6 +201,10 @@ class _Estimator:
             quotes = 6 if token.type == "MLSTRING_LIT" else 2
             return Value(0, len(text) - quotes - text[0].lower().count("r"), {"type": "string"})
         return Value(0)
+
+    def _list_lit(self, tree: Tree) -> Value:
+        items = [self.estimate(a) for a in _args(tree)]
+        return Value(_LIST_CREATE + sum(i.cost for i in items), len(items))
 
     def _ident_arg(self, tree: Tree) -> Value:
         name = str(tree.children[0])

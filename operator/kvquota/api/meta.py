@@ -22,13 +22,20 @@ Name = Annotated[str, Field(min_length=1, max_length=253, pattern=NAME_PATTERN)]
 ShortString = Annotated[str, Field(max_length=256)]
 
 
-def with_cel_rules(*rules: tuple[str, str]) -> ConfigDict:
-    """Config for a model whose object carries CEL rules, each (rule, message).
+def with_cel_rules(*rules: tuple[str, str] | tuple[str, str, str]) -> ConfigDict:
+    """Config for a model whose object carries CEL rules: (rule, message) or (rule,
+    message, messageExpression). The API server shows the messageExpression's value (so
+    it can quote the bad values), and the static message if that fails.
 
-    A rule's message is static: a messageExpression that quotes a value (`'got ' +
-    string(self.x)`) builds a string of unknown length, which the API server's cost
-    estimate takes as unbounded, and it refuses the CRD (`kvquota.api.cel_cost`)."""
-    validations: list[JsonValue] = [{"rule": rule, "message": message} for rule, message in rules]
+    A messageExpression quotes values with `'... %d ...'.format([self.x])`, never with
+    `'...' + string(self.x)`: the API server's cost estimate takes a concatenation with a
+    string of unknown length as unbounded and refuses the CRD (`kvquota.api.cel_cost`)."""
+    validations: list[JsonValue] = []
+    for rule, message, *expression in rules:
+        validation: dict[str, JsonValue] = {"rule": rule, "message": message}
+        if expression:
+            validation["messageExpression"] = expression[0]
+        validations.append(validation)
     return ConfigDict(
         alias_generator=to_camel,
         populate_by_name=True,

@@ -55,10 +55,14 @@ class TenantKVCacheSpec(BaseModel):
         (
             "self.maxBlocks >= self.guaranteedBlocks",
             "maxBlocks must be >= guaranteedBlocks",
+            "'maxBlocks (%d) must be >= guaranteedBlocks (%d)'"
+            ".format([self.maxBlocks, self.guaranteedBlocks])",
         ),
         (
             "!has(self.lease.maxBlocks) || self.lease.maxBlocks <= self.maxBlocks",
             "lease.maxBlocks must be <= maxBlocks",
+            "'lease.maxBlocks (%d) must be <= maxBlocks (%d)'"
+            ".format([self.lease.maxBlocks, self.maxBlocks])",
         ),
     )
     guaranteed_blocks: int = Field(

@@ -29,9 +29,27 @@ _TYPES: dict[str, tuple[type, ...]] = {
 _CEL = celpy.Environment()
 
 
+_VERB = re.compile(r"%(.)")
+
+
+def _format(template: Any, args: Any) -> Any:
+    """CEL's strings extension `format`, for the verbs our messageExpressions use (`%d`,
+    `%s`, `%%`); any other verb fails, and the rule's static message is shown."""
+    values = iter(args)
+
+    def verb(match: re.Match[str]) -> str:
+        if match[1] == "%":
+            return "%"
+        if match[1] not in "ds":
+            raise celpy.CELEvalError(f"format: unsupported verb %{match[1]}")
+        return str(next(values))
+
+    return celpy.celtypes.StringType(_VERB.sub(verb, str(template)))
+
+
 @cache
 def _program(rule: str) -> Any:
-    return _CEL.program(_CEL.compile(rule))
+    return _CEL.program(_CEL.compile(rule), functions={"format": _format})
 
 
 @cache
@@ -82,6 +100,20 @@ def _cel_map(value: dict[str, Any]) -> Any:
     )
 
 
+def _message(rule: dict[str, Any], activation: dict[str, Any]) -> str:
+    """The rule's messageExpression evaluated, as the API server shows it; its static
+    message when there is none, or when it fails or is not a non-empty string."""
+    expression = rule.get("messageExpression")
+    if expression:
+        try:
+            text = _program(expression).evaluate(activation)
+        except celpy.CELEvalError:
+            text = None
+        if isinstance(text, str) and text.strip():
+            return str(text)
+    return str(rule["message"])
+
+
 def _cel_value(value: Any) -> str:
     """How the API server shows the value a CEL rule refused: an object's or a list's
     is left out (field.OmitValueType), a scalar's quoted."""
@@ -93,10 +125,23 @@ def _cel_value(value: Any) -> str:
 # says so with this error. Other schema errors (pattern, bounds) leave the rules running.
 _BLOCKING = (": Unsupported value: ", ": Required value", ": Too long: ", ": Too many: ",
              " in body must be of type ")
+# Every object's name (apimachinery's IsDNS1123Subdomain), as the server words it.
+_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_SUBDOMAIN_MESSAGE = (
+    "a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, "
+    "'-' or '.', and must start and end with an alphanumeric character (e.g. "
+    f"'example.com', regex used for validation is '{_SUBDOMAIN.pattern}')"
+)
 RULES_NOT_CHECKED = (
     "<nil>: Invalid value: null: some validation rules were not checked because the "
     "object was invalid; correct the existing errors to complete validation"
 )
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    return next((name for name, types in _TYPES.items() if isinstance(value, types)), "null")
 
 
 def _is_type(value: Any, expected: str) -> bool:
@@ -117,9 +162,10 @@ class _Validator:
         if not self.rules:
             expected = schema.get("type")
             if expected and not _is_type(value, expected):
+                found = _json_type(value)  # the server shows the type, not the value
                 self.errors.append(
-                    f"{path}: Invalid value: {_quote(value)}: {path} in body must be of type "
-                    f"{expected}: {_quote(type(value).__name__)}"
+                    f'{path}: Invalid value: "{found}": {path} in body must be of type '
+                    f'{expected}: "{found}"'
                 )
                 return
             self._check_scalar(value, schema, path)
@@ -231,7 +277,8 @@ class _Validator:
             if ok is not True and not (
                 isinstance(ok, celpy.celtypes.BoolType) and bool(ok)
             ):
-                self.errors.append(f"{path}: {_cel_value(value)}: {rule['message']}")
+                message = _message(rule, activation)
+                self.errors.append(f"{path}: {_cel_value(value)}: {message}")
 
 
 def _normalised(kind: Any) -> str:
@@ -273,15 +320,19 @@ def validate_object(obj: dict[str, Any], old: dict[str, Any] | None = None) -> l
     `obj` is defaulted in place first, as the API server does before validating.
     """
     kind = obj.get("kind")
-    unknown = kind_error(obj.get("apiVersion"), kind)
-    if unknown:
-        return [unknown]
+    refusal = kind_error(obj.get("apiVersion"), kind)
+    if refusal:
+        return [refusal]
     metadata = obj.get("metadata") or {}
     if not metadata.get("name"):
         return ["metadata.name: Required value: name or generateName is required"]
     schema = _schema(kind)
     apply_defaults(obj, schema)
     errors = [f"{name}: Required value" for name in schema.get("required", []) if name not in obj]
+    object_name = str(metadata["name"])
+    if len(object_name) > 253 or not _SUBDOMAIN.fullmatch(object_name):
+        errors.append(
+            f"metadata.name: Invalid value: {_quote(object_name)}: {_SUBDOMAIN_MESSAGE}")
     for rules in (False, True):
         validator = _Validator(rules)
         for name in ("spec", "status"):
@@ -291,6 +342,9 @@ def validate_object(obj: dict[str, Any], old: dict[str, Any] | None = None) -> l
         if rules:
             validator._check_rules(obj, schema, "<nil>", old)
         errors += validator.errors
+        unknown = [error for error in errors if error.startswith("unknown field ")]
+        if unknown:  # the server's strict decoding refuses the object before validating
+            return unknown
         if any(marker in error for error in errors for marker in _BLOCKING):
             return [*errors, RULES_NOT_CHECKED]
     return errors
