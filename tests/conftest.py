@@ -72,10 +72,18 @@ def serve_engine(
     return lambda **options: _serve(tiny_model, tmp_path_factory.mktemp("engine"), **options)
 
 
+SERVED_MODEL_NAME = "tiny"  # the test policies' pool model (`spec.model`)
+
+
 @pytest.fixture(scope="session")
-def engine(serve_engine: Callable[..., AbstractContextManager[Engine]]) -> Iterator[Engine]:
+def engine(
+    serve_engine: Callable[..., AbstractContextManager[Engine]], tiny_model: Path,
+) -> Iterator[Engine]:
     # vLLM's stats on, as deployed: its vllm:* Prometheus series are what routers scrape.
-    with serve_engine(log_stats=True) as running:
+    # It serves the pool's model name, as injection and the demo start it (responses
+    # carry the name a client asked for), and the model's path as an alias.
+    with serve_engine(log_stats=True, extra_args=[
+            "--served-model-name", SERVED_MODEL_NAME, str(tiny_model)]) as running:
         yield running
 
 

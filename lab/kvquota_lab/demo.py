@@ -123,9 +123,13 @@ def _prepare(run: Path) -> tuple[Path, Path, Auth]:
 ENGINE_ARGS = ["--enable-prompt-tokens-details", "--enforce-eager", "--stream-interval", "16"]
 
 
-def _engine(model: Path, run: Path, name: str, plugin: bool) -> tuple[ManagedProcess, str]:
+def _engine(model: Path, run: Path, name: str, plugin: bool,
+            served_model_name: str | None = None) -> tuple[ManagedProcess, str]:
+    """`served_model_name`: the pool's spec.model, as injection starts vLLM, so answers
+    name the model the client asked for, not the model's directory."""
+    served = ["--served-model-name", served_model_name] if served_model_name else []
     return engine_process(model, run, name, plugin=plugin, kv_cache_bytes=KV_CACHE_BYTES,
-                          log_stats=True, extra_args=ENGINE_ARGS)
+                          log_stats=True, extra_args=[*ENGINE_ARGS, *served])
 
 
 def _start_engine(procs: Processes, engine: ManagedProcess, url: str, say: _Progress) -> None:
@@ -157,7 +161,8 @@ def _run_policy_on(
     policy_file = wait_for_file(lambda: sorted(policies.glob("*.json")), operator, 60)
     policy = EnginePolicy.from_json(policy_file.read_text())
     say(f"policy {policy_file.name}; starting vLLM (CPU) with the TenantAwareScheduler plugin")
-    engine, engine_url = _engine(model, run, "vllm-policy", plugin=True)
+    engine, engine_url = _engine(model, run, "vllm-policy", plugin=True,
+                                 served_model_name=policy.model)
     _start_engine(procs, engine, engine_url, say)
     admin_port = free_port()
     sidecar, sidecar_url = sidecar_process(
@@ -169,7 +174,7 @@ def _run_policy_on(
     say(f"sidecar ready; the workload through it: {_describe(workload)}")
     headers = {tenant: {"Authorization": f"Bearer {auth.token(tenant)}"}
                for tenant in (workload.premium_tenant, workload.free_tenant)}
-    target = Target(sidecar_url, str(model), lambda tenant: headers[tenant])
+    target = Target(sidecar_url, policy.model, lambda tenant: headers[tenant])
     gauge = QuotaGauge(engine_url, f"http://127.0.0.1:{admin_port}",
                        Path(engine.env[STATS_PATH_ENV]), policy, workload.free_tenant)
     results = asyncio.run(run_noisy_neighbour(target, workload, gauge, say))

@@ -52,11 +52,12 @@ def test_a_multi_document_file_of_every_install_method_is_injected(
 def test_stdin_and_a_pool_override(vllm_parser: argparse.ArgumentParser) -> None:
     plain = load("plain-deployment.yaml")
     del plain["spec"]["template"]["metadata"]["labels"][POOL_LABEL]
-    result = _inject("-f", "-", "--pool", "other-pool", stdin=yaml.safe_dump(plain))
+    result = _inject("-f", "-", "--pool", "other-pool", "--served-model-name", "tiny-llama",
+                     stdin=yaml.safe_dump(plain))
     assert result.returncode == 0, result.stderr
     (out,) = yaml.safe_load_all(result.stdout)
     pod = _pod(out)
-    check_injected_pod(pod, vllm_parser)
+    assert check_injected_pod(pod, vllm_parser).served_model_name == ["tiny-llama"]
     assert pod["metadata"]["labels"][POOL_LABEL] == "other-pool"
     (sidecar,) = [c for c in pod["spec"]["containers"] if c["name"] == "kvquota-sidecar"]
     # The sidecar loads `<pool>-kvquota-policy`, the pool read from that label.

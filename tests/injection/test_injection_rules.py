@@ -16,7 +16,7 @@ from kvquota.inject.objects import inject_object
 from kvquota.inject.pod import CHECK, INIT, PLUGIN_DIR, PROBE_PATHS, SIDECAR, InjectionRefused
 from kvquota.inject.vllm_argv import SERVER_MODULE, VllmCommand, unwrap_shell
 
-from .checks import vllm_container
+from .checks import check_injected_pod, vllm_container
 from .conftest import INJECTED, load, pod_of
 
 
@@ -198,3 +198,17 @@ def test_the_injected_check_says_ok_on_this_vllm(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stdout + run.stderr
     assert f"checking the plugin at {plugin / 'engine_sidecar'} on vLLM " in run.stdout
     assert run.stdout.splitlines()[-1].endswith(": admit, preempt, lease, finish")
+
+
+def test_vllm_serves_the_pools_model_name_unless_the_pod_names_its_own(
+    vllm_parser: Any,
+) -> None:
+    """Responses carry the name clients ask for (the pool's spec.model), not a model
+    directory; a pod that names its own served name keeps it."""
+    plain = pod_of(inject_object(load("plain-deployment.yaml"), served_model_name="tiny"))
+    assert check_injected_pod(plain, vllm_parser).served_model_name == ["tiny"]
+    named = pod_of(inject_object(load("llm-d-decode.yaml"), served_model_name="tiny"))
+    command = VllmCommand.parse(vllm_container(named))
+    assert [f.value for f in command.find("served-model-name")] == ["Qwen/Qwen3-0.6B"]
+    without = pod_of(inject_object(load("plain-deployment.yaml")))
+    assert not VllmCommand.parse(vllm_container(without)).find("served-model-name")

@@ -40,10 +40,21 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+POOL_MODEL = "demo-model"  # spec.model of the pool the fixture pods name (demo-pool)
+
+
 @pytest.fixture
 async def webhook_url() -> AsyncIterator[str]:
     port = _free_port()
-    async with serve() as (_server, api_url):
+    async with serve() as (_server, api_url), aiohttp.ClientSession() as session:
+        pool = {"apiVersion": "kvquota.dev/v1alpha1", "kind": "InferencePool",
+                "metadata": {"name": "demo-pool", "namespace": "default"},
+                "spec": {"selector": {"matchLabels": {"kvquota.dev/pool": "demo-pool"}},
+                         "model": POOL_MODEL}}
+        async with session.post(
+                f"{api_url}/apis/kvquota.dev/v1alpha1/namespaces/default/inferencepools",
+                json=pool) as created:
+            assert created.status < 400, await created.text()
         config = OperatorConfig(api_server=api_url, poll_interval=5.0, webhook=WebhookConfig(
             addr="127.0.0.1", port=port, insecure=True))
         runner = OperatorRunner(config)
@@ -91,8 +102,13 @@ async def test_real_world_pods_are_injected_through_kopf(
     answer = await _review(webhook_url, pod)
     assert answer["allowed"] is True, answer.get("status")
     injected = _patched(pod, answer)
-    check_injected_pod(injected, vllm_parser)
-    assert injected == inject_object(pod)  # the webhook and `kvquota inject` agree
+    served = check_injected_pod(injected, vllm_parser).served_model_name
+    # The pool's model name, unless the pod serves its own (the llm-d and KServe specs).
+    own = any("served-model-name" in str(token) for container in pod["spec"]["containers"]
+              for token in [*(container.get("command") or []), *(container.get("args") or [])])
+    assert (served == [POOL_MODEL]) is not own
+    # the webhook and `kvquota inject` agree
+    assert injected == inject_object(pod, served_model_name=POOL_MODEL)
     assert injected["metadata"]["annotations"][INJECTED_ANNOTATION]
     # Injected twice (another webhook re-invoking us): nothing changes.
     again = await _review(webhook_url, injected)

@@ -180,6 +180,30 @@ def test_a_lower_tier_uses_capacity_no_one_above_it_can_take() -> None:
     assert not over_quota.settled and meanwhile.admitted
 
 
+def test_retry_after_is_when_the_tenants_own_requests_free_what_it_needs() -> None:
+    """Issue 46: maxQueueSeconds 0 said 1 s while the request holding the quota ran for
+    seconds, so the SDK's retries were spent before it ended. Now it is when the holder
+    will have decoded its max_tokens at its rate so far (and never earlier), in
+    milliseconds too."""
+    acme = _t("acme", max_blocks_per_engine=100, max_concurrent_requests=1,
+              max_queue_seconds=0)
+    queue, clock, _ = _queue(acme)
+    holder = queue.submit("acme", RequestShape((10,), 1000))
+    assert holder.reservation is not None
+    clock.now = 2.0
+    holder.reservation.progress(250)  # 125 tokens a second: 750 more take 6 s
+    refusals = [queue.submit("acme", _shape(1)) for _ in range(20)]
+    waits = [int(t.error.headers["retry-after-ms"]) for t in refusals if t.error]
+    assert len(waits) == 20 and all(6000 <= w <= 9000 for w in waits) and len(set(waits)) > 1
+    assert {t.error.retry_after for t in refusals if t.error} <= set(range(6, 10))
+    # Before it has decoded a token nothing is known: the tier's bound (1 s at least).
+    fresh, _, _ = _queue(acme)
+    fresh.submit("acme", RequestShape((10,), 1000))
+    unknown = fresh.submit("acme", _shape(1))
+    assert unknown.error is not None and unknown.error.retry_after == 1
+    assert 1000 <= int(unknown.error.headers["retry-after-ms"]) <= 1500
+
+
 def test_retry_after_follows_the_drain_rate_and_is_jittered() -> None:
     acme = _t("acme", max_blocks_per_engine=10, max_concurrent_requests=1, max_queue_seconds=3)
     queue, clock, _ = _queue(acme)

@@ -24,15 +24,22 @@ from engine_sidecar.gateway.admission.joint_charge import NO_GROWTH, Remainder, 
 
 
 class Reservation:
-    __slots__ = ("_ledger", "above_max", "decoded", "extra", "growth", "outcome", "prefix",
-                 "released", "remainder", "session", "tenant_id")
+    __slots__ = ("_ledger", "above_max", "decoded", "extra", "growth", "max_output",
+                 "outcome", "prefix", "released", "remainder", "seen", "session", "started",
+                 "tenant_id")
 
     def __init__(
         self, ledger: Ledger, tenant_id: str, extra: int, session: str | None,
         prefix: tuple[int, ...], remainder: Remainder = NO_GROWTH,
         growth: RequestGrowth | None = None, above_max: bool = False,
+        started: float = 0.0, max_output: int = 0,
     ) -> None:
         self._ledger = ledger
+        # When it was admitted (the queue's clock), the most output tokens it may decode
+        # over all its sequences, and the tokens seen decoded: when it will end (`ends_in`).
+        self.started = started
+        self.max_output = max_output
+        self.seen = 0
         self.above_max = above_max  # admitted beyond its tenant's maxBlocks
         self.tenant_id = tenant_id
         self.extra = extra
@@ -60,6 +67,7 @@ class Reservation:
         blocks they fill and its remainder is re-estimated from that point. Once per
         block each sequence fills (`RequestGrowth.step`), so a feed may call it per
         token: in between, its take moves by at most one block per sequence."""
+        self.seen = decoded
         growth = self.growth
         if self.released or growth is None or decoded < self.decoded + growth.step:
             return
@@ -75,6 +83,15 @@ class Reservation:
         self.growth = growth
         extra, remainder = growth.at(self.decoded)
         self._ledger._move(self, extra, remainder)
+
+    def ends_in(self, now: float) -> float | None:
+        """Seconds until it has decoded all it may (`max_output`), at the rate it has
+        decoded so far: a bound on when it gives its blocks back. None until it has
+        decoded a token."""
+        elapsed = now - self.started
+        if self.seen <= 0 or elapsed <= 0 or self.max_output <= 0:
+            return None
+        return max(0, self.max_output - self.seen) * elapsed / self.seen
 
     def release(self, outcome: str = "completed") -> bool:
         """Give the blocks back; True the first time, False on every later call."""
@@ -98,9 +115,10 @@ class Reservation:
 
 
 class _Tenant:
-    __slots__ = ("beyond", "extra", "growth", "inflight", "prefix", "sessions")
+    __slots__ = ("beyond", "extra", "growth", "inflight", "live", "prefix", "sessions")
 
     def __init__(self) -> None:
+        self.live: set[Reservation] = set()  # its reservations not released yet
         self.beyond = 0  # the footprint of its requests admitted beyond its maxBlocks
         self.prefix: Counter[int] = Counter()  # fingerprint -> reservations holding it
         self.extra = 0
@@ -129,9 +147,11 @@ class Ledger:
         self, tenant_id: str, extra: int, session: str | None = None,
         prefix: tuple[int, ...] = (), remainder: Remainder = NO_GROWTH,
         growth: RequestGrowth | None = None, above_max: bool = False,
+        started: float = 0.0, max_output: int = 0,
     ) -> Reservation:
         """`remainder`: what it may still grow (none: `extra` is all it will take);
-        `growth`: how `progress` re-estimates both as it decodes."""
+        `growth`: how `progress` re-estimates both as it decodes; `started`, `max_output`:
+        when it was admitted and the most it may decode (`Reservation.ends_in`)."""
         tenant = self._tenants.get(tenant_id)
         if tenant is None:
             tenant = self._tenants[tenant_id] = _Tenant()
@@ -143,7 +163,8 @@ class Ledger:
         if session is not None:
             tenant.sessions[session] += 1
         reservation = Reservation(self, tenant_id, extra, session, prefix, remainder, growth,
-                                  above_max)
+                                  above_max, started, max_output)
+        tenant.live.add(reservation)
         if above_max:
             tenant.beyond += reservation.blocks
         self.total_blocks += tenant.blocks - before
@@ -166,6 +187,7 @@ class Ledger:
 
     def _give_back(self, reservation: Reservation) -> None:
         tenant = self._tenants[reservation.tenant_id]
+        tenant.live.discard(reservation)
         before = tenant.blocks
         held = tenant.prefix  # one pass (Counter.subtract is a Python loop of its own)
         for fingerprint in reservation.prefix:
@@ -229,3 +251,8 @@ class Ledger:
 
     def tenants(self) -> list[str]:
         return list(self._tenants)
+
+    def live(self, tenant_id: str) -> list[Reservation]:
+        """The tenant's reservations not released yet."""
+        tenant = self._tenants.get(tenant_id)
+        return list(tenant.live) if tenant is not None else []

@@ -44,6 +44,7 @@ from engine_sidecar.gateway.errors import ApiError
 from engine_sidecar.gateway.pool.admission import PoolAdmission
 
 MIN_RETRY_AFTER_S, MAX_RETRY_AFTER_S = 1, 120
+RETRY_AFTER_MS = "retry-after-ms"  # what OpenAI's SDKs read first, in milliseconds
 JITTER = 0.5  # Retry-After is drawn from [1 - JITTER, 1 + JITTER] times the estimate
 
 
@@ -258,7 +259,8 @@ class AdmissionQueue(Backlog):
             ticket.reservation = self.ledger.reserve(
                 tenant_id, verdict.extra, shape.session, shape.prefix,
                 verdict.remainder, self.growth(tenant_id, shape, verdict.max_tokens),
-                verdict.above_max,
+                verdict.above_max, started=now,
+                max_output=verdict.max_tokens * shape.n * max(1, len(shape.prompt_tokens)),
             )
         else:
             ticket.error = verdict.error
@@ -303,10 +305,39 @@ class AdmissionQueue(Backlog):
         assert verdict.error is not None, "refusing a request that fits"
         tenant = self.policy.tenants.get(ticket.tenant_id) if self.policy else None
         error = verdict.error
+        frees = self._frees_in(ticket.tenant_id, verdict, tenant, now)
+        wait = _retry_after(queue, now, tenant, self.rng, frees)
         ticket.error = ApiError(
             error.status, error.code, error.message, param=error.param,
-            retry_after=_retry_after(queue, now, tenant, self.rng), headers=dict(error.headers))
+            retry_after=min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, math.ceil(wait))),
+            headers={**error.headers, RETRY_AFTER_MS: str(math.ceil(wait * 1000))})
         self._settle(ticket, now)
+
+    def _frees_in(self, tenant_id: str, verdict: Verdict, tenant: TenantPolicy | None,
+                  now: float) -> float | None:
+        """Seconds until the tenant's own requests give back what a request refused on
+        its tenant's limits needs (a concurrency slot: the first to end; blocks: enough
+        of them), from when each will have decoded all it may at its rate so far; None
+        when that is not known (a request that decoded nothing yet, or a refusal for the
+        engine's capacity, which other tenants' requests free too)."""
+        if tenant is None or verdict.decision not in (Decision.REJECTED_QUOTA,
+                                                      Decision.REJECTED_CONCURRENCY):
+            return None
+        live = self.ledger.live(tenant_id)
+        ends = [r.ends_in(now) for r in live]
+        if not live or any(end is None for end in ends):
+            return None
+        order = sorted(zip((e or 0.0 for e in ends), live, strict=True), key=lambda x: x[0])
+        if verdict.decision is Decision.REJECTED_CONCURRENCY:
+            return order[0][0]
+        need = (self.view().tenant(tenant_id).charged + verdict.blocks
+                - tenant.max_blocks_per_engine)
+        freed = 0
+        for end, reservation in order:
+            freed += reservation.turn_blocks
+            if freed >= need:
+                return end
+        return order[-1][0]
 
     def _decide_alone(self, ticket: Ticket, tenant: TenantPolicy) -> Verdict:
         """The decision on this engine alone (no pool-wide ledger): what the request
@@ -361,12 +392,17 @@ class AdmissionQueue(Backlog):
 
 
 def _retry_after(queue: TenantQueue | None, now: float, tenant: TenantPolicy | None,
-                 rng: random.Random) -> int:
-    """Seconds until a refused request is likely to get through: those ahead of it over
-    its tenant's drain rate (else its maxQueueSeconds), jittered so refused clients do
-    not come back in lockstep."""
+                 rng: random.Random, frees: float | None = None) -> float:
+    """Seconds until a refused request is likely to get through, jittered so refused
+    clients do not come back in lockstep. `frees`: when its tenant's requests give back
+    what it needs (`_frees_in`); then never earlier than that, and later by up to
+    JITTER of it when those ahead of it in the queue would take longer. Else those
+    ahead of it over its tenant's drain rate (else its maxQueueSeconds)."""
     rate = queue.drain_rate(now) if queue else None
     ahead = len(queue.tickets) + 1 if queue else 1
-    estimate = ahead / rate if rate else (tenant.max_queue_seconds if tenant else 1.0)
-    jittered = estimate * rng.uniform(1 - JITTER, 1 + JITTER)
-    return min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, math.ceil(jittered)))
+    drained = ahead / rate if rate else None
+    if frees is not None:
+        return max(frees, drained or 0.0) * rng.uniform(1, 1 + JITTER)
+    estimate = drained if drained is not None else (tenant.max_queue_seconds if tenant
+                                                    else 1.0)
+    return max(MIN_RETRY_AFTER_S, estimate * rng.uniform(1 - JITTER, 1 + JITTER))

@@ -4,7 +4,9 @@ vLLM started on a local directory without `--served-model-name` serves the model
 that path and reports it as the card's `id` and `root`. The sidecar lists the pool's
 served model name (`spec.model`) instead and maps that name back to the engine's on
 generation requests. Completion responses still carry the name the engine serves under
-(they stream through untouched): start vLLM with `--served-model-name` to hide it there.
+(they stream through untouched): injection starts vLLM with `--served-model-name`
+(the pool's model) unless the pod names its own. A name the engine does not serve is a
+404 `model_not_found` listing `served_names` (`admission.admitter`).
 """
 
 from __future__ import annotations

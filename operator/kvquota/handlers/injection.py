@@ -31,12 +31,14 @@ async def serve_webhook(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: A
 @kopf.on.mutate("v1", "pods", id=HANDLER_ID, operations=["CREATE"], persistent=True,
                 labels={POOL_LABEL: kopf.PRESENT})
 def inject_sidecar(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, warnings: list[str],
-                   logger: kopf.Logger, **_: Any) -> None:
+                   logger: kopf.Logger, inferencepools_by_key: kopf.Index[Any, Any],
+                   namespace: str | None = None, **_: Any) -> None:
     server = memo.get("webhook")
     options = server.config.options if server is not None else None
     pod = copy.deepcopy(dict(body))
     try:
-        injected = inject_object(pod, options=options)
+        injected = inject_object(pod, options=options, served_model_name=_pool_model(
+            pod, namespace, inferencepools_by_key))
     except InjectionRefused as exc:
         logger.warning("%s", exc)
         record_webhook_call("Pod", "CREATE", "denied")
@@ -56,3 +58,16 @@ def inject_sidecar(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, warnings
         raw.update(copy.deepcopy(injected))
 
     patch.fns.append(become_injected)
+
+
+def _pool_model(pod: dict[str, Any], namespace: str | None,
+                pools: kopf.Index[Any, Any]) -> str | None:
+    """The `spec.model` of the pool the pod names, if the operator knows the pool (a pod
+    created before its pool is injected without it and keeps vLLM's own name)."""
+    meta = pod.get("metadata") or {}
+    key = (meta.get("namespace") or namespace, (meta.get("labels") or {}).get(POOL_LABEL))
+    for pool in pools.get(key, ()):
+        model = ((pool or {}).get("spec") or {}).get("model")
+        if isinstance(model, str) and model:
+            return model
+    return None

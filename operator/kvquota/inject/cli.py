@@ -25,6 +25,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                         help="YAML file (multi-document); - reads stdin")
     parser.add_argument("--pool", metavar="NAME", help="the InferencePool the engines serve "
                         "(default: each pod template's kvquota.dev/pool label)")
+    parser.add_argument("--served-model-name", metavar="NAME",
+                        help="the pool's spec.model: vLLM serves it (--served-model-name) "
+                             "where a pod names no served name of its own, so responses "
+                             "carry the name clients ask for (the webhook reads the pool)")
     parser.add_argument("--image", help="sidecar image (default: the release's)")
     parser.add_argument("--secret", help="the Secret the pool's spec.auth names "
                         "(default: kvquota-auth)")
@@ -77,7 +81,8 @@ def main(args: argparse.Namespace) -> int:
                   f"{renamed.since} and gone in {renamed.removed_in}: rerun with --upgrade",
                   file=sys.stderr)
         try:
-            out.append(inject_object(doc, args.pool, options))
+            out.append(inject_object(doc, args.pool, options,
+                                     served_model_name=args.served_model_name))
         except InjectionRefused as exc:
             print(f"kvquota inject: {exc}", file=sys.stderr)
             return 1

@@ -23,9 +23,10 @@ def describe(obj: dict[str, Any], namespace: str | None = None) -> str:
 
 def inject_object(
     obj: dict[str, Any], pool: str | None = None, options: InjectionOptions | None = None,
-    *, namespace: str | None = None,
+    *, namespace: str | None = None, served_model_name: str | None = None,
 ) -> dict[str, Any]:
     """The object with its pod injected (a copy); objects of other kinds unchanged.
+    `served_model_name`: the pool's `spec.model` (`inject_pod`).
 
     Raises InjectionRefused with the object named in the message.
     """
@@ -40,7 +41,8 @@ def inject_object(
     if pool is None and POOL_LABEL not in (metadata.get("labels") or {}) and kind != "Pod":
         return obj  # a workload not labelled for a pool: left alone, as the webhook would
     try:
-        injected = inject_pod(metadata, holder.get(path[1]) or {}, pool, options)
+        injected = inject_pod(metadata, holder.get(path[1]) or {}, pool, options,
+                              served_model_name)
     except InjectionRefused as exc:
         raise InjectionRefused(f"cannot inject {describe(obj, namespace)}: {exc}") from None
     if not injected.changed:

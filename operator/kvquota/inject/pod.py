@@ -86,11 +86,14 @@ class Injected:
 
 def inject_pod(
     metadata: dict[str, Any], spec: dict[str, Any], pool: str | None = None,
-    options: InjectionOptions | None = None,
+    options: InjectionOptions | None = None, served_model_name: str | None = None,
 ) -> Injected:
     """The injected pod (metadata labels/annotations and spec; inputs are not changed).
 
-    `pool` defaults to the pod's `kvquota.dev/pool` label. Raises `InjectionRefused`.
+    `pool` defaults to the pod's `kvquota.dev/pool` label. `served_model_name`: the
+    pool's `spec.model`, which vLLM is told to serve (`--served-model-name`) unless the
+    pod names its own, so responses carry the name clients ask for, not a model
+    directory. Raises `InjectionRefused`.
     """
     options = options or InjectionOptions()
     labels = dict(metadata.get("labels") or {})
@@ -121,6 +124,8 @@ def inject_pod(
     admin_port = _free(used | {serve_port, engine_port}, ADMIN_PORT)  # or the next free
     replaced = [unwrapped] if unwrapped else []
     replaced += _edit_flags(command, engine_port)
+    if served_model_name and not command.find("served-model-name"):
+        command.append(f"--served-model-name={served_model_name}")
     command.write_back()
 
     moved = _take_port(vllm, serve_port)

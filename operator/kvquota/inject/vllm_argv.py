@@ -25,7 +25,7 @@ _PYTHON = re.compile(r"python(\d+(\.\d+)?)?")
 _SHELLS = frozenset({"sh", "bash", "dash", "ash", "zsh"})
 # Flags that take a value (the ones read or rewritten here, and the TLS pair refused).
 _VALUED = frozenset({"port", "host", "scheduler-cls", "scheduling-policy", "ssl-certfile",
-                     "ssl-keyfile", "uds", "api-key"})
+                     "ssl-keyfile", "uds", "api-key", "served-model-name"})
 
 
 class NotVllm(ValueError):
