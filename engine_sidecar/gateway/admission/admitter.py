@@ -94,6 +94,8 @@ class Admitter:
             max_model_len=lambda: monitor.max_model_len, estimates=estimates,
         )
         self.pool_link = pool_link  # the pool-wide ledger, when the policy names a store
+        if pool_link is not None:
+            pool_link.wake = self.wake  # the store's answers, off the loop, re-run the queue
         holder.subscribe(self.sync_policy)  # reads (`capacity`) see the policy in force
         self.ceiling = CeilingAdmission(self.queue, self.prompts, monitor, self.wake)
 

@@ -144,8 +144,9 @@ class AdmissionQueue(Backlog):
             full = position >= tenant.max_queued_requests
             too_slow = rate is not None and (position + 1) / rate > tenant.max_queue_seconds
             # Alone in its queue, with a pool store: one last decision that asks the store.
-            if (full or too_slow) and not (position == 0 and self.pool is not None and self._try(
-                    tenant_id, queue, ticket, 0, now, final=True)):
+            if (full or too_slow) and not (position == 0 and self.pool is not None and (
+                    self._try(tenant_id, queue, ticket, 0, now, final=True)
+                    or self.pool.asking(tenant_id))):
                 queue.tickets.remove(ticket)
                 self._refuse(ticket, now)
         return ticket
@@ -284,6 +285,8 @@ class AdmissionQueue(Backlog):
                                       final=True))):
                     settled.append(ticket)
                     continue
+                if not gone and self.pool is not None and self.pool.asking(tenant_id):
+                    break  # decided when the store answers (it wakes the pump)
                 queue.tickets.popleft()
                 self._refuse(ticket, now)
                 settled.append(ticket)

@@ -15,7 +15,7 @@ its store keeps the split.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from engine_sidecar.contract.policy import EnginePolicy, TenantPolicy
@@ -23,12 +23,22 @@ from engine_sidecar.gateway import errors
 from engine_sidecar.gateway.admission.rules import Decision, PoolView, Verdict
 from engine_sidecar.gateway.errors import ApiError
 from engine_sidecar.gateway.pool.store import Limits, Outcome
+from engine_sidecar.gateway.pool.worker import Inline, Runner
 
 
 class Decide(Protocol):
     """`rules.decide` for one request, with the tenant policy given."""
 
     def __call__(self, tenant: TenantPolicy, *, pool_guarantee: bool = False) -> Verdict: ...
+
+
+class _Load(Protocol):
+    """What one tenant's requests hold here (`PoolView.tenant`)."""
+
+    @property
+    def charged(self) -> int: ...
+    @property
+    def inflight(self) -> int: ...
 
 
 class ClaimStore(Protocol):
@@ -41,6 +51,7 @@ class ClaimStore(Protocol):
     @property
     def reachable(self) -> bool: ...
     def sync(self, tenant: str, blocks: int, requests: int) -> None: ...
+    def take(self, tenant: str, blocks: int, limits: Limits, requests: int = 1) -> bool: ...
     def allows(self, tenant: str, blocks: int, limits: Limits, requests: int = 1) -> bool: ...
     def charge(self, tenant: str, blocks: int, limits: Limits, requests: int = 1, *,
                within_guarantee: bool = False) -> Outcome: ...
@@ -48,6 +59,7 @@ class ClaimStore(Protocol):
     def refresh(self, limits: Mapping[str, Limits] | None = None) -> bool: ...
 
 
+_CHARGED = (Outcome.LOCAL, Outcome.POOL)  # the store counts them as held here
 _SPLIT_REFUSALS = (Decision.REJECTED_QUOTA, Decision.REJECTED_CONCURRENCY)
 # A tenant the store refused asks again no sooner than this (or a refresh, or a request
 # of its ending here), whatever the pumps: each ask is a round trip.
@@ -78,8 +90,18 @@ def pool_wide(tenant: TenantPolicy) -> TenantPolicy:
 class PoolAdmission:
     """Wraps one sidecar's decisions with the pool-wide ledger."""
 
-    def __init__(self, store: ClaimStore) -> None:
+    def __init__(self, store: ClaimStore, runner: Runner | None = None,
+                 wake: Callable[[], None] = lambda: None) -> None:
         self.store = store
+        # Where a round trip runs (the sidecar's store thread: never its event loop) and
+        # what an answer wakes (the queue's pump). Inline: answered at once.
+        self.runner: Runner = runner if runner is not None else Inline()
+        self.wake = wake
+        # Asks sent and not yet answered, and answers not yet used, per (tenant, asked
+        # about its guarantee); an answer is what the store said to `blocks` more.
+        self._asking: set[tuple[str, bool]] = set()
+        self._answers: dict[tuple[str, bool], tuple[int, Outcome, int]] = {}
+        self._generation = 0  # refreshes so far: a grant nobody took lasts one
         self.charges = {outcome: 0 for outcome in Outcome}  # what decisions needed
         # (tenant, asked about its guarantee) -> when the store last said no: its queued
         # requests do not ask the same again at every pump, only once the claims may
@@ -104,12 +126,13 @@ class PoolAdmission:
         asked = not final and self._said_no(tenant.tenant_id, False, now)
         if verdict.admitted and not verdict.above_max:
             if asked:  # no round trip: within the allowance, or refused as last time
-                self.store.sync(tenant.tenant_id, load.charged, load.inflight)
+                self._sync(tenant.tenant_id, load)
                 if not self.store.allows(tenant.tenant_id, verdict.blocks, limits):
                     return _full(tenant, load.charged, verdict)
-                return self._charge(tenant, load.charged, load.inflight, verdict, limits)
-            return self._answered(tenant.tenant_id, False, now, self._charge(
-                tenant, load.charged, load.inflight, verdict, limits))
+            charged = self._charge(tenant, load, verdict, limits)
+            if charged is None:  # asking the store: it waits for the answer
+                return _full(tenant, load.charged, verdict)
+            return charged if asked else self._answered(tenant.tenant_id, False, now, charged)
         # Refused by the split (or admitted only into idle KV beyond it): try the pool.
         if asked:
             return verdict
@@ -118,9 +141,16 @@ class PoolAdmission:
             return self._guaranteed(pool_wide(tenant), view, run, verdict, limits, now, final)
         if not wide.admitted or wide.above_max:
             return verdict
-        granted = self._answered(tenant.tenant_id, False, now, self._charge(
-            tenant, load.charged, load.inflight, wide, limits))
+        granted = self._charge(tenant, load, wide, limits)
+        if granted is None:
+            return verdict
+        granted = self._answered(tenant.tenant_id, False, now, granted)
         return granted if granted.admitted else verdict
+
+    def asking(self, tenant_id: str) -> bool:
+        """A round trip for `tenant_id` is under way: its queued requests are not
+        refused before the store's answer (the pump runs again when it comes)."""
+        return any(key[0] == tenant_id for key in self._asking)
 
     def _guaranteed(self, tenant: TenantPolicy, view: PoolView, run: Decide,
                     refused: Verdict, limits: Limits, now: float, final: bool) -> Verdict:
@@ -134,8 +164,10 @@ class PoolAdmission:
         if not verdict.admitted:
             return refused
         load = view.tenant(tenant_id)
-        self.store.sync(tenant_id, load.charged, load.inflight)
-        outcome = self.store.charge(tenant_id, verdict.blocks, limits, within_guarantee=True)
+        self._sync(tenant_id, load)
+        outcome = self._ask(tenant_id, True, verdict.blocks, limits, load)
+        if outcome is None:
+            return refused
         self.charges[outcome] += 1
         if outcome is not Outcome.POOL:
             self._noes[(tenant_id, True)] = now
@@ -143,6 +175,46 @@ class PoolAdmission:
         self._noes.pop((tenant_id, True), None)
         self.within_guarantee += 1
         return verdict
+
+    def _sync(self, tenant_id: str, load: _Load) -> None:
+        """The store's claim for `tenant_id` is what its requests hold here, plus what
+        the store granted that no request has taken yet."""
+        granted = [blocks for (tenant, _), (blocks, outcome, _) in self._answers.items()
+                   if tenant == tenant_id and outcome in _CHARGED]
+        self.store.sync(tenant_id, load.charged + sum(granted), load.inflight + len(granted))
+
+    def _ask(self, tenant_id: str, within: bool, blocks: int, limits: Limits,
+             load: _Load) -> Outcome | None:
+        """The store's answer to `blocks` more for `tenant_id`: within the allowance at
+        once; else the answer a round trip brought, or None while it is under way (the
+        runner answers at once inline; the store thread wakes the pump)."""
+        key = (tenant_id, within)
+        answer = self._answers.pop(key, None)
+        if answer is not None and (answer[1] not in _CHARGED or blocks <= answer[0]):
+            if answer[1] in _CHARGED:  # charged on the store: this request holds it now
+                self.store.sync(tenant_id, load.charged + blocks, load.inflight + 1)
+            return answer[1]
+        if self.asking(tenant_id):  # its claim is on its way: the answer decides
+            return None
+        if not within and self.store.take(tenant_id, blocks, limits):
+            return Outcome.LOCAL
+        store = self.store
+
+        def ask() -> Outcome:
+            try:
+                return store.charge(tenant_id, blocks, limits, within_guarantee=within)
+            except Exception:  # never leave an ask unanswered
+                return Outcome.FALLBACK
+
+        self._asking.add(key)
+        self.runner.run(ask, lambda outcome: self._answer(key, blocks, outcome))
+        answer = self._answers.pop(key, None)  # inline: answered already
+        return None if answer is None else answer[1]
+
+    def _answer(self, key: tuple[str, bool], blocks: int, outcome: Outcome) -> None:
+        self._asking.discard(key)
+        self._answers[key] = (blocks, outcome, self._generation)
+        self.wake()
 
     def _said_no(self, tenant_id: str, guarantee: bool, now: float) -> bool:
         """The store said no to this ask for the tenant within REASK_S."""
@@ -157,10 +229,14 @@ class PoolAdmission:
             self._noes[(tenant_id, guarantee)] = now
         return verdict
 
-    def _charge(self, tenant: TenantPolicy, charged: int, inflight: int, verdict: Verdict,
-                limits: Limits) -> Verdict:
-        self.store.sync(tenant.tenant_id, charged, inflight)
-        outcome = self.store.charge(tenant.tenant_id, verdict.blocks, limits)
+    def _charge(self, tenant: TenantPolicy, load: _Load, verdict: Verdict,
+                limits: Limits) -> Verdict | None:
+        """`verdict` if the store admits it, else refused; None while it is asked."""
+        charged = load.charged
+        self._sync(tenant.tenant_id, load)
+        outcome = self._ask(tenant.tenant_id, False, verdict.blocks, limits, load)
+        if outcome is None:
+            return None
         self.charges[outcome] += 1
         if outcome in (Outcome.LOCAL, Outcome.POOL):
             return verdict
@@ -179,16 +255,19 @@ class PoolAdmission:
         self.store.released(tenant_id, load.charged, load.inflight)
 
     def refresh(self, policy: EnginePolicy, view: PoolView) -> bool:
-        """Republish what this sidecar's requests hold (call 3x per TTL)."""
+        """Republish what this sidecar's requests hold (call 3x per TTL). A grant no
+        request took since the refresh before is given back."""
         self._noes.clear()
+        self._answers = {key: answer for key, answer in self._answers.items()
+                         if answer[2] == self._generation}
+        self._generation += 1
         limits: dict[str, Limits] = {}
         for tenant_id, tenant in policy.tenants.items():
             lim = limits_of(tenant)
             if lim is None:
                 continue
             limits[tenant_id] = lim
-            load = view.tenant(tenant_id)
-            self.store.sync(tenant_id, load.charged, load.inflight)
+            self._sync(tenant_id, view.tenant(tenant_id))
         return self.store.refresh(limits)
 
 

@@ -4,7 +4,9 @@ Built when the policy's `poolStore` appears or changes (the password read from t
 store's own mounted Secret, else from the pool's secrets directory where earlier
 releases told users to put it; never logged), dropped when it goes; `run` refreshes this
 sidecar's claims three times per TTL so they outlive it by at most one TTL. While
-connected, a thread answers the other sidecars' requests to lean (`PoolStore.listen`).
+connected, a thread answers the other sidecars' requests to lean (`PoolStore.listen`),
+and every round trip runs on the store's own thread (`worker.StoreThread`), never on
+the event loop.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from engine_sidecar.contract.policy import EnginePolicy, PoolStorePolicy
 from engine_sidecar.gateway.admission.rules import PoolView
 from engine_sidecar.gateway.pool.admission import PoolAdmission
 from engine_sidecar.gateway.pool.store import PoolStore, connect
+from engine_sidecar.gateway.pool.worker import StoreThread
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +37,9 @@ class PoolLink:
         self._spec: tuple[str, PoolStorePolicy] | None = None
         self.admission: PoolAdmission | None = None
         self._store: PoolStore | None = None  # the admission's, listening for leans
+        self._thread: StoreThread | None = None  # where its round trips run
+        # What the store's answers wake: the queue's pump (the Admitter sets it).
+        self.wake: Callable[[], None] = lambda: None
         # Why the policy's store is not used (its password is not mounted or readable):
         # the status reports it, so the pool's StoreDegraded condition says so.
         self.problem: str | None = None
@@ -46,18 +52,19 @@ class PoolLink:
         if spec == self._spec and self.problem is None:
             return self.admission
         self._spec = spec
-        if self._store is not None:
-            self._store.close()
-            self._store = None
+        self.close()
+        self._store, self._thread = None, None
         self.admission = None if spec is None else self._connect(*spec)
         if spec is None:
             self.problem = None
         return self.admission
 
     def close(self) -> None:
-        """Stop listening to the store (the app's shutdown)."""
+        """Stop listening to the store (the app's shutdown, or a new store)."""
         if self._store is not None:
             self._store.close()
+        if self._thread is not None:
+            self._thread.close()
 
     def _connect(self, pool: str, store: PoolStorePolicy) -> PoolAdmission | None:
         password = None
@@ -68,9 +75,12 @@ class PoolLink:
         self.problem = None
         client = connect(store.address, password, timeout_s=store.timeout_ms / 1000)
         logger.info("kvquota: pool-wide admission on the store at %s", store.address)
-        self._store = PoolStore(client, pool, self.sidecar, ttl_s=store.ttl_seconds)
+        # Every round trip on a thread of its own: the event loop never waits on the store.
+        self._thread = StoreThread(f"kvquota-pool-io-{self.sidecar}")
+        self._store = PoolStore(client, pool, self.sidecar, ttl_s=store.ttl_seconds,
+                                io=self._thread)
         self._store.listen()
-        return PoolAdmission(self._store)
+        return PoolAdmission(self._store, self._thread, lambda: self.wake())
 
     def _password(self, key: str) -> str | None:
         """The store's password from the first secrets directory that has `key`; None

@@ -119,6 +119,15 @@ class TwinPoolStore:
         claim = self.claims.get(tenant)
         return claim is not None and claim.allows(blocks, requests, limits)
 
+    def take(self, tenant: str, blocks: int, limits: Limits, requests: int = 1) -> bool:
+        """As `PoolStore.take`: charged within the allowance, no round trip."""
+        self.limits[tenant] = limits
+        claim = self.claims.setdefault(tenant, Claim())
+        if not claim.allows(blocks, requests, limits):
+            return False
+        claim.blocks, claim.requests = claim.blocks + blocks, claim.requests + requests
+        return True
+
     def charge(self, tenant: str, blocks: int, limits: Limits, requests: int = 1, *,
                within_guarantee: bool = False) -> Outcome:
         self.limits[tenant] = limits

@@ -44,6 +44,7 @@ from urllib.parse import urlsplit
 from kvquota_lab.percentile import percentile
 from kvquota_lab.perf import admission as bench_admission
 from kvquota_lab.perf import huge as bench_huge
+from kvquota_lab.perf import pool_store as bench_pool_store
 from kvquota_lab.perf import relay as bench_relay
 from kvquota_lab.perf.launch import Setup, move_children, start_engine, start_sidecar, start_stub
 from kvquota_lab.perf.load import Connection, Sample, Target, run_load
@@ -309,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_huge.add_parser(sub)
     bench_admission.add_parser(sub)
     bench_relay.add_parser(sub)
+    bench_pool_store.add_parser(sub)
 
     parser.add_argument("--engine-url", help="an already running vLLM OpenAI server")
     parser.add_argument("--model", help="start a vLLM CPU engine with this model directory")
