@@ -41,7 +41,7 @@ def test_crd_shape(kind: str) -> None:
     columns = [c["name"] for c in version["additionalPrinterColumns"] if "priority" not in c]
     assert columns == {
         "InferencePool": ["Model", "Engines", "Capacity", "Used", "Ready", "Age"],
-        "TenantQuota": ["Pool", "Tier", "Guaranteed", "Max", "Used", "Ready", "Age"],
+        "TenantQuota": ["Pool", "Tier", "Guaranteed", "Max", "Used", "Quota", "Ready", "Age"],
     }[kind]
     conditions = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"][
         "conditions"

@@ -56,6 +56,10 @@ class ConditionReason(StrEnum):
     MAX_BLOCKS_ABOVE_CAPACITY = "MaxBlocksAboveCapacity"
     """Accepted, but maxBlocks exceeds the pool's capacity, which is the real limit
     (posted as a Warning event)."""
+    MAX_BLOCKS_UNREACHABLE = "MaxBlocksUnreachable"
+    """Accepted, but the per-engine maxBlocks is above what an engine can ever give the
+    tenant (beyond its guarantee, the blocks above the watermark); posted as a Warning
+    event."""
     OVERSUBSCRIBED = "Oversubscribed"
     """The guarantee does not fit what older quotas left; the quota borrows only."""
     DUPLICATE_TENANT = "DuplicateTenant"

@@ -108,6 +108,10 @@ KINDS: dict[str, dict[str, Any]] = {
                 _column("Guaranteed", ".spec.kvCache.guaranteedBlocks", "integer"),
                 _column("Max", ".spec.kvCache.maxBlocks", "integer"),
                 _column("Used", ".status.usage.blocks", "integer"),
+                # Why Accepted is what it is: a quota whose maxBlocks no engine can give
+                # (MaxBlocksUnreachable) or that borrows only (Oversubscribed) shows here.
+                _column("Quota", f'.status.conditions[?(@.type=="{ConditionType.ACCEPTED}")]'
+                                 ".reason"),
             ],
             beside_ready=ConditionType.ACCEPTED,
             leased=".status.usage.leasedBlocks",

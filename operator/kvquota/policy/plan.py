@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from engine_sidecar.contract.errors import problems
 from engine_sidecar.contract.policy import EnginePolicy, TenantPolicy, Tier
+from engine_sidecar.contract.reclaim import watermark_floor
 from kvquota.api import (
     ConditionReason,
     ConditionType,
@@ -286,9 +287,30 @@ def _parse_quotas(
     return quotas, refused
 
 
+def _unreachable(entry: TenantPolicy, per_engine: int | None, watermark: float) -> str | None:
+    """Why the tenant's per-engine maxBlocks can never be reached on an engine of the
+    pool, or None: beyond its guarantee a request can take only the blocks above the
+    engine's watermark (the sidecar refuses a larger one at once with 400
+    REQUEST_EXCEEDS_ENGINE_CAPACITY). A pool-wide guarantee may borrow the watermark's
+    room too, so only the engine's size binds it (MaxBlocksAboveCapacity's concern)."""
+    if per_engine is None or (entry.pool_wide is not None and entry.pool_wide.guaranteed_blocks):
+        return None
+    room = per_engine - watermark_floor(watermark, per_engine)
+    reach = max(entry.guaranteed_blocks, room)
+    if entry.max_blocks_per_engine <= reach:
+        return None
+    return (f"maxBlocks is {entry.max_blocks_per_engine} blocks per engine, but an engine "
+            f"of {per_engine} blocks gives this tenant at most {reach}: beyond its "
+            f"{entry.guaranteed_blocks} guaranteed blocks per engine a request can use only "
+            f"the {room} blocks above the watermark ({watermark:g}), and a larger request "
+            "is refused (400 REQUEST_EXCEEDS_ENGINE_CAPACITY); lower maxBlocks, raise "
+            "guaranteedBlocks or add engines")
+
+
 def _admission_want(
     quota: _Quota, accepted: bool, budget: int | None, granted_before: int,
     waiting_behind: ObjKey | None, pool_ref: str, capacity: int | None, watermark: float,
+    unreachable: str | None = None,
 ) -> Want:
     blocks = quota.spec.kv_cache.guaranteed_blocks
     if budget is None:
@@ -306,6 +328,9 @@ def _admission_want(
                 f"{text}; maxBlocks {ceiling} is above the pool's capacity of {capacity} "
                 "blocks, so the capacity, not maxBlocks, is the tenant's limit",
             )
+        if unreachable is not None:
+            return Want(ConditionType.ACCEPTED, "True", ConditionReason.MAX_BLOCKS_UNREACHABLE,
+                        f"{text}; {unreachable}")
         return Want(ConditionType.ACCEPTED, "True", ConditionReason.ACCEPTED, text)
     if waiting_behind is not None:
         detail = (f"it waits behind the older TenantQuota {waiting_behind[0]}/"
@@ -375,12 +400,12 @@ def plan_pool(
         )
         # Everything `_admission_want` reads (what an older quota's edit changes of a
         # refused one's message), so an unchanged quota keeps its TenantPlan object.
-        admission = (decision.accepted, budget, capacity, watermark, pool_ref) + (
+        admission = (decision.accepted, budget, capacity, per_engine, watermark, pool_ref) + (
             () if decision.accepted else (decision.granted_before, decision.waiting_behind))
         plans[quota.key] = memo.tenant_plan(
             quota.key, (derived, quota.spec, quota.tenant_id, *admission),
             functools.partial(_tenant_plan, quota, derived, decision, budget, pool_ref,
-                              capacity, watermark),
+                              capacity, watermark, per_engine),
         )
         if not isinstance(derived, ValidationError):
             rendered.append(derived[1])
@@ -402,17 +427,18 @@ def plan_pool(
 
 def _tenant_plan(
     quota: _Quota, derived: _Entry, decision: Admission, budget: int | None, pool_ref: str,
-    capacity: int | None, watermark: float,
+    capacity: int | None, watermark: float, per_engine: int | None = None,
 ) -> TenantPlan:
     if isinstance(derived, ValidationError):
         want = Want(ConditionType.ACCEPTED, "False", ConditionReason.INVALID_SPEC,
                     describe_errors(derived, "tenant"))
         return _not_in_pool(quota.key, quota.tenant_id, quota.spec.tier, want)
+    resolved, entry = derived
     want = _admission_want(
         quota, decision.accepted, budget, decision.granted_before,
         cast("ObjKey | None", decision.waiting_behind), pool_ref, capacity, watermark,
+        _unreachable(entry.policy, per_engine, watermark),
     )
-    resolved, entry = derived
     return TenantPlan(
         key=quota.key, tenant_id=quota.tenant_id, tier=quota.spec.tier, accepted=want,
         resolved=resolved, policy=entry.policy, digest=entry.digest,

@@ -32,7 +32,8 @@ BAD_STATES = {(ConditionType.ACCEPTED, "False"), (ConditionType.DEGRADED, "True"
               (ConditionType.READY, "False"), (ConditionType.OVERSUBSCRIBED, "True"),
               (ConditionType.SYNCED, "False")}
 # In a good state, but worth a Warning (local mode prints it too).
-WARNING_REASONS = {ConditionReason.MAX_BLOCKS_ABOVE_CAPACITY}
+WARNING_REASONS = {ConditionReason.MAX_BLOCKS_ABOVE_CAPACITY,
+                   ConditionReason.MAX_BLOCKS_UNREACHABLE}
 
 
 @dataclass(frozen=True)
