@@ -55,6 +55,10 @@ ADMIN_PORT_NAME = "admin"  # its container port name in the engine pod
 ENGINE_KEY_ENV = "VLLM_API_KEY"  # read by vLLM and by the sidecar
 ENGINE_KEY_FILE_ENV = "KVQUOTA_ENGINE_API_KEY_FILE"
 
+# -- the perf harness (lab -> sidecar) -----------------------------------------------------
+# A file the sidecar rewrites with its event loop's lag and GC pauses (off when unset).
+PAUSE_PROBE_ENV = "KVQUOTA_PAUSE_PROBE"
+
 # -- the plugin (injection -> vLLM) --------------------------------------------------------
 PLUGIN_CLASS = "engine_sidecar.plugin.scheduler.TenantAwareScheduler"  # --scheduler-cls
 PREFLIGHT_MODULE = "engine_sidecar.plugin.preflight"  # `python -m` it in the engine's image

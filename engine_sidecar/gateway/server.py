@@ -28,6 +28,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from engine_sidecar.gateway import errors
 from engine_sidecar.gateway.errors import ApiError
+from engine_sidecar.gateway.telemetry.pause_probe import probe_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -201,8 +202,12 @@ async def serve(
     admin: AdminServer, admin_sock: socket.socket,
 ) -> None:
     admin_task = asyncio.create_task(admin.serve(sockets=[admin_sock]), name="admin-server")
+    probe = probe_from_env()  # the perf harness's loop-lag and GC probe; off by default
+    probe_task = asyncio.create_task(probe.run(), name="pause-probe") if probe else None
     try:
         await client.serve(sockets=[client_sock])
     finally:
         admin.should_exit = True
         await admin_task
+        if probe_task is not None:
+            probe_task.cancel()

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine_sidecar.contract.names import PAUSE_PROBE_ENV
 from kvquota_lab.processes import ManagedProcess, ProcessFailed, free_port, with_children
 from kvquota_lab.stack import Processes
 
@@ -78,11 +79,13 @@ def write_policy(workdir: Path, model: str, tenants: dict[str, dict[str, Any]] |
 def start_sidecar(setup: Setup, upstream: str, model: str, tokenizer: str | None,
                    tenants: dict[str, dict[str, Any]] | None = None,
                    code: Path | None = None, cpu: str | None = None,
-                   extra: list[str] | None = None, admin_port: int | None = None
+                   extra: list[str] | None = None, admin_port: int | None = None,
+                   pause_probe: Path | None = None
                    ) -> tuple[str, dict[str, str], ManagedProcess]:
     """A `kvquota sidecar` process; `code`: run the sidecar of another source tree
     (e.g. `git archive` of an older commit); `admin_port`: where its /metrics and
-    status listen (default: any free port)."""
+    status listen (default: any free port); `pause_probe`: the file its loop-lag and GC
+    probe writes (`telemetry.pause_probe`; a sidecar without the probe ignores it)."""
     port = free_port()
     home = setup.workdir / f"sidecar-{port}"
     home.mkdir()
@@ -96,7 +99,9 @@ def start_sidecar(setup: Setup, upstream: str, model: str, tokenizer: str | None
     argv += ["--tokenizer", tokenizer] if tokenizer else ["--engine-tokenizer"]
     argv += extra or []
     env = {"PYTHONPATH": os.pathsep.join([str(code), os.environ.get("PYTHONPATH", "")])
-           } if code else None
+           } if code else {}
+    if pause_probe is not None:
+        env[PAUSE_PROBE_ENV] = str(pause_probe)
     proc = setup.start(f"sidecar-{port}", argv, env, cwd=code,  # `-m`: cwd first
                        ready=f"http://127.0.0.1:{port}/readyz", timeout=180)
     return f"http://127.0.0.1:{port}", tokens, proc

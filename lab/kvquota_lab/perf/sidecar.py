@@ -5,7 +5,11 @@ it, at 1, 16, 64 and 256 concurrent streams, and prints p50/p99 of time to first
 (TTFT) and total time for both, and the difference. Per row also: the sidecar's CPU per
 request (its process and workers, user + system, over the proxied requests) and how
 many requests it admitted on their prompts' ceiling (counted after forwarding) and
-counted before admission (its /metrics).
+counted before admission (its /metrics). Beside the table, per row, where a tail comes
+from: the sidecar's event-loop lag (percentiles of a 5 ms ticker's oversleep; the ticks
+late by 2 ms or more split into GC, other work on the loop's thread and time off the
+CPU, i.e. other processes on its core) and its GC pauses per generation
+(`telemetry.pause_probe`, enabled through `$KVQUOTA_PAUSE_PROBE`).
 
 Upstreams:
 - a local streaming stub (always): fixed TTFT, fixed chunk cadence, ~vLLM-sized SSE
@@ -41,6 +45,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from engine_sidecar.gateway.telemetry.pause_probe import (
+    INTERVAL_S,
+    LATE_MS,
+    WRITE_EVERY_S,
+    PauseSnapshot,
+)
 from kvquota_lab.percentile import percentile
 from kvquota_lab.perf import admission as bench_admission
 from kvquota_lab.perf import huge as bench_huge
@@ -69,6 +79,8 @@ class Row:
     # forwarding), and counted before admission (None: the sidecar does not say).
     on_ceiling: int | None = None
     counted_first: int | None = None
+    # The sidecar's event-loop lag and GC pauses over the measured run (None: no probe).
+    pauses: PauseSnapshot | None = None
 
     def rate(self) -> float:
         """Requests/s through the sidecar in this row."""
@@ -95,33 +107,73 @@ class Row:
             for q in ("p50", "p99"):
                 out[f"added_{metric}_{q}"] = (out[f"sidecar_{metric}_{q}"]
                                               - out[f"direct_{metric}_{q}"])
+        if self.pauses is not None:
+            out.update(pause_stats(self.pauses))
         return out
+
+
+LAG_LATE_MS = 5.0  # a tick this late held every stream in flight for as long: counted
+
+
+def pause_stats(pauses: PauseSnapshot) -> dict[str, float]:
+    """The loop-lag percentiles (bucket edges, ms), late ticks, and GC per generation."""
+    lag = pauses.lag
+    events = [ms for _t, kind, ms in pauses.events if kind == "lag"]
+    out = {f"loop_lag_{name}_ms": lag.quantile(q) or 0.0
+           for name, q in (("p50", 0.5), ("p99", 0.99), ("p999", 0.999))}
+    out["loop_lag_max_ms"] = max(events, default=lag.quantile(1.0) or 0.0)
+    out["loop_ticks"] = float(lag.n)
+    out["loop_ticks_late"] = float(lag.over(LAG_LATE_MS))
+    late = pauses.late
+    out.update({"late_ticks": float(late.n), "late_lag_ms": late.lag_ms,
+                "late_gc_ms": late.gc_ms, "late_other_cpu_ms": late.cpu_ms - late.gc_ms,
+                "late_off_cpu_ms": late.off_cpu_ms})
+    for generation, hist in pauses.gc.items():
+        gc_events = [ms for _t, kind, ms in pauses.events if kind == f"gc{generation}"]
+        out[f"gc{generation}_count"] = float(hist.n)
+        out[f"gc{generation}_total_ms"] = hist.total_ms
+        out[f"gc{generation}_max_ms"] = max(gc_events, default=hist.quantile(1.0) or 0.0)
+    return out
 
 
 async def _measure(direct_url: str, sidecar_url: str, body: bytes, token: str,
                    concurrency: int, requests: int, think_ms: float,
                    sidecar_pid: int | None = None, path: str = "/v1/completions",
-                   pace: Pace | None = None, admin_url: str | None = None) -> Row:
+                   pace: Pace | None = None, admin_url: str | None = None,
+                   pause_probe: Path | None = None) -> Row:
     if pace is not None:
         await _set_pace(direct_url, pace)
     targets = [Target(direct_url, {}), Target(sidecar_url, {"Authorization": f"Bearer {token}"})]
     await run_load(targets, body, concurrency, max(concurrency, 8), think_ms, path)  # warm up
     admissions = await admission_counts(admin_url) if admin_url else None
+    pauses_before = await _fresh_pauses(pause_probe)
     before = cpu_seconds(with_children(sidecar_pid)) if sidecar_pid else 0.0
     started = time.perf_counter()
     direct, proxied = await run_load(targets, body, concurrency, requests, think_ms, path)
     wall = time.perf_counter() - started
+    pauses_after = await _fresh_pauses(pause_probe)
+    pauses = (pauses_after.since(pauses_before)
+              if pauses_before is not None and pauses_after is not None else None)
     if not sidecar_pid:
-        return Row(concurrency, direct, proxied, pace=pace, wall=wall)
+        return Row(concurrency, direct, proxied, pace=pace, wall=wall, pauses=pauses)
     used = cpu_seconds(with_children(sidecar_pid)) - before
     row = Row(concurrency, direct, proxied, used / len(proxied) * 1e6, used / wall, pace,
-              wall)
+              wall, pauses=pauses)
     if admin_url and admissions is not None:
         ceiling, admitted = (after - before for after, before in zip(
             await admission_counts(admin_url), admissions, strict=True))
         if not math.isnan(ceiling):
             row.on_ceiling, row.counted_first = round(ceiling), round(admitted - ceiling)
     return row
+
+
+async def _fresh_pauses(path: Path | None) -> PauseSnapshot | None:
+    """The probe's snapshot once it has rewritten its file (it does every 0.25 s): the
+    difference of two spans the measured run and at most that much either side."""
+    if path is None:
+        return None
+    await asyncio.sleep(WRITE_EVERY_S * 1.5)
+    return PauseSnapshot.read(path)
 
 
 CEILING_METRIC = "kvquota_ceiling_admissions_total"
@@ -185,6 +237,30 @@ def _print_table(title: str, rows: list[Row]) -> None:
                 f"{row.pace.interval_ms:.1f} ms)" if row.pace else "")
         print(f"{row.concurrency:>7} {len(row.proxied):>5} | {cells[0]} | {cells[1]} | {cpu}"
               f"{refused}{pace}")
+    _print_pauses(rows)
+
+
+def _print_pauses(rows: list[Row]) -> None:
+    """Beside the latency table: the sidecar's event-loop lag and GC pauses per row."""
+    if not any(row.pauses for row in rows):
+        return
+    print(f"the sidecar's event loop (a {INTERVAL_S * 1000:g} ms ticker's oversleep; uvloop's "
+          f"timers are ms-grained) and GC pauses, same rows:")
+    print(f"{'streams':>7} | {'loop lag p50/p99/p99.9/max (ms)':^31} | late>{LAG_LATE_MS:g}ms "
+          f"| ticks late>{LATE_MS:g}ms: lag ms = GC + other CPU + off CPU "
+          f"| GC gen0 / gen1 / gen2: n, total ms, max ms")
+    for row in rows:
+        if row.pauses is None:
+            print(f"{row.concurrency:>7} | (no probe)")
+            continue
+        s = pause_stats(row.pauses)
+        gens = " / ".join(f"{s[f'gc{g}_count']:.0f}, {s[f'gc{g}_total_ms']:.0f}, "
+                          f"{s[f'gc{g}_max_ms']:.1f}" for g in range(3))
+        print(f"{row.concurrency:>7} | {s['loop_lag_p50_ms']:5.2f} {s['loop_lag_p99_ms']:6.2f} "
+              f"{s['loop_lag_p999_ms']:6.2f} {s['loop_lag_max_ms']:7.1f}    | "
+              f"{s['loop_ticks_late']:6.0f}/{s['loop_ticks']:<6.0f} | "
+              f"{s['late_lag_ms']:7.0f} = {s['late_gc_ms']:5.0f} + "
+              f"{s['late_other_cpu_ms']:6.0f} + {s['late_off_cpu_ms']:6.0f}{'':>8} | {gens}")
 
 
 def saturation(rows: list[Row], limit_ms: float = 1.0) -> str:
@@ -204,11 +280,11 @@ def saturation(rows: list[Row], limit_ms: float = 1.0) -> str:
 def _bench(label: str, direct_url: str, sidecar_url: str, body: dict[str, Any], token: str,
            args: argparse.Namespace, sidecar_pid: int | None = None,
            path: str = "/v1/completions", pace: Callable[[int], Pace] | None = None,
-           admin_url: str | None = None) -> list[Row]:
+           admin_url: str | None = None, pause_probe: Path | None = None) -> list[Row]:
     raw = json.dumps(body).encode()
     rows = [asyncio.run(_measure(direct_url, sidecar_url, raw, token, c,
                                  max(args.requests, 4 * c), args.think_ms, sidecar_pid, path,
-                                 pace(c) if pace else None, admin_url))
+                                 pace(c) if pace else None, admin_url, pause_probe))
             for c in args.concurrency]
     _print_table(label, rows)
     return rows
@@ -229,9 +305,11 @@ def _run(args: argparse.Namespace) -> int:
             extra = ["--event-loop", args.event_loop] if args.event_loop else []
             admin_port = free_port()
             admin = f"http://127.0.0.1:{admin_port}"
+            probe = None if args.no_pause_probe else workdir / "pauses.json"
             sidecar, tokens, proc = start_sidecar(
                 setup, stub, "stub", args.tokenizer, code=args.code, cpu=args.sidecar_cpu,
-                extra=extra + list(args.sidecar_arg), admin_port=admin_port)
+                extra=extra + list(args.sidecar_arg), admin_port=admin_port,
+                pause_probe=probe)
             if args.worker_cpu is not None and proc.pid:
                 move_children(proc.pid, args.worker_cpu)
             token = tokens["bench"]
@@ -259,14 +337,15 @@ def _run(args: argparse.Namespace) -> int:
                     f"stub upstream at the pace of {profile.name} ({prompt_tokens} prompt "
                     f"tokens, {args.stub_chunks} chunks){details}",
                     stub, sidecar, body, token, args, proc.pid or 0, path,
-                    lambda c: engine_pace(profile, c, prompt_tokens, args.stub_chunks), admin)
+                    lambda c: engine_pace(profile, c, prompt_tokens, args.stub_chunks), admin,
+                    probe)
                 results["stub_engine_pace"] = [r.stats() for r in rows]
             saturation_rows = _bench(
                 ("saturation row: fast " if args.pace == "engine" else "")
                 + f"stub upstream (TTFT {args.stub_ttft_ms:g} ms, {args.stub_chunks} chunks "
                 f"every {args.stub_interval_ms:g} ms){details}",
                 stub, sidecar, body, token, args, proc.pid or 0, path,
-                (lambda c: fast) if args.pace == "engine" else None, admin)
+                (lambda c: fast) if args.pace == "engine" else None, admin, probe)
             print(saturation(saturation_rows))
             results["stub"] = [r.stats() for r in saturation_rows]
         engine = args.engine_url
@@ -362,6 +441,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--worker-cpu", metavar="CPUS",
                         help="once the sidecar is up, move its tokenizer workers to these "
                              "CPUs (comma-separated), off the event loop's core")
+    parser.add_argument("--no-pause-probe", action="store_true",
+                        help="do not measure the sidecar's event-loop lag and GC pauses "
+                             "(its probe: a ticker task and a gc callback, "
+                             "$KVQUOTA_PAUSE_PROBE)")
     parser.add_argument("--event-loop", choices=("auto", "uvloop", "asyncio"),
                         help="the sidecar's --event-loop (default: its own default)")
     parser.set_defaults(func=_run, sidecar_cpu=None, others_cpu=None)
