@@ -122,6 +122,9 @@ class PoolStore:
         # Tenants with a charge on its way to the store: nothing of theirs is admitted
         # locally meanwhile, so the claim the store answers on is the whole claim.
         self._charging: dict[str, int] = {}
+        # A refresh on its way: its allowances replace those local admissions were
+        # checked against, so none is admitted locally meanwhile.
+        self._publishing = False
         # What the event loop synced while the lock was held (applied on the next take).
         self._synced: dict[str, tuple[int, int]] = {}
         self._io = threading.RLock()  # one round trip at a time, in order
@@ -194,7 +197,8 @@ class PoolStore:
     def _take_locked(self, tenant: str, blocks: int, limits: Limits, requests: int) -> bool:
         self._limits[tenant] = limits
         claim = self._claims.setdefault(tenant, Claim())
-        if self._charging.get(tenant) or not claim.allows(blocks, requests, limits):
+        if (self._publishing or self._charging.get(tenant)
+                or not claim.allows(blocks, requests, limits)):
             return False
         claim.blocks, claim.requests = claim.blocks + blocks, claim.requests + requests
         return True
@@ -335,13 +339,14 @@ class PoolStore:
         """This sidecar's allowance for `tenant` becomes what it holds, here (no local
         admission beyond it from now on) and then on the store."""
         try:
-            with self._locked():
-                claim = self._claims.get(tenant)
-                if claim is None or tenant not in self._limits:
-                    return
-                claim.allow_blocks = min(claim.allow_blocks, claim.blocks)
+            # After any round trip of this sidecar's in flight: a refresh answered
+            # meanwhile would otherwise grant back what is taken here.
             with self._io:
                 with self._locked():
+                    claim = self._claims.get(tenant)
+                    if claim is None or tenant not in self._limits:
+                        return
+                    claim.allow_blocks = min(claim.allow_blocks, claim.blocks)
                     held = claim.blocks, claim.requests
                 try:
                     pressured = int(self._lean(keys=self._keys, args=[
@@ -436,36 +441,44 @@ class PoolStore:
 
     def _publish_now(self) -> bool:
         with self._io:
-            with self._locked():
-                order = list(self._limits)
-                args: list[Any] = self._argv()
-                for tenant in order:
-                    claim = self._claims.setdefault(tenant, Claim())
-                    lim = self._limits[tenant]
-                    cr = lim.ceiling_requests if lim.ceiling_requests is not None else 0
-                    cr = cr if lim.max_requests else 0
-                    args += [tenant, claim.blocks, claim.requests, claim.allow_blocks,
-                             claim.allow_requests, lim.ceiling_blocks, cr, lim.max_blocks,
-                             NO_LIMIT if lim.max_requests is None else lim.max_requests,
-                             min(lim.ceiling_blocks, claim.blocks + lean_margin(
-                                 self._margin[0], lim.ceiling_blocks)),
-                             min(cr, claim.requests + lean_margin(self._margin[1], cr))]
             try:
-                granted = self._publish(keys=self._keys, args=args)
-            except Exception:  # any store failure: keep what was claimed
-                self.reachable = False
-                return False
-            self.round_trips += 1
-            self.reachable = True
-            self.warming = bool(granted[-1])
-            with self._locked():
-                for n, tenant in enumerate(order):
-                    claim = self._claims[tenant]
-                    claim.allow_blocks = int(granted[3 * n])
-                    claim.allow_requests = int(granted[3 * n + 1])
+                return self._publish_io()
+            finally:
+                with self._locked():
+                    self._publishing = False
+
+    def _publish_io(self) -> bool:
+        with self._locked():
+            self._publishing = True
+            order = list(self._limits)
+            args: list[Any] = self._argv()
+            for tenant in order:
+                claim = self._claims.setdefault(tenant, Claim())
+                lim = self._limits[tenant]
+                cr = lim.ceiling_requests if lim.ceiling_requests is not None else 0
+                cr = cr if lim.max_requests else 0
+                args += [tenant, claim.blocks, claim.requests, claim.allow_blocks,
+                         claim.allow_requests, lim.ceiling_blocks, cr, lim.max_blocks,
+                         NO_LIMIT if lim.max_requests is None else lim.max_requests,
+                         min(lim.ceiling_blocks, claim.blocks + lean_margin(
+                             self._margin[0], lim.ceiling_blocks)),
+                         min(cr, claim.requests + lean_margin(self._margin[1], cr))]
+        try:
+            granted = self._publish(keys=self._keys, args=args)
+        except Exception:  # any store failure: keep what was claimed
+            self.reachable = False
+            return False
+        self.round_trips += 1
+        self.reachable = True
+        self.warming = bool(granted[-1])
+        with self._locked():
             for n, tenant in enumerate(order):
-                self._note_pressure(tenant, int(granted[3 * n + 2]) == 1)
-            return True
+                claim = self._claims[tenant]
+                claim.allow_blocks = int(granted[3 * n])
+                claim.allow_requests = int(granted[3 * n + 1])
+        for n, tenant in enumerate(order):
+            self._note_pressure(tenant, int(granted[3 * n + 2]) == 1)
+        return True
 
     def _eval_charge(self, tenant: str, nb: int, nr: int, limits: Limits,
                      ask: bool = True, within: bool = False) -> int:
