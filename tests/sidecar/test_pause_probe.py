@@ -46,6 +46,7 @@ async def test_a_stall_and_a_collection_are_in_the_difference_of_two_snapshots(
     assert max(ms for _t, kind, ms in seen.events if kind == "lag") >= 40
     assert seen.late.n >= 1 and seen.late.cpu_ms >= 40  # on the CPU: the loop's own work
     assert seen.gc[2].n >= 1 and seen.gc[2].total_ms > 0
+    assert seen.gc_cpu[2].n == seen.gc[2].n and seen.gc_cpu[2].total_ms > 0
     assert (seen.lag.quantile(1.0) or 0) >= 40
     assert len(gc.callbacks) == hooks  # the hook left with the probe
 

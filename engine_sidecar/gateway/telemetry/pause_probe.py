@@ -114,6 +114,9 @@ class PauseSnapshot:
     lag: Histogram = field(default_factory=Histogram)
     late: LateTicks = field(default_factory=lambda: LateTicks())
     gc: dict[int, Histogram] = field(default_factory=lambda: {g: Histogram() for g in range(3)})
+    # The same collections' CPU time (this thread's): what a busy machine cannot inflate.
+    gc_cpu: dict[int, Histogram] = field(
+        default_factory=lambda: {g: Histogram() for g in range(3)})
     # (wall time, "lag" | "gc0" | "gc1" | "gc2", ms) for pauses of at least EVENT_MS.
     events: list[tuple[float, str, float]] = field(default_factory=list)
     written: float = 0.0  # wall time of this snapshot
@@ -122,11 +125,13 @@ class PauseSnapshot:
         return PauseSnapshot(
             self.lag.since(before.lag), self.late.since(before.late),
             {g: h.since(before.gc[g]) for g, h in self.gc.items()},
+            {g: h.since(before.gc_cpu[g]) for g, h in self.gc_cpu.items()},
             [e for e in self.events if e[0] > before.written], self.written)
 
     def to_json(self) -> dict[str, Any]:
         return {"lag": self.lag.to_json(), "late": dataclasses.asdict(self.late),
                 "gc": {str(g): h.to_json() for g, h in self.gc.items()},
+                "gc_cpu": {str(g): h.to_json() for g, h in self.gc_cpu.items()},
                 "events": self.events, "written": self.written,
                 "edges_ms": EDGES_MS, "interval_ms": INTERVAL_S * 1000}
 
@@ -134,6 +139,7 @@ class PauseSnapshot:
     def from_json(cls, data: dict[str, Any]) -> PauseSnapshot:
         return cls(Histogram.from_json(data["lag"]), LateTicks(**data["late"]),
                    {int(g): Histogram.from_json(h) for g, h in data["gc"].items()},
+                   {int(g): Histogram.from_json(h) for g, h in data["gc_cpu"].items()},
                    [(float(t), str(k), float(ms)) for t, k, ms in data["events"]],
                    float(data["written"]))
 
@@ -154,17 +160,19 @@ class PauseProbe:
         self.snapshot = PauseSnapshot()
         self._events: deque[tuple[float, str, float]] = deque(maxlen=MAX_EVENTS)
         self._gc_started = 0.0
+        self._gc_started_cpu = 0.0
         self._gc_ms = 0.0  # all collections so far
 
     def _on_gc(self, phase: str, info: dict[str, int]) -> None:
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.thread_time()
         if phase == "start":
-            self._gc_started = now
+            self._gc_started, self._gc_started_cpu = now, cpu
             return
         ms = (now - self._gc_started) * 1000
         self._gc_ms += ms
         generation = info["generation"]
         self.snapshot.gc[generation].add(ms)
+        self.snapshot.gc_cpu[generation].add((cpu - self._gc_started_cpu) * 1000)
         if ms >= EVENT_MS:
             self._events.append((time.time(), f"gc{generation}", ms))
 
