@@ -148,3 +148,42 @@ def test_a_throughput_miss_names_answers_cut_at_the_tier_ceiling(
     check = {c.name: c for c in evaluate(cut)}["tput"]
     assert check.passed is False
     assert "free 3 answers cut at maxTokens" in check.detail and "(900 tokens)" in check.detail
+
+
+def _premium_over_baseline(document: dict[str, Any], seconds_at_max: float
+                           ) -> dict[str, Any]:
+    """Premium's p99 at 3x its baseline, its tenant holding its maxBlocks for
+    `seconds_at_max` of the load window."""
+    ours = document["policies"]["kvquota"]
+    premium = ours["tiers"]["premium"]
+    ceiling = {**premium["atCeiling"]["acme"], "secondsAtMaxBlocks": seconds_at_max}
+    tiers = {**ours["tiers"], "premium": {**premium, "atCeiling": {"acme": ceiling}}}
+    worse = _kvquota(document, tiers=tiers)
+    return {**worse, "comparison": {**worse["comparison"],
+                                    "ttftP99VsBaseline": {"kvquota": 3.0}}}
+
+
+def test_premium_over_its_baseline_at_its_own_max_blocks_is_bound_and_says_how_long(
+    document: dict[str, Any],
+) -> None:
+    window = document["policies"]["kvquota"]["loadWindowSeconds"]
+    bound = _premium_over_baseline(document, seconds_at_max=0.6 * window)
+    check = {c.name: c for c in evaluate(bound)}["p99/base"]
+    assert check.passed and check.verdict() == "BOUND"
+    assert "acme's maxBlocks" in check.bound and f"of {window:.0f} s" in check.bound
+    brief = _premium_over_baseline(document, seconds_at_max=0.1 * window)
+    assert {c.name: c for c in evaluate(brief)}["p99/base"].passed is False
+
+
+def test_the_tail_split_is_in_the_document_the_check_and_the_diagnosis(
+    document: dict[str, Any],
+) -> None:
+    split = document["comparison"]["tailSplit"]["kvquota"]
+    assert set(split["seconds"]) == {"sidecar", "engineQueue", "interference",
+                                     "preemption", "prefixMiss", "other"}
+    assert sum(split["seconds"].values()) == pytest.approx(split["overAloneSeconds"],
+                                                           abs=0.01)
+    if split["turns"]:
+        check = {c.name: c for c in evaluate(document)}["p99/base"]
+        assert f"tail mostly {split['dominant']}" in check.detail
+        assert "premium tail: " in diagnosis(document)

@@ -9,12 +9,15 @@ client retried pays for the wait, as its user would.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from engine_sidecar.contract.policy import Tier
 from kvquota_lab.bench.occupancy import Occupancy
 from kvquota_lab.bench.scenario import TIER_ORDER, Scenario
 from kvquota_lab.percentile import percentile
+
+if TYPE_CHECKING:
+    from kvquota_lab.bench.ttft_parts import TtftParts
 
 Status = Literal["ok", "rejected", "failed", "unfinished"]
 CDF_POINTS = 101
@@ -49,6 +52,8 @@ class Outcome:
     # tenant's own quota or concurrency limit, or the KV watermark).
     waited_on: dict[str, float] = field(default_factory=dict)
     status: Status = "unfinished"
+    # Where its TTFT went (`bench.ttft_parts`); None: the backend cannot see the steps.
+    ttft_parts: TtftParts | None = None
 
     @property
     def ttft(self) -> float | None:

@@ -14,6 +14,7 @@ from kvquota_lab.bench.charges import charge_lines
 from kvquota_lab.bench.cost import CostProfile
 from kvquota_lab.bench.metrics import RunResult, summarize
 from kvquota_lab.bench.scenario import TIER_ORDER, Scenario
+from kvquota_lab.bench.ttft_parts import describe, tail_split
 
 SCHEMA = "kvquota.dev/bench/v1"
 
@@ -63,6 +64,13 @@ def build_document(
         comparison["ttftP99VsBaseline"] = {
             key: _ratio(p99(summary), base_p99) for key, summary in policies.items()
         }
+        if baseline is not None and base_p99 is not None:
+            # Where the tail above the baseline's p99 went, turn by turn against the
+            # same turns alone (`bench.ttft_parts`); None: the backend cannot say.
+            comparison["tailSplit"] = {
+                run.key: tail_split(run.outcomes, baseline.outcomes, tier, base_p99)
+                for run in runs
+            }
     stock = policies.get("fcfs")
     if stock is not None:
         comparison["throughputVsFcfs"] = {
@@ -162,6 +170,9 @@ def format_table(document: dict[str, Any]) -> str:
             f"{tier} TTFT p99 vs no-noise baseline ({_s(comparison['baselineTtftP99'])}): "
             f"{ratios}"
         )
+    for key, split in (comparison.get("tailSplit") or {}).items():
+        if split is not None:
+            lines.append(f"{tier} tail ({key}): {describe(split)}")
     if "throughputVsFcfs" in comparison:
         stock = document["policies"]["fcfs"]["throughput"]
         ratios = ", ".join(

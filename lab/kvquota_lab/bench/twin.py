@@ -36,6 +36,7 @@ from kvquota_lab.bench.occupancy import Occupancy
 from kvquota_lab.bench.plugin_counts import above_max_by_tier, outgrown_by_tier
 from kvquota_lab.bench.policies import PolicySpec
 from kvquota_lab.bench.scenario import Scenario, Session
+from kvquota_lab.bench.ttft_parts import TtftLedger
 from kvquota_lab.bench.variants import victim_ranker
 
 if TYPE_CHECKING:
@@ -79,6 +80,7 @@ class _Attempt:
     outcome: Outcome
     prompt: list[int]
     requested_max_tokens: int | None
+    at: float = 0.0  # when the client sent this attempt
 
 
 @dataclass
@@ -134,6 +136,9 @@ class TwinRun:
         self._stats_until = 0.0
         self._planned = sum(len(s.turns) for s in sessions)
         self._settled = 0
+        # Where each turn's TTFT goes; set by this class's own loop (a pool's engines
+        # step in theirs and leave it unset).
+        self._ttft: TtftLedger | None = None
 
     # -- setup --------------------------------------------------------------------
 
@@ -198,7 +203,7 @@ class TwinRun:
         outcome.prompt_tokens = len(prompt)
         room = self.scenario.engine.max_model_len - len(prompt)
         requested = min(session.max_tokens, room) if session.max_tokens else None
-        attempt = _Attempt(session, turn, outcome, prompt, requested)
+        attempt = _Attempt(session, turn, outcome, prompt, requested, at)
         if self.gateway is None:
             self._start(harness, attempt, min(session.turns[turn].output_tokens,
                                               requested or room), None)
@@ -260,6 +265,10 @@ class TwinRun:
         )
         self._tier_of_req[req_id] = session.tier.value
         self._live[req_id] = _Live(outcome, session, turn, attempt.prompt, reservation)
+        if self._ttft is not None:
+            # Earlier attempts and retry waits, then this attempt's time queued.
+            sidecar = attempt.at - outcome.arrival + outcome.queued_seconds
+            self._ttft.entered(req_id, session.tier.value, outcome.arrival, sidecar)
 
     def _feed_progress(self, harness: SchedulerHarness) -> None:
         """What each running turn has decoded, to its reservation, after every step: the
@@ -286,6 +295,8 @@ class TwinRun:
         outcome.cached_tokens = record.num_cached_tokens or 0
         outcome.preemptions = record.num_preemptions
         outcome.status = "ok"
+        if self._ttft is not None:
+            outcome.ttft_parts = self._ttft.take(req_id)
         if live.reservation is not None:
             live.reservation.release("completed")
         self._tier_of_req.pop(req_id, None)
@@ -387,6 +398,8 @@ class TwinRun:
         steps = 0
         last_report = -1.0
         gateway = self.gateway
+        engine = self.scenario.engine
+        self._ttft = TtftLedger(self.profile, engine.max_num_batched_tokens, engine.max_num_seqs)
         while self._events or harness.has_unfinished() or (gateway and gateway.queue.waiting()):
             while self._events and self._events[0][0] <= harness.now:
                 self._arrive(harness, heapq.heappop(self._events))
@@ -408,6 +421,7 @@ class TwinRun:
                 break
             record = harness.step()
             steps += 1
+            self._ttft.step(record, self._tier_of_req)
             self._observe_step(harness, record.start_time, record.num_free_blocks)
             if gateway is not None:
                 self._feed_progress(harness)

@@ -122,6 +122,11 @@ class StepRecord:
     schedule_seconds: float  # wall time of schedule()
     update_seconds: float  # wall time of update_from_output()
     duration: float = 0.0  # virtual seconds
+    # Per scheduled request: its KV length after the step (what `num_context_tokens`
+    # sums), and which of them decoded (the rest computed prompt tokens).
+    context_by_req: dict[str, int] = field(default_factory=dict)
+    decode_req_ids: frozenset[str] = frozenset()
+    first_token_req_ids: list[str] = field(default_factory=list)  # sampled their first
 
 
 def build_vllm_config(config: TwinConfig) -> Any:
@@ -346,14 +351,18 @@ class SchedulerHarness:
         req_ids: list[str] = []
         sampled: list[list[int]] = []
         num_prefill = num_decode = prefill_seqs = decode_seqs = context = 0
+        context_by_req: dict[str, int] = {}
+        decoding: set[str] = set()
         for req_id, num_tokens in output.num_scheduled_tokens.items():
             request = scheduler.requests[req_id]
             computed_after = request.num_computed_tokens
             computed_before = computed_after - num_tokens
             context += computed_after
+            context_by_req[req_id] = computed_after
             if num_tokens == 1 and computed_before == request.num_tokens - 1:
                 num_decode += 1
                 decode_seqs += 1
+                decoding.add(req_id)
             else:
                 num_prefill += num_tokens
                 prefill_seqs += 1
@@ -385,12 +394,14 @@ class SchedulerHarness:
             num_free_blocks=scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
             schedule_seconds=scheduled - started,
             update_seconds=updated - before_update,
+            context_by_req=context_by_req,
+            decode_req_ids=frozenset(decoding),
         )
         cost = self.config.step_cost
         record.duration = cost(record) if cost is not None else self.config.step_seconds
         self.now += record.duration
         # Tokens exist once the step is over.
-        record.finished_req_ids = self._collect(engine_outputs, index)
+        record.finished_req_ids = self._collect(engine_outputs, index, record)
         self.steps.append(record)
         return record
 
@@ -437,7 +448,8 @@ class SchedulerHarness:
             loaded.add(job.req_id)
         return KVConnectorOutput(finished_recving=loaded, kv_connector_worker_meta=done)
 
-    def _collect(self, engine_outputs: dict[int, Any], index: int) -> list[str]:
+    def _collect(self, engine_outputs: dict[int, Any], index: int, step: StepRecord
+                 ) -> list[str]:
         finished = []
         for outputs in engine_outputs.values():
             for out in outputs.outputs:
@@ -447,6 +459,7 @@ class SchedulerHarness:
                 if out.new_token_ids:
                     if record.first_token_step is None:
                         record.first_token_step, record.first_token_time = index, self.now
+                        step.first_token_req_ids.append(out.request_id)
                     record.output_token_ids.extend(out.new_token_ids)
                 if out.finish_reason is not None and record.finish_reason is None:
                     record.finish_reason = str(out.finish_reason)
