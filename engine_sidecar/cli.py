@@ -233,6 +233,7 @@ def _run_sidecar(args: argparse.Namespace) -> int:
     import uvicorn
 
     from engine_sidecar.gateway import request_id, server
+    from engine_sidecar.gateway.frozen_heap import freeze_startup_objects
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s [%(request_id)s]: "
@@ -258,6 +259,9 @@ def _run_sidecar(args: argparse.Namespace) -> int:
     logging.getLogger(__name__).info(
         "clients on %s:%d (at most %d connections), admin on %s:%d",
         host, port, client_limits.connections(), admin_host, admin_port)
+    # Whatever counts tokens (--engine-tokenizer loads none, and froze nothing): the
+    # startup objects stay out of every collection a burst of requests triggers.
+    freeze_startup_objects()
     server.run(server.serve(client, client_sock, admin, admin_sock), args.event_loop)
     return 0
 
