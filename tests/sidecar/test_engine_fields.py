@@ -83,7 +83,9 @@ def _sample(annotation: Any, default: Any) -> Any:
     if annotation is str:
         return "x"
     if origin in (list, tuple, set, typing.Sequence) or annotation in (list, tuple):
-        return []
+        item = args[0] if args else None
+        # A list of choices: one of them (an empty list would test nothing).
+        return [_sample(item, None)] if typing.get_origin(item) is Literal else []
     if origin is dict or annotation is dict:
         return {}
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
