@@ -65,10 +65,11 @@ class TenantAwareScheduler(compat.Scheduler):
                 "KVQuota: --scheduling-policy is not 'priority'; leases apply but vLLM "
                 "keeps its FCFS victim order"
             )
+        engine = VllmEngine(self)
         plugin = self._kvq = TenantPlugin(
-            VllmEngine(self), plugin_config or PluginConfig.from_env(),
-            steer_victims=steer_victims, offloading=offloading,
-            vllm_version=compat.installed_vllm_version(),
+            engine, plugin_config or PluginConfig.from_env(),
+            engine.engine_facts(steer_victims=steer_victims, offloading=offloading,
+                                vllm_version=compat.installed_vllm_version()),
         )
         if offloading:
             compat.steer_kv_loads(connector, plugin.offload.recompute, plugin.offload.on_kv_load)

@@ -12,7 +12,7 @@ import weakref
 from collections.abc import Container, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from engine_sidecar.plugin.core.engine_port import RunningEntry
+from engine_sidecar.plugin.core.engine_port import EngineFacts, RunningEntry
 from engine_sidecar.plugin.vllm_requests import VllmRequests
 
 if TYPE_CHECKING:
@@ -21,6 +21,15 @@ if TYPE_CHECKING:
 
 class VllmEngine(VllmRequests):
     """`engine_port.Engine` over one vLLM scheduler."""
+
+    def engine_facts(self, *, steer_victims: bool, offloading: bool,
+                     vllm_version: str) -> EngineFacts:
+        return EngineFacts(
+            block_size=int(self._scheduler.block_size),
+            # Block 0 is vLLM's null block, never allocatable.
+            num_blocks=int(self._scheduler.kv_cache_manager.block_pool.num_gpu_blocks) - 1,
+            steer_victims=steer_victims, offloading=offloading, vllm_version=vllm_version,
+        )
 
     # -- KV blocks -----------------------------------------------------------------------
 
@@ -33,8 +42,8 @@ class VllmEngine(VllmRequests):
         return [block for group in groups for block in group]
 
 
-    def request_block_ids(self, req_id: str) -> list[int]:
-        return [block.block_id for block in self.request_blocks(req_id) if not block.is_null]
+    def num_blocks_held(self, req_id: str) -> int:
+        return sum(1 for block in self.request_blocks(req_id) if not block.is_null)
 
 
     def cached_blocks(self, req_id: str) -> list[KVCacheBlock]:
@@ -54,8 +63,7 @@ class VllmEngine(VllmRequests):
     ) -> tuple[list[RunningEntry], dict[str | None, int], dict[str | None, set[int]]]:
         """One pass over `running` for victim ranking (it is hot under memory pressure).
 
-        Returns per request (request, tenant if the policy knows it else None, priority
-        -- the one to restore if marked --, computed tokens, arrival time); per tenant
+        Returns per request its `engine_port.RunningEntry`; per tenant
         (None: unclassified) the blocks only one request holds; and per tenant the ids of
         shared (prefix) blocks, so that distinct blocks = unshared + len(shared ids).
         `identities` maps req_id to an object with a `tenant` attribute."""
@@ -87,7 +95,8 @@ class VllmEngine(VllmRequests):
                 if first.ref_cnt > 1 or first.is_null:
                     held = self.count_unshared_blocks(blocks, shared.setdefault(tenant, set()))
             usage[tenant] = get_usage(tenant, 0) + held
-            append((request, tenant, priority, request.num_computed_tokens, request.arrival_time))
+            append((request, req_id, tenant, priority, request.num_computed_tokens,
+                    request.arrival_time))
         return entries, usage, shared
 
 
@@ -160,9 +169,6 @@ class VllmEngine(VllmRequests):
         return int(self._scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
 
 
-    def total_block_count(self) -> int:
-        # Block 0 is vLLM's null block, never allocatable.
-        return int(self._scheduler.kv_cache_manager.block_pool.num_gpu_blocks) - 1
 
 
     def next_evicted_block_id(self, within: int = 64) -> int | None:

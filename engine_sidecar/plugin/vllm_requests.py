@@ -1,6 +1,6 @@
 """vLLM's requests and step, as the plugin's parts see them (`engine_port.Engine`).
 
-What the parts read of a request (identity inputs, rank inputs, status) and how they
+What the parts read of a request (its facts and phase) and how they
 steer the next step (mark a victim, preempt between steps, hold a prefill chunk back)
 all touch vLLM's private scheduler API, so all of it is here; `vllm_engine` adds the
 KV blocks. docs/scheduler-plugin.md lists every touchpoint.
@@ -9,10 +9,12 @@ KV blocks. docs/scheduler-plugin.md lists every touchpoint.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Collection, Iterable
+from typing import TYPE_CHECKING
 
 from vllm.v1.request import RequestStatus
+
+from engine_sidecar.plugin.core.engine_port import Phase, RequestFacts
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -21,6 +23,7 @@ if TYPE_CHECKING:
 # Far above any real priority: the running request vLLM must pick as its victim.
 VICTIM_PRIORITY = 1 << 62
 _NO_LEASE_STATUSES = frozenset({RequestStatus.FINISHED_ERROR, RequestStatus.FINISHED_IGNORED})
+_QUEUED_STATUSES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
 class VllmRequests:
@@ -31,50 +34,28 @@ class VllmRequests:
 
     # -- requests ------------------------------------------------------------------------
 
-
-    def request_id(self, request: Request) -> str:
-        return str(request.request_id)
-
-
-    def rank_inputs(self, request: Request) -> tuple[str, int, int, float]:
-        """(req_id, priority, computed tokens, arrival time): what victim ranking reads."""
-        return (
-            request.request_id,
-            request.priority,
-            request.num_computed_tokens,
-            request.arrival_time,
+    def facts(self, request: Request) -> RequestFacts:
+        params = request.sampling_params
+        return RequestFacts(
+            request.request_id, request.priority, request.num_computed_tokens,
+            request.arrival_time, request.num_prompt_tokens, request.num_preemptions,
+            params.extra_args if params is not None else None,
         )
 
-
-    def priority(self, request: Request) -> int:
-        return int(request.priority)
-
-    def num_prompt_tokens(self, request: Request) -> int:
-        return int(request.num_prompt_tokens)
-
-
-    def extra_args(self, request: Request) -> Mapping[str, Any] | None:
-        params = request.sampling_params
-        return params.extra_args if params is not None else None
-
-
-    def is_running(self, request: Request) -> bool:
-        return bool(request.status == RequestStatus.RUNNING)
-
-
-    def is_waiting(self, request: Request) -> bool:
+    def phase(self, request: Request) -> Phase:
         status = request.status
-        return bool(status < RequestStatus.RUNNING or status == RequestStatus.PREEMPTED)
-
-
-    def kv_is_reusable(self, request: Request) -> bool:
-        """A finished request whose cached KV is worth leasing."""
-        return request.status not in _NO_LEASE_STATUSES
-
-
-    def is_first_admission(self, request: Request) -> bool:
-        return bool(request.num_preemptions == 0)
-
+        if status == RequestStatus.RUNNING:
+            return Phase.RUNNING
+        if status in _QUEUED_STATUSES:
+            # Still the engine's: not aborted and replaced under the same id.
+            if self._scheduler.requests.get(request.request_id) is request:
+                return Phase.QUEUED
+            return Phase.PENDING
+        if status < RequestStatus.RUNNING:
+            return Phase.PENDING
+        if status in _NO_LEASE_STATUSES:
+            return Phase.DISCARDED
+        return Phase.FINISHED
 
     def mark_victim(self, request: Request) -> int:
         """Make a running request vLLM's next priority-policy victim; returns the priority
@@ -84,17 +65,11 @@ class VllmRequests:
         request.priority = VICTIM_PRIORITY
         return original
 
-
     def restore_priority(self, request: Request, priority: int) -> None:
         request.priority = priority
 
-
     def running(self) -> list[Request]:
         return self._scheduler.running
-
-
-    def block_size(self) -> int:
-        return int(self._scheduler.block_size)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._scheduler.has_unfinished_requests())
@@ -102,10 +77,8 @@ class VllmRequests:
     def all_requests(self) -> Iterable[Request]:
         return self._scheduler.requests.values()
 
-
     def get_request(self, req_id: str) -> Request | None:
         return self._scheduler.requests.get(req_id)
-
 
     # -- steering the next step -------------------------------------------------------
 
@@ -162,12 +135,4 @@ class VllmRequests:
         `schedule()` advances `current_step` before it checks eligibility."""
         request.next_decode_eligible_step = max(
             request.next_decode_eligible_step, self._scheduler.current_step + 2
-        )
-
-
-    def is_queued(self, request: Request) -> bool:
-        """The request still waits for its first (or next) admission."""
-        return (
-            request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-            and self._scheduler.requests.get(request.request_id) is request
         )

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fake_engine import FakeClock
 from plugin_policies import engine_policy, tenant, write_policy
 
 from engine_sidecar.contract.policy import EnginePolicy
@@ -236,14 +237,6 @@ def test_degraded_episode_is_logged_once():
 
 
 # -- policy file ----------------------------------------------------------------------------
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_policy_watcher_reloads_changes_at_most_every_half_second(tmp_path: Path):

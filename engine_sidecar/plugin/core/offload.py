@@ -42,7 +42,7 @@ class OffloadAccounting:
     def on_kv_load(self, request: Request, num_external_tokens: int) -> None:
         """vLLM allocated blocks for a waiting request, `num_external_tokens` of them
         to be loaded by the offloading connector."""
-        req_id = self._engine.request_id(request)
+        req_id = self._engine.facts(request).req_id
         if req_id in self.preempted:
             self.forget(req_id)
             self.modes["offload" if num_external_tokens else "recompute"] += 1

@@ -20,9 +20,10 @@ def prioritize_prefills(engine: Engine, stuck: Request | None) -> None:
     if not prefilling:
         return
     top = engine.next_waiting()
-    bound = min(engine.priority(request) for request in prefilling)
+    priorities = [engine.facts(request).priority for request in prefilling]
+    bound = min(priorities)
     if top is not None and top is not stuck:
-        bound = min(bound, engine.priority(top))
-    for request in prefilling:
-        if engine.priority(request) > bound:
+        bound = min(bound, engine.facts(top).priority)
+    for request, priority in zip(prefilling, priorities, strict=True):
+        if priority > bound:
             engine.skip_next_step(request)

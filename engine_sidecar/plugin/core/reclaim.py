@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from engine_sidecar.plugin.core.engine_port import Engine, Request
+from engine_sidecar.plugin.core.engine_port import Engine, Phase, Request
 from engine_sidecar.plugin.core.lease_keeper import LeaseKeeper
 from engine_sidecar.plugin.core.offload import OffloadAccounting
 from engine_sidecar.plugin.core.tenant_state import TenantState
@@ -25,12 +25,13 @@ from engine_sidecar.plugin.rules.ranking import RankKey, Reason
 
 class Reclaim:
     def __init__(self, state: TenantState, engine: Engine, leases: LeaseKeeper,
-                 victims: VictimOrder, offload: OffloadAccounting) -> None:
+                 victims: VictimOrder, offload: OffloadAccounting, *, block_size: int) -> None:
         self._state = state
         self._engine = engine
         self._leases = leases
         self._victims = victims
         self._offload = offload
+        self._block_size = block_size
         self._allocation_failed = False  # in this step
         # A waiting request that found no room in the last step, the key it ranks with
         # and the free blocks it needed: running work ranked above it is preempted
@@ -52,9 +53,9 @@ class Reclaim:
             blocks = retry()
             if blocks is not None:
                 return blocks
-        requester_running = engine.is_running(request)
+        requester_running = engine.phase(request) is Phase.RUNNING
         view = victims.get_view()
-        identity = state.identity(engine.request_id(request))
+        identity = state.identity(engine.facts(request).req_id)
         own_session = identity.session_key
         victim: Request | None = None
         waiting_bound: RankKey | None = None
@@ -118,13 +119,13 @@ class Reclaim:
         assert starved is not None
         engine, victims = self._engine, self._victims
         request, bound, shortfall = starved
-        if shortfall <= 0 or not engine.is_queued(request):
+        if shortfall <= 0 or engine.phase(request) is not Phase.QUEUED:
             return
         target = engine.free_block_count() + shortfall
         view = victims.get_view()
         while engine.free_block_count() < target + engine.step_growth_blocks():
             victim, key = victims.pick(view) if engine.running() else (None, bound)
-            if victim is None or key <= bound or not engine.is_running(victim):
+            if victim is None or key <= bound or engine.phase(victim) is not Phase.RUNNING:
                 self.stuck = request
                 return
             engine.preempt_between_steps(victim)
@@ -132,10 +133,11 @@ class Reclaim:
 
     def count_preemption(self, request: Request) -> None:
         """vLLM preempts `request` for want of blocks: book why, and how it resumes."""
-        state = self._state
-        req_id = self._engine.request_id(request)
+        state, engine = self._state, self._engine
+        facts = engine.facts(request)
+        req_id = facts.req_id
         identity = state.identity(req_id)
-        num_blocks = len(self._engine.request_block_ids(req_id))
+        num_blocks = engine.num_blocks_held(req_id)
         view = self._victims.view
         if view is not None:
             reason = view.ranker.running_reason(self._victims.running_key(view.ranker, request))
@@ -144,8 +146,6 @@ class Reclaim:
             reason = Reason.UNCLASSIFIED
         counters = state.tally(identity.tenant)
         counters.preemptions[reason] += 1
-        engine = self._engine
-        if outgrew(identity, num_blocks, engine.num_prompt_tokens(request),
-                   engine.block_size()):
+        if outgrew(identity, num_blocks, facts.num_prompt_tokens, self._block_size):
             counters.outgrown_preemptions += 1
         self._offload.preempted_request(req_id, num_blocks, state.policy)

@@ -10,22 +10,24 @@ import time
 
 from engine_sidecar.contract.names import UNCLASSIFIED
 from engine_sidecar.contract.stats import EngineStats, TenantEngineStats
-from engine_sidecar.plugin.core.engine_port import Engine
+from engine_sidecar.plugin.core.engine_port import Engine, EngineFacts, Phase
 from engine_sidecar.plugin.core.offload import OffloadAccounting
 from engine_sidecar.plugin.core.tenant_state import TenantState
 from engine_sidecar.plugin.core.victim_order import VictimOrder
 from engine_sidecar.plugin.rules.counters import stats_tenant
 from engine_sidecar.plugin.stats_publisher import LeaseView, StatsSnapshot
 
+_WAITING = (Phase.QUEUED, Phase.PENDING)
+
 
 class StatsView:
     def __init__(self, state: TenantState, engine: Engine, victims: VictimOrder,
-                 offload: OffloadAccounting, vllm_version: str) -> None:
+                 offload: OffloadAccounting, facts: EngineFacts) -> None:
         self._state = state
         self._engine = engine
         self._victims = victims
         self._offload = offload
-        self._vllm_version = vllm_version
+        self._facts = facts
 
     def snapshot(self) -> StatsSnapshot:
         """Everything the stats file reports, as of now (call from the engine thread)."""
@@ -42,15 +44,15 @@ class StatsView:
         entries, held, shared = engine.scan_running(
             state.ids, policy.tenants if policy is not None else {}, self._victims.marked
         )
-        for _, tenant, *_ in entries:
+        for _, _, tenant, *_ in entries:
             entry(tenant or UNCLASSIFIED).running += 1
         for tenant, num_blocks in held.items():
             entry(tenant or UNCLASSIFIED).running_blocks += num_blocks
         for tenant, block_ids in shared.items():
             entry(tenant or UNCLASSIFIED).running_blocks += len(block_ids)
         for request in engine.all_requests():
-            if engine.is_waiting(request):
-                tenant = state.identity(engine.request_id(request)).tenant
+            if engine.phase(request) in _WAITING:
+                tenant = state.identity(engine.facts(request).req_id).tenant
                 entry(stats_tenant(policy, tenant)).waiting += 1
 
         running_shared: set[int] = set().union(*shared.values())
@@ -102,13 +104,13 @@ class StatsView:
             timestamp=time.time(),
             policy_version=state.watcher.version,
             policy_error=state.watcher.error,
-            total_blocks=engine.total_block_count(),
+            total_blocks=self._facts.num_blocks,
             free_blocks=engine.free_block_count(),
             preemption_mode=self._offload.mode,
             degraded=state.degraded.active,
             degraded_episodes=state.degraded.episodes,
             preemptions_by_mode=dict(self._offload.modes),
-            vllm_version=self._vllm_version,
+            vllm_version=self._facts.vllm_version,
             tenants=tenants,
         )
         return StatsSnapshot(engine_stats, tuple(views))

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 from engine_sidecar.contract.stats import EngineStats
 from engine_sidecar.plugin.config import PluginConfig
-from engine_sidecar.plugin.core.engine_port import Block, Engine, Request
+from engine_sidecar.plugin.core.engine_port import Block, Engine, EngineFacts, Phase, Request
 from engine_sidecar.plugin.core.lease_keeper import LeaseKeeper
 from engine_sidecar.plugin.core.offload import OffloadAccounting
 from engine_sidecar.plugin.core.prefill_order import prioritize_prefills
@@ -33,8 +33,7 @@ Freed = tuple[Identity, list[Block]]
 
 
 class TenantPlugin:
-    def __init__(self, engine: Engine, config: PluginConfig, *, steer_victims: bool,
-                 offloading: bool, vllm_version: str) -> None:
+    def __init__(self, engine: Engine, config: PluginConfig, facts: EngineFacts) -> None:
         self.engine = engine
         self.clock = config.clock
         self.state = state = TenantState(
@@ -44,10 +43,11 @@ class TenantPlugin:
         )
         self.retention = Retention(state, engine)
         self.leases = LeaseKeeper(state, engine, self.retention)
-        self.victims = VictimOrder(state, engine, config.ranker, steer=steer_victims)
-        self.offload = OffloadAccounting(engine, offloading=offloading)
-        self.reclaim = Reclaim(state, engine, self.leases, self.victims, self.offload)
-        self.stats = StatsView(state, engine, self.victims, self.offload, vllm_version)
+        self.victims = VictimOrder(state, engine, config.ranker, steer=facts.steer_victims)
+        self.offload = OffloadAccounting(engine, offloading=facts.offloading)
+        self.reclaim = Reclaim(state, engine, self.leases, self.victims, self.offload,
+                               block_size=facts.block_size)
+        self.stats = StatsView(state, engine, self.victims, self.offload, facts)
         self.in_step = False
         self._step_started = 0.0
         self._next_publish = 0.0
@@ -67,10 +67,11 @@ class TenantPlugin:
 
     def request_added(self, request: Request) -> None:
         engine, state = self.engine, self.state
-        req_id = engine.request_id(request)
+        facts = engine.facts(request)
+        req_id = facts.req_id
         if engine.get_request(req_id) is not None:
             return
-        identity = identity_from_extra_args(engine.extra_args(request))
+        identity = identity_from_extra_args(facts.extra_args)
         if identity is NO_IDENTITY:
             return
         state.ids[req_id] = identity
@@ -85,7 +86,7 @@ class TenantPlugin:
         """Before vLLM drops a finished request's references: lease its prefix, so the
         blocks never reach refcount 0 and nothing can evict them in between."""
         engine, state = self.engine, self.state
-        req_id = engine.request_id(request)
+        req_id = engine.facts(request).req_id
         if self.offload.preempted:
             self.offload.forget(req_id)  # finished (e.g. aborted) before resuming
         identity = state.ids.pop(req_id, NO_IDENTITY)
@@ -96,7 +97,7 @@ class TenantPlugin:
                 del state.active[key]
                 state.pauses.turn_ended(key, self.clock())
             seconds = lease_seconds(state.policy, identity.tenant)
-            if seconds > 0 and engine.kv_is_reusable(request):
+            if seconds > 0 and engine.phase(request) is not Phase.DISCARDED:
                 self.leases.take(key, req_id, seconds)
         return identity, engine.request_blocks(req_id)
 
@@ -136,11 +137,14 @@ class TenantPlugin:
         engine, state = self.engine, self.state
         for req_id, num_hit_tokens in new_request_hits:
             request = engine.get_request(req_id)
-            if request is None or not engine.is_first_admission(request):
+            if request is None:
+                continue
+            facts = engine.facts(request)
+            if facts.num_preemptions:  # resumed: counted at its first admission
                 continue
             counters = state.tally(state.identity(req_id).tenant)
             counters.prefix_hit_tokens += num_hit_tokens
-            counters.prompt_tokens += engine.num_prompt_tokens(request)
+            counters.prompt_tokens += facts.num_prompt_tokens
         if self.publisher is not None and self._step_started >= self._next_publish:
             self._publish(self._step_started)
 

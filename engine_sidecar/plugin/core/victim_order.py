@@ -9,8 +9,10 @@ lazily, at the first allocation failure.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from engine_sidecar.contract.reclaim import requester_band
-from engine_sidecar.plugin.core.engine_port import Engine, Request, RunningEntry
+from engine_sidecar.plugin.core.engine_port import Engine, Phase, Request, RunningEntry
 from engine_sidecar.plugin.core.tenant_state import TenantState
 from engine_sidecar.plugin.rules.identity import NO_IDENTITY
 from engine_sidecar.plugin.rules.ranking import RankKey, VictimRanker
@@ -25,6 +27,30 @@ class StepView:
         self.keys: list[RankKey] = []  # each entry's running key, set with `order`
         self.order: list[int] | None = None  # entry indices, next victim first
         self.next = 0
+
+    @property
+    def ranked(self) -> bool:
+        return self.order is not None
+
+    def rank(self, keys: list[RankKey]) -> None:
+        """Order the entries by their running keys (`keys[i]` is entry i's)."""
+        self.keys = keys
+        # Largest key first. The sort is stable (also reversed), so among equal keys the
+        # first in `running` goes first, as with vLLM's max().
+        self.order = sorted(range(len(keys)), key=keys.__getitem__, reverse=True)
+        self.next = 0
+
+    def next_victim(self, is_running: Callable[[Request], bool]
+                    ) -> tuple[Request, RankKey] | None:
+        """The first entry in victim order that still runs; those before it are gone."""
+        assert self.order is not None
+        while self.next < len(self.order):
+            index = self.order[self.next]
+            request = self.entries[index][0]
+            if is_running(request):
+                return request, self.keys[index]
+            self.next += 1
+        return None
 
     def debit(self, tenant: str | None, num_blocks: int) -> None:
         if self.ranker.debit(tenant, num_blocks):
@@ -74,21 +100,21 @@ class VictimOrder:
         return view
 
     def running_key(self, ranker: VictimRanker, request: Request) -> RankKey:
-        req_id, priority, num_computed_tokens, arrival_time = self._engine.rank_inputs(request)
-        mark = self.marked.get(req_id)
-        if mark is not None:
-            priority = mark[1]
-        identity = self._state.identity(req_id)
-        return ranker.running_key(identity.tenant, priority, num_computed_tokens, arrival_time,
-                                  identity.above_max)
+        facts = self._engine.facts(request)
+        mark = self.marked.get(facts.req_id)
+        priority = mark[1] if mark is not None else facts.priority
+        identity = self._state.identity(facts.req_id)
+        return ranker.running_key(identity.tenant, priority, facts.num_computed_tokens,
+                                  facts.arrival_time, identity.above_max)
 
     def waiting_key(self, view: StepView, request: Request, need: int) -> RankKey:
         """The key a waiting request ranks with: as a running request that has computed
         nothing, in the band its tenant would be in once it holds the `need` blocks
         (its own idle leases left out: they yield to it)."""
         state = self._state
-        req_id, priority, _, arrival_time = self._engine.rank_inputs(request)
-        identity = state.identity(req_id)
+        facts = self._engine.facts(request)
+        priority, arrival_time = facts.priority, facts.arrival_time
+        identity = state.identity(facts.req_id)
         tenant = identity.tenant
         ranker = view.ranker
         tenant_policy = ranker.tenant_policy(tenant)
@@ -120,25 +146,17 @@ class VictimOrder:
         running = engine.running()
         if not self.steer:
             return running[-1], self.running_key(view.ranker, running[-1])
-        if view.order is None:
+        if not view.ranked:
             running_key = view.ranker.running_key
             ids = self._state.ids
-            rank_inputs = engine.rank_inputs
-            keys = view.keys = [
+            view.rank([
                 running_key(tenant, priority, computed, arrival,
-                            ids.get(rank_inputs(request)[0], NO_IDENTITY).above_max)
-                for request, tenant, priority, computed, arrival in view.entries
-            ]
-            # Largest key first. The sort is stable (also reversed), so among equal keys
-            # the first in `running` goes first, as with vLLM's max().
-            view.order = sorted(range(len(keys)), key=keys.__getitem__, reverse=True)
-            view.next = 0
-        while view.next < len(view.order):
-            index = view.order[view.next]
-            request = view.entries[index][0]
-            if engine.is_running(request):
-                return request, view.keys[index]
-            view.next += 1
+                            ids.get(req_id, NO_IDENTITY).above_max)
+                for _, req_id, tenant, priority, computed, arrival in view.entries
+            ])
+        found = view.next_victim(lambda request: engine.phase(request) is Phase.RUNNING)
+        if found is not None:
+            return found
         return running[-1], self.running_key(view.ranker, running[-1])
 
     def mark(self, victim: Request) -> None:
@@ -147,11 +165,11 @@ class VictimOrder:
             return
         self.restore_marks()  # exactly one marked request at a time
         engine = self._engine
-        self.marked[engine.request_id(victim)] = (victim, engine.mark_victim(victim))
+        self.marked[engine.facts(victim).req_id] = (victim, engine.mark_victim(victim))
 
     def unmark(self, request: Request) -> None:
         """vLLM preempts `request`: it leaves `running` with its own priority."""
-        mark = self.marked.pop(self._engine.request_id(request), None)
+        mark = self.marked.pop(self._engine.facts(request).req_id, None)
         if mark is not None:
             self._engine.restore_priority(request, mark[1])
 
