@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
+from fake_engine import FakeEngine
 from plugin_policies import Tokens, engine_policy, tenant, write_policy
 
 from engine_sidecar.plugin import vllm_compat
+from engine_sidecar.plugin.core.engine_port import Engine
 from engine_sidecar.plugin.vllm_compat import UnsupportedVllmError, check_supported_vllm
 
 
@@ -107,3 +111,26 @@ def test_prefix_cache_reset_releases_leases_first(make_harness, policy_path):
     assert stats.tenants["acme"].leased_sessions == 0
     assert stats.tenants["acme"].lease_drops == {"reset": 1}
     assert stats.free_blocks == stats.total_blocks
+
+
+def _parameters(function: Callable[..., object]) -> list[inspect.Parameter]:
+    return [p for name, p in inspect.signature(function).parameters.items() if name != "self"]
+
+
+@pytest.mark.parametrize("implementation", ["VllmEngine", "FakeEngine"])
+def test_vllm_and_the_rule_tests_fake_implement_the_same_port(implementation):
+    """Every call the parts make on `engine_port.Engine` exists, with the same
+    parameters, on vLLM's adapter and on the fake the rule tests run on: a rule
+    proved on one runs on the other (extra parameters need defaults)."""
+    from engine_sidecar.plugin.vllm_engine import VllmEngine
+
+    engine = {"VllmEngine": VllmEngine, "FakeEngine": FakeEngine}[implementation]
+    port = [name for name, _ in inspect.getmembers(Engine, inspect.isfunction)
+            if not name.startswith("_")]
+    assert len(port) == 25
+    for name in port:
+        wanted = [p.name for p in _parameters(getattr(Engine, name))]
+        given = _parameters(getattr(engine, name))
+        assert [p.name for p in given[:len(wanted)]] == wanted, name
+        assert all(p.default is not p.empty for p in given[len(wanted):]), name
+
