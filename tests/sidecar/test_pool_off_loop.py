@@ -1,7 +1,9 @@
-"""The sidecar never waits on its pool store on the event loop: while the store is slow
-to answer one tenant's charge, another tenant's request that its own allowance covers is
-admitted at once, and the first is admitted when the store's answer comes (on a real
-Redis, wired as the sidecar wires it: `PoolLink`, its store thread, the pump it wakes)."""
+"""The sidecar's pool-wide admission on a real Redis, wired as the sidecar wires it
+(`PoolLink`, its store thread, the pump it wakes). It never waits on the store on the
+event loop: while the store is slow to answer one tenant's charge, another tenant's
+request that its own allowance covers is admitted at once, and the first when the
+store's answer comes. A store outage mid-run keeps each engine to what it had claimed,
+and pool-wide admission is back within one TTL of the store's return."""
 
 from __future__ import annotations
 
@@ -12,11 +14,12 @@ import time
 
 import redis
 
-from engine_sidecar.contract.policy import PoolLimits, PoolStorePolicy
+from engine_sidecar.contract.policy import EnginePolicy, PoolLimits, PoolStorePolicy
 from engine_sidecar.gateway.admission.ledger import Ledger
-from engine_sidecar.gateway.admission.queue import AdmissionQueue
+from engine_sidecar.gateway.admission.queue import AdmissionQueue, Ticket
 from engine_sidecar.gateway.admission.rules import RequestShape
 from engine_sidecar.gateway.pool.link import PoolLink
+from engine_sidecar.gateway.pool.store import PoolStore
 from tests.support.redis_server import RedisServer
 
 from .helpers import make_policy, tenant
@@ -84,3 +87,98 @@ async def test_a_slow_store_holds_up_only_the_request_that_asked_it(
         busy.join(10)
     finally:
         link.close()
+
+
+class _Engine:
+    """One sidecar's admission, wired as the sidecar wires it (`PoolLink`)."""
+
+    def __init__(self, name: str, policy: EnginePolicy) -> None:
+        self.changed = asyncio.Event()
+        self.ledger = Ledger()
+        self.queue = AdmissionQueue(self.ledger, clock=time.monotonic, rng=random.Random(1),
+                                    max_model_len=lambda: None)
+        self.ledger.on_release = lambda reservation: self.queue.released(
+            reservation.tenant_id)
+        self.queue.set_policy(policy)
+        self.link = PoolLink(None, name)
+        self.link.wake = self.changed.set
+        self.queue.pool = self.link.for_policy(policy)
+        assert self.queue.pool is not None
+        self.policy = policy
+
+    @property
+    def store(self) -> PoolStore:
+        assert self.queue.pool is not None and isinstance(self.queue.pool.store, PoolStore)
+        return self.queue.pool.store
+
+    async def refreshed(self) -> None:
+        """A refresh, once its round trip is done (on the store thread)."""
+        assert self.queue.pool is not None
+        writes = self.store.round_trips + self.store.writes
+        self.queue.pool.refresh(self.policy, self.queue.view())
+        async with asyncio.timeout(10):
+            while self.store.round_trips + self.store.writes == writes and self.store.reachable:
+                await asyncio.sleep(0.01)
+
+    async def submit(self, n: int) -> list[Ticket]:
+        """`n` one-block requests of acme, each decided (the store answered, if asked)."""
+        tickets = []
+        for _ in range(n):
+            tickets.append(self.queue.submit("acme", _blocks(1)))
+            await self.settled()
+        return tickets
+
+    async def settled(self) -> None:
+        assert self.queue.pool is not None
+        async with asyncio.timeout(10):
+            while self.queue.pool.asking("acme"):
+                await self.changed.wait()
+                self.changed.clear()
+                self.queue.pump()
+
+
+async def test_a_store_outage_keeps_each_engine_to_its_claim_and_recovers_within_a_ttl(
+        server: RedisServer) -> None:
+    policy = make_policy(
+        tenant("acme", guaranteed_blocks=5, max_blocks_per_engine=10, max_tokens=1,
+               default_max_tokens=1, max_queue_seconds=30, max_queued_requests=100,
+               pool_wide=PoolLimits(guaranteed_blocks=10, max_blocks=20)),
+        pool_store=PoolStorePolicy(address=server.address, ttl_seconds=TTL_S, timeout_ms=50))
+    a, b = _Engine("engine-a", policy), _Engine("engine-b", policy)
+    try:
+        for engine in (a, b):
+            await engine.refreshed()
+        await asyncio.sleep(TTL_S)  # the new store's grace
+        for engine in (a, b):
+            await engine.refreshed()
+            assert await asyncio.to_thread(engine.store.subscribed.wait, 10)
+        # Up: routing sends acme to a, which borrows b's idle share through the store.
+        on_a = await a.submit(15)
+        assert sum(t.admitted for t in on_a) == 15
+        server.kill()
+        # Down, mid-run: each engine keeps to what it had claimed. a holds 15 (granted
+        # by the store) and gets no more; b's allowance was taken back for a, so it
+        # admits nothing beyond it: the pool never passes 20.
+        more_on_a, on_b = await a.submit(3), await b.submit(10)
+        assert sum(t.admitted for t in more_on_a) == 0
+        on_b_down = sum(t.admitted for t in on_b)
+        assert 15 + on_b_down <= 20 and on_b_down <= 10
+        assert not a.store.reachable and not b.store.reachable
+        for ticket in on_a:  # a's requests end while the store is down
+            assert ticket.reservation is not None
+            ticket.reservation.release("completed")
+        server.start()  # back, empty: one TTL of grace while the sidecars republish
+        for engine in (a, b):
+            await engine.refreshed()
+        await asyncio.sleep(TTL_S)
+        for engine in (a, b):
+            await engine.refreshed()
+        # Pool-wide again: b's waiting requests go in, and b borrows a's idle share.
+        b.queue.pump()
+        await b.settled()
+        assert all(t.admitted for t in on_b)
+        more_on_b = await b.submit(5)
+        assert sum(t.admitted for t in more_on_b) == 5  # 15 on b, past its split of 10
+    finally:
+        for engine in (a, b):
+            engine.link.close()
