@@ -187,3 +187,23 @@ def test_the_tail_split_is_in_the_document_the_check_and_the_diagnosis(
         check = {c.name: c for c in evaluate(document)}["p99/base"]
         assert f"tail mostly {split['dominant']}" in check.detail
         assert "premium tail: " in diagnosis(document)
+
+
+def test_premium_over_its_baseline_queued_on_its_own_max_blocks_is_bound(
+    document: dict[str, Any],
+) -> None:
+    """A tail that is mostly sidecar time on the tier's own maxBlocks is its quota."""
+    worse = _premium_over_baseline(document, seconds_at_max=0.0)
+    ours = worse["policies"]["kvquota"]
+    split = {**document["comparison"]["tailSplit"]["kvquota"], "dominant": "sidecar"}
+    premium = {**ours["tiers"]["premium"],
+               "queuedSecondsBy": {"rejected_quota": 580.0, "rejected_watermark": 3.0}}
+    queued = {**_kvquota(worse, tiers={**ours["tiers"], "premium": premium}),
+              "comparison": {**worse["comparison"], "tailSplit": {"kvquota": split}}}
+    check = {c.name: c for c in evaluate(queued)}["p99/base"]
+    assert check.verdict() == "BOUND" and "580 s queued on its own maxBlocks" in check.bound
+    # The same queueing on the watermark is not the tier's own limit.
+    premium = {**premium, "queuedSecondsBy": {"rejected_watermark": 580.0}}
+    watermark = {**queued, "policies": {**queued["policies"], "kvquota": {
+        **ours, "tiers": {**ours["tiers"], "premium": premium}}}}
+    assert {c.name: c for c in evaluate(watermark)}["p99/base"].passed is False
