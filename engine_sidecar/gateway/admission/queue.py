@@ -246,7 +246,7 @@ class AdmissionQueue(Backlog):
         """Decide one queued ticket; settle it (True) unless it must keep waiting.
         `final`: refused if it waits (the pool-wide ledger is asked, however recently)."""
         assert self.policy is not None
-        verdict = self._decide_now(ticket, beyond_max, final)
+        verdict = self._decide_now(ticket, now, beyond_max, final)
         ticket.verdict = verdict
         if verdict.waits:
             ticket.waited_on = verdict.decision
@@ -297,7 +297,7 @@ class AdmissionQueue(Backlog):
         verdict = ticket.verdict
         gone = self.policy is None or ticket.tenant_id not in self.policy.tenants
         if verdict is None or verdict.error is None or gone:
-            verdict = ticket.verdict = self._decide_now(ticket)
+            verdict = ticket.verdict = self._decide_now(ticket, now)
         if verdict.error is None and queue is not None and queue.tickets:
             # It would fit, but waits behind its tenant's earlier requests (first come,
             # first served): it is refused for what the first of them waits on.
@@ -352,7 +352,7 @@ class AdmissionQueue(Backlog):
                       max_model_len=self.max_model_len(),
                       outlook=self.estimates.outlook(tenant, ticket.shape.route, policy))
 
-    def _decide_now(self, ticket: Ticket, beyond_max: bool = False,
+    def _decide_now(self, ticket: Ticket, now: float, beyond_max: bool = False,
                     final: bool = False) -> Verdict:
         assert self.policy is not None
         tenant = self.policy.tenants.get(ticket.tenant_id)
@@ -371,7 +371,7 @@ class AdmissionQueue(Backlog):
 
         if self.pool is None:
             return run(tenant)
-        return self.pool.decide(tenant, view, run, self.clock(), final=final)
+        return self.pool.decide(tenant, view, run, now, final=final)
 
     def growth(self, tenant_id: str, shape: RequestShape, max_tokens: int) -> RequestGrowth:
         """How an admitted request's take and remainder follow what it decodes (its

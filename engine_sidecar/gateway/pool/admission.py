@@ -123,7 +123,7 @@ class PoolAdmission:
         if not (verdict.admitted or verdict.decision in _SPLIT_REFUSALS):
             return verdict
         load = view.tenant(tenant.tenant_id)
-        asked = not final and self._said_no(tenant.tenant_id, False, now)
+        asked = self._said_no(tenant.tenant_id, False, now, final)
         if verdict.admitted and not verdict.above_max:
             if asked:  # no round trip: within the allowance, or refused as last time
                 self._sync(tenant.tenant_id, load)
@@ -158,7 +158,7 @@ class PoolAdmission:
         the store finds its tenant within its pool-wide guarantee (one round trip, asked
         again no sooner than REASK_S after a no); else `refused`."""
         tenant_id = tenant.tenant_id
-        if not limits.guaranteed_blocks or (not final and self._said_no(tenant_id, True, now)):
+        if not limits.guaranteed_blocks or self._said_no(tenant_id, True, now, final):
             return refused
         verdict = run(tenant, pool_guarantee=True)
         if not verdict.admitted:
@@ -216,9 +216,14 @@ class PoolAdmission:
         self._answers[key] = (blocks, outcome, self._generation)
         self.wake()
 
-    def _said_no(self, tenant_id: str, guarantee: bool, now: float) -> bool:
-        """The store said no to this ask for the tenant within REASK_S."""
+    def _said_no(self, tenant_id: str, guarantee: bool, now: float,
+                 final: bool = False) -> bool:
+        """The store said no to this ask for the tenant within REASK_S; for a request's
+        final decision, at this very instant (the answer it is refused on: asking again
+        for its next try in the same pump would keep it waiting on answers for ever)."""
         at = self._noes.get((tenant_id, guarantee))
+        if final:
+            return at == now
         return at is not None and now - at < REASK_S
 
     def _answered(self, tenant_id: str, guarantee: bool, now: float,

@@ -340,7 +340,9 @@ class PoolStore:
                     pubsub.close()
             except Exception:  # the store is down or restarting: subscribe again
                 stop.wait(pause)
-                pause = min(2.0, pause * 2)
+                # Back within a quarter of a TTL of the store's return: a take-back
+                # needs every sidecar listening again before the grace is over.
+                pause = min(2.0, self.ttl_s / 4, pause * 2)
 
     def lean(self, tenant: str) -> None:
         """This sidecar's allowance for `tenant` becomes what it holds, here (no local
