@@ -31,6 +31,7 @@ from starlette.types import Receive, Scope, Send
 from engine_sidecar.contract.names import STATUS_ROUTE
 from engine_sidecar.gateway import errors
 from engine_sidecar.gateway.admission.admitter import Admitter
+from engine_sidecar.gateway.admission.decode_pace import DecodePace
 from engine_sidecar.gateway.admission.output_estimate import OutputEstimates
 from engine_sidecar.gateway.admission.rules import PoolView
 from engine_sidecar.gateway.config import GatewayConfig
@@ -85,6 +86,7 @@ class Gateway:
         self.stats = EngineStatsReader(config.stats_path)
         self.monitor = EngineMonitor(interval=config.engine_probe_interval)
         self.estimates = OutputEstimates()  # learned from the responses relayed
+        self.pace = DecodePace()  # the engine's pace on the streams relayed
         self.upstream = Upstream(
             config.upstream, request_timeout=config.request_timeout,
             connect_timeout=config.connect_timeout, on_error=self._upstream_failed,
@@ -99,10 +101,11 @@ class Gateway:
             intake=self.intake, holder=self.holder, metrics=self.metrics,
             stats=self.stats.current, monitor=self.monitor, estimates=self.estimates,
             tokenizers=self.tokenizers, retry_after=config.retry_after_seconds,
-            pool_link=self.pool_link,
+            pool_link=self.pool_link, pace=self.pace,
         )
         self.ledger = self.admitter.ledger
-        self.relay = Relay(config, self.upstream, self.holder, self.metrics, self.estimates)
+        self.relay = Relay(config, self.upstream, self.holder, self.metrics, self.estimates,
+                           self.pace)
         self.queue = self.admitter.queue
         self.prompts = self.admitter.prompts
         self.counters = self.admitter.counters

@@ -196,12 +196,73 @@ def test_retry_after_is_when_the_tenants_own_requests_free_what_it_needs() -> No
     waits = [int(t.error.headers["retry-after-ms"]) for t in refusals if t.error]
     assert len(waits) == 20 and all(6000 <= w <= 9000 for w in waits) and len(set(waits)) > 1
     assert {t.error.retry_after for t in refusals if t.error} <= set(range(6, 10))
-    # Before it has decoded a token nothing is known: the tier's bound (1 s at least).
+    # Before it has decoded a token, and before any stream showed the engine's pace,
+    # nothing is known: the tier's bound (1 s at least).
     fresh, _, _ = _queue(acme)
     fresh.submit("acme", RequestShape((10,), 1000))
     unknown = fresh.submit("acme", _shape(1))
     assert unknown.error is not None and unknown.error.retry_after == 1
     assert 1000 <= int(unknown.error.headers["retry-after-ms"]) <= 1500
+
+
+def test_retry_after_for_a_holder_that_reports_no_progress_is_its_max_tokens_at_the_engines_pace(
+) -> None:
+    """A response that is not streamed never says how far it has decoded: it ends once
+    its first token and the rest of its max_tokens per sequence have come at the pace
+    the engine showed on the sidecar's streams, less the time it has run; Retry-After
+    is never earlier than that (jittered up to half of it later)."""
+    acme = _t("acme", max_blocks_per_engine=1000, max_concurrent_requests=1,
+              max_queue_seconds=0)
+    queue, clock, _ = _queue(acme)
+    # Streams showed a first token after 0.5 s and 20 ms per further token.
+    queue.pace.observe(first_token=0.5, duration=0.5 + 99 * 0.02, tokens=100)
+    holder = queue.submit("acme", RequestShape((10,), 1000, n=2))  # 1000 per sequence
+    assert holder.reservation is not None and holder.reservation.sequences == 2
+    clock.now = 2.0  # ran 2 s: 0.5 + 999 * 0.02 - 2 = 18.48 s to go
+    refusals = [queue.submit("acme", _shape(1)) for _ in range(20)]
+    waits = [int(t.error.headers["retry-after-ms"]) for t in refusals if t.error]
+    assert len(waits) == 20 and all(18480 <= w <= 27720 for w in waits)
+    assert len(set(waits)) > 1  # jittered
+    assert {t.error.retry_after for t in refusals if t.error} <= set(range(19, 29))
+
+
+def test_retry_after_on_the_watermark_is_when_the_soonest_holders_free_enough_blocks(
+) -> None:
+    """A 503 on the engine's watermark: the requests in flight here, any tenant's, give
+    their blocks back soonest first (a stream at its rate so far, a response not
+    streamed at the engine's pace) until the blocks above the watermark cover what the
+    refused request would borrow."""
+    stats = [EngineStats(timestamp=0, total_blocks=1000, free_blocks=1000)]
+    tenants = [_t(name, max_queue_seconds=0) for name in ("a", "b", "c", "d")]
+    queue, clock, ledger = _queue(*tenants, stats=lambda: stats[-1])
+    queue.pace.observe(first_token=0.5, duration=0.5 + 99 * 0.05, tokens=100)
+    fast = queue.submit("a", RequestShape((639,), 100))
+    slow = queue.submit("b", RequestShape((639,), 100))
+    quiet = queue.submit("c", RequestShape((639,), 100))  # not streamed: no progress
+    held = [t.reservation for t in (fast, slow, quiet)]
+    assert all(r is not None for r in held)
+    clock.now = 2.0
+    fast.reservation.progress(50)  # 25 tokens a second: 50 more take 2 s
+    slow.reservation.progress(20)  # 10 a second: 80 more take 8 s
+    # quiet: 0.5 + 99 * 0.05 - 2 = 3.45 s
+    free_first = fast.reservation.turn_blocks
+    stats.append(EngineStats(timestamp=1, total_blocks=1000, free_blocks=300))
+    # Above the floor (watermark 0.1 of 1000 blocks), less the holders' growth to come.
+    above = queue.view().free_blocks - 100
+
+    def refused_wait(prompt_blocks: int) -> list[int]:
+        tickets = [queue.submit("d", _shape(prompt_blocks)) for _ in range(10)]
+        assert all(t.error is not None and t.error.status == 503 for t in tickets)
+        return [int(t.error.headers["retry-after-ms"]) for t in tickets if t.error]
+
+    # Needs no more than the fast stream gives back: 2 s.
+    assert all(2000 <= w <= 3000 for w in refused_wait(above + free_first))
+    # Needs one block more: the response not streamed ends next, at 3.45 s.
+    assert all(3450 <= w <= 5175 for w in refused_wait(above + free_first + 1))
+    # More than all three give back: not known from them, the tier's bound (1 s).
+    total = sum(r.turn_blocks for r in held if r is not None)
+    assert all(1000 <= w <= 1500 for w in refused_wait(above + total + 1))
+    assert ledger.total_inflight == 3
 
 
 def test_retry_after_follows_the_drain_rate_and_is_jittered() -> None:

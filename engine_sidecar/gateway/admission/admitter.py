@@ -27,6 +27,7 @@ from engine_sidecar.contract.stats import EngineStats
 from engine_sidecar.gateway import errors
 from engine_sidecar.gateway.admission.call_back import calls_back
 from engine_sidecar.gateway.admission.ceiling import CeilingAdmission
+from engine_sidecar.gateway.admission.decode_pace import DecodePace
 from engine_sidecar.gateway.admission.ledger import Ledger, Reservation
 from engine_sidecar.gateway.admission.output_estimate import OutputEstimates
 from engine_sidecar.gateway.admission.queue import AdmissionQueue, Ticket
@@ -75,7 +76,7 @@ class Admitter:
         self, *, intake: Intake, holder: PolicyHolder, metrics: GatewayMetrics,
         stats: Callable[[], EngineStats | None], monitor: EngineMonitor,
         estimates: OutputEstimates, tokenizers: TokenizerSetup, retry_after: int,
-        pool_link: PoolLink | None = None,
+        pool_link: PoolLink | None = None, pace: DecodePace | None = None,
     ) -> None:
         self.intake = intake
         self.holder = holder
@@ -91,7 +92,7 @@ class Admitter:
         self.ledger = Ledger(on_release=self._released)
         self.queue = AdmissionQueue(
             self.ledger, clock=time.monotonic, stats=stats,
-            max_model_len=lambda: monitor.max_model_len, estimates=estimates,
+            max_model_len=lambda: monitor.max_model_len, estimates=estimates, pace=pace,
         )
         self.pool_link = pool_link  # the pool-wide ledger, when the policy names a store
         if pool_link is not None:

@@ -19,26 +19,31 @@ import math
 from collections import Counter
 from collections.abc import Callable, Container
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from engine_sidecar.gateway.admission.joint_charge import NO_GROWTH, Remainder, RequestGrowth
+
+if TYPE_CHECKING:
+    from engine_sidecar.gateway.admission.decode_pace import DecodePace
 
 
 class Reservation:
     __slots__ = ("_ledger", "above_max", "decoded", "extra", "growth", "max_output",
-                 "outcome", "prefix", "released", "remainder", "seen", "session", "started",
-                 "tenant_id")
+                 "outcome", "prefix", "released", "remainder", "seen", "sequences", "session",
+                 "started", "tenant_id")
 
     def __init__(
         self, ledger: Ledger, tenant_id: str, extra: int, session: str | None,
         prefix: tuple[int, ...], remainder: Remainder = NO_GROWTH,
         growth: RequestGrowth | None = None, above_max: bool = False,
-        started: float = 0.0, max_output: int = 0,
+        started: float = 0.0, max_output: int = 0, sequences: int = 1,
     ) -> None:
         self._ledger = ledger
         # When it was admitted (the queue's clock), the most output tokens it may decode
-        # over all its sequences, and the tokens seen decoded: when it will end (`ends_in`).
+        # over all its `sequences`, and the tokens seen decoded: when it will end (`ends_in`).
         self.started = started
         self.max_output = max_output
+        self.sequences = sequences
         self.seen = 0
         self.above_max = above_max  # admitted beyond its tenant's maxBlocks
         self.tenant_id = tenant_id
@@ -84,14 +89,20 @@ class Reservation:
         extra, remainder = growth.at(self.decoded)
         self._ledger._move(self, extra, remainder)
 
-    def ends_in(self, now: float) -> float | None:
+    def ends_in(self, now: float, pace: DecodePace | None = None) -> float | None:
         """Seconds until it has decoded all it may (`max_output`), at the rate it has
-        decoded so far: a bound on when it gives its blocks back. None until it has
-        decoded a token."""
+        decoded so far: a bound on when it gives its blocks back. Before it has decoded
+        a token (a response not streamed never says), at the engine's `pace`: its first
+        token and the rest of its max_tokens per sequence, less the time it has run
+        (never below 0). None when neither is known."""
         elapsed = now - self.started
-        if self.seen <= 0 or elapsed <= 0 or self.max_output <= 0:
+        if self.max_output <= 0:
             return None
-        return max(0, self.max_output - self.seen) * elapsed / self.seen
+        if self.seen > 0 and elapsed > 0:
+            return max(0, self.max_output - self.seen) * elapsed / self.seen
+        lasts = None if pace is None else pace.lasts(
+            math.ceil(self.max_output / max(1, self.sequences)))
+        return None if lasts is None else max(0.0, lasts - max(0.0, elapsed))
 
     def release(self, outcome: str = "completed") -> bool:
         """Give the blocks back; True the first time, False on every later call."""
@@ -147,11 +158,12 @@ class Ledger:
         self, tenant_id: str, extra: int, session: str | None = None,
         prefix: tuple[int, ...] = (), remainder: Remainder = NO_GROWTH,
         growth: RequestGrowth | None = None, above_max: bool = False,
-        started: float = 0.0, max_output: int = 0,
+        started: float = 0.0, max_output: int = 0, sequences: int = 1,
     ) -> Reservation:
         """`remainder`: what it may still grow (none: `extra` is all it will take);
-        `growth`: how `progress` re-estimates both as it decodes; `started`, `max_output`:
-        when it was admitted and the most it may decode (`Reservation.ends_in`)."""
+        `growth`: how `progress` re-estimates both as it decodes; `started`, `max_output`,
+        `sequences`: when it was admitted, the most it may decode over all its sequences
+        and how many it decodes at once (`Reservation.ends_in`)."""
         tenant = self._tenants.get(tenant_id)
         if tenant is None:
             tenant = self._tenants[tenant_id] = _Tenant()
@@ -163,7 +175,7 @@ class Ledger:
         if session is not None:
             tenant.sessions[session] += 1
         reservation = Reservation(self, tenant_id, extra, session, prefix, remainder, growth,
-                                  above_max, started, max_output)
+                                  above_max, started, max_output, sequences)
         tenant.live.add(reservation)
         if above_max:
             tenant.beyond += reservation.blocks

@@ -8,8 +8,9 @@ priority, VTC within a tier), each tenant's requests first come first served, be
 effort; a head that does not fit does not hold back the others. A ticket leaves when
 admitted (it holds a reservation), cancelled (nothing held), or refused: at once by
 `decide` (400), or with the error it waits on once its wait would pass its tier's
-`maxQueueSeconds`, Retry-After from the drain rate, jittered. Single event loop, no
-awaits: a decision and its reservation are atomic. The order and why: docs/gateway.md.
+`maxQueueSeconds`, Retry-After from when the requests holding what it needs end (else
+the drain rate), jittered. Single event loop, no awaits: a decision and its
+reservation are atomic. The order and why: docs/gateway.md.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from engine_sidecar.contract.reclaim import watermark_floor
 from engine_sidecar.contract.stats import EngineStats
 from engine_sidecar.gateway import errors
 from engine_sidecar.gateway.admission.backlog import Backlog, TenantQueue
+from engine_sidecar.gateway.admission.decode_pace import DecodePace
 from engine_sidecar.gateway.admission.idle_kv import IdleKvWaits
 from engine_sidecar.gateway.admission.joint_charge import RequestGrowth
 from engine_sidecar.gateway.admission.ledger import Ledger, Reservation
@@ -91,8 +93,12 @@ class AdmissionQueue(Backlog):
         max_model_len: Callable[[], int | None] = lambda: None,
         rng: random.Random | None = None,
         estimates: OutputEstimates | None = None,
+        pace: DecodePace | None = None,
     ) -> None:
         self.ledger = ledger
+        # The engine's pace on the relayed streams: when a holder that reports no
+        # progress ends (Retry-After).
+        self.pace = pace if pace is not None else DecodePace()
         # What `Estimated` reservations count: learned from finished requests (the
         # sidecar's relayed responses, the twin's finished requests).
         self.estimates = estimates if estimates is not None else OutputEstimates()
@@ -257,11 +263,12 @@ class AdmissionQueue(Backlog):
             queue.served += verdict.blocks / weight
             queue.admissions.append(now)
             shape = ticket.shape
+            sequences = shape.n * max(1, len(shape.prompt_tokens))
             ticket.reservation = self.ledger.reserve(
                 tenant_id, verdict.extra, shape.session, shape.prefix,
                 verdict.remainder, self.growth(tenant_id, shape, verdict.max_tokens),
                 verdict.above_max, started=now,
-                max_output=verdict.max_tokens * shape.n * max(1, len(shape.prompt_tokens)),
+                max_output=verdict.max_tokens * sequences, sequences=sequences,
             )
         else:
             ticket.error = verdict.error
@@ -292,7 +299,8 @@ class AdmissionQueue(Backlog):
                 settled.append(ticket)
 
     def _refuse(self, ticket: Ticket, now: float) -> None:
-        """Refuse with what the ticket waited on, Retry-After from the drain rate."""
+        """Refuse with what the ticket waited on, Retry-After from when the requests in
+        flight free what it needs (else the drain rate)."""
         queue = self._queues.get(ticket.tenant_id)
         verdict = ticket.verdict
         gone = self.policy is None or ticket.tenant_id not in self.policy.tenants
@@ -318,29 +326,51 @@ class AdmissionQueue(Backlog):
 
     def _frees_in(self, tenant_id: str, verdict: Verdict, tenant: TenantPolicy | None,
                   now: float) -> float | None:
-        """Seconds until the tenant's own requests give back what a request refused on
-        its tenant's limits needs (a concurrency slot: the first to end; blocks: enough
-        of them), from when each will have decoded all it may at its rate so far; None
-        when that is not known (a request that decoded nothing yet, or a refusal for the
-        engine's capacity, which other tenants' requests free too)."""
-        if tenant is None or verdict.decision not in (Decision.REJECTED_QUOTA,
-                                                      Decision.REJECTED_CONCURRENCY):
+        """Seconds until requests in flight give back what a refused request needs: on
+        its tenant's limits, the tenant's own (a concurrency slot: the first to end;
+        blocks: enough of them); on the engine's watermark, any tenant's here, soonest
+        first, until the blocks above the watermark cover what it would borrow. Each
+        ends once it has decoded all it may, at its rate so far or, before it reports a
+        token (a response not streamed), at the engine's pace (`Reservation.ends_in`).
+        None when that is not known (a holder of its tenant's of unknown end; on the
+        watermark, too few of known end to free enough)."""
+        if tenant is None or self.policy is None:
             return None
-        live = self.ledger.live(tenant_id)
-        ends = [r.ends_in(now) for r in live]
-        if not live or any(end is None for end in ends):
+        decision = verdict.decision
+        if decision in (Decision.REJECTED_QUOTA, Decision.REJECTED_CONCURRENCY):
+            live = self.ledger.live(tenant_id)
+            ends = [r.ends_in(now, self.pace) for r in live]
+            if not live or any(end is None for end in ends):
+                return None
+            order = sorted(zip((e or 0.0 for e in ends), live, strict=True),
+                           key=lambda x: x[0])
+            if decision is Decision.REJECTED_CONCURRENCY:
+                return order[0][0]
+            need = (self.view().tenant(tenant_id).charged + verdict.blocks
+                    - tenant.max_blocks_per_engine)
+        elif decision is Decision.REJECTED_WATERMARK:
+            view = self.view()
+            if view.total_blocks is None:
+                return None
+            # Free blocks in the view leave out growth still to come, which a holder's
+            # end frees with the rest of its turn_blocks: short of the floor counts too.
+            need = verdict.new_blocks - (view.free_blocks - watermark_floor(
+                self.policy.watermark, view.total_blocks))
+            order = sorted(((end, r) for holder in self.ledger.tenants()
+                            for r in self.ledger.live(holder)
+                            if (end := r.ends_in(now, self.pace)) is not None),
+                           key=lambda x: x[0])
+            if not order:
+                return None
+        else:
             return None
-        order = sorted(zip((e or 0.0 for e in ends), live, strict=True), key=lambda x: x[0])
-        if verdict.decision is Decision.REJECTED_CONCURRENCY:
-            return order[0][0]
-        need = (self.view().tenant(tenant_id).charged + verdict.blocks
-                - tenant.max_blocks_per_engine)
         freed = 0
         for end, reservation in order:
             freed += reservation.turn_blocks
             if freed >= need:
                 return end
-        return order[-1][0]
+        # The tenant's own give back all they may and still not enough: its last to end.
+        return order[-1][0] if decision is Decision.REJECTED_QUOTA else None
 
     def _decide_alone(self, ticket: Ticket, tenant: TenantPolicy) -> Verdict:
         """The decision on this engine alone (no pool-wide ledger): what the request

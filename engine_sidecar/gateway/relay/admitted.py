@@ -7,7 +7,8 @@ session the engine that will hold its KV (`affinity`), its session token only wh
 a next turn of the session fits under its tenant's ceiling here. The reservation is
 released as soon as the engine is done, whatever happened; the output tokens counted
 on the way (`output_meter`) move the request's charge as it decodes and, at the end,
-teach the tenant's output estimate.
+teach the tenant's output estimate; a completed stream teaches the engine's pace
+(`decode_pace`, Retry-After's estimate for holders that report no progress).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from starlette.types import Receive, Scope, Send
 
 from engine_sidecar.gateway.admission.admitter import Admitted
+from engine_sidecar.gateway.admission.decode_pace import DecodePace
 from engine_sidecar.gateway.admission.output_estimate import OutputEstimates
 from engine_sidecar.gateway.config import GatewayConfig
 from engine_sidecar.gateway.intake.openai_request import Kind
@@ -38,11 +40,13 @@ QUEUE_HEADER = b"x-kvquota-queue-ms"  # on admitted responses: time spent in the
 
 class Relay:
     def __init__(self, config: GatewayConfig, upstream: Upstream, holder: PolicyHolder,
-                 metrics: GatewayMetrics, estimates: OutputEstimates) -> None:
+                 metrics: GatewayMetrics, estimates: OutputEstimates,
+                 pace: DecodePace | None = None) -> None:
         self.upstream = upstream
         self.holder = holder
         self.metrics = metrics
         self.estimates = estimates
+        self.pace = pace if pace is not None else DecodePace()  # streams teach it
         self._drop = frozenset(REQUEST_DROP | config.extra_request_drop | {b"content-type"})
         # On a leased session's admitted responses: the engine that will hold its KV,
         # calling the session back (the token) or not (the token cleared).
@@ -95,6 +99,8 @@ class Relay:
             produced = meter.output_tokens(admitted.sequences)
             if outcome == "completed" and produced is not None:
                 self.estimates.observe(tenant_id, kind.value, produced, admitted.sequences)
+                if result.ttft is not None and meter.decoded(sequences):  # it streamed
+                    self.pace.observe(result.ttft, result.duration, produced / sequences)
             series = self.metrics.tier(tier)
             if result.ttft is not None:
                 series.ttft.observe(result.ttft)
