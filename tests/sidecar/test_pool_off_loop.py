@@ -115,10 +115,10 @@ class _Engine:
     async def refreshed(self) -> None:
         """A refresh, once its round trip is done (on the store thread)."""
         assert self.queue.pool is not None
-        writes = self.store.round_trips + self.store.writes
+        trips = self.store.round_trips
         self.queue.pool.refresh(self.policy, self.queue.view())
         async with asyncio.timeout(10):
-            while self.store.round_trips + self.store.writes == writes and self.store.reachable:
+            while self.store.round_trips == trips and self.store.reachable:
                 await asyncio.sleep(0.01)
 
     async def submit(self, n: int) -> list[Ticket]:

@@ -1,7 +1,7 @@
 """The pool-wide ledger's Lua scripts, each one atomic step on the store (EVALSHA):
-check-and-charge, republish (allowances granted within what the others leave), what is
-held now (as admissions and releases move it), and a lean (an allowance taken back).
-Their keys share the pool's hash tag; the protocol: docs/gateway.md (pool).
+check-and-charge, republish (allowances granted within what the others leave), a
+release, and a lean (an allowance taken back). Their keys share the pool's hash tag;
+the protocol: docs/gateway.md (pool).
 """
 
 # KEYS: live zset, my hash, epoch. ARGV: me, key prefix, ttl ms, grace ms, tenant,
@@ -129,23 +129,15 @@ if warming then table.insert(granted, 1) else table.insert(granted, 0) end
 return granted
 """
 
-# ARGV: me, prefix, ttl ms, grace ms, then per tenant (3 each): tenant, b, r. What this
-# sidecar's requests hold now, written as admissions and releases move it: never checked
-# (a growth beyond the allowance is a CHARGE). Returns per tenant whether it is under
-# pressure, or {-2}: my hash is gone (the refresh republishes it).
-HOLD = PRELUDE + """
-if redis.call('EXISTS', KEYS[2]) == 0 then return {-2} end
-local fields, marks = {}, {}
-local i = 5
-while i + 2 <= #ARGV do
-  table.insert(fields, 'b:' .. ARGV[i]); table.insert(fields, tonumber(ARGV[i + 1]))
-  table.insert(fields, 'r:' .. ARGV[i]); table.insert(fields, tonumber(ARGV[i + 2]))
-  table.insert(marks, redis.call('EXISTS', pressure .. ARGV[i]))
-  i = i + 3
-end
-if #fields > 0 then redis.call('HSET', KEYS[2], unpack(fields)) end
+# ARGV: me, prefix, ttl ms, grace ms, tenant, b, r. A release: never checked.
+# Returns whether the tenant is under pressure (-2: my hash is gone, the refresh
+# republishes it).
+RELEASE = PRELUDE + """
+if redis.call('EXISTS', KEYS[2]) == 0 then return -2 end
+redis.call('HSET', KEYS[2], 'b:' .. ARGV[5], tonumber(ARGV[6]), 'r:' .. ARGV[5],
+           tonumber(ARGV[7]))
 keep_alive()
-return marks
+return redis.call('EXISTS', pressure .. ARGV[5])
 """
 
 # ARGV: me, prefix, ttl ms, grace ms, tenant, b, r. Asked to lean: this sidecar's

@@ -83,6 +83,16 @@ class Claim:
         """What the store counts against the pool-wide limits: the more of the two."""
         return max(self.blocks, self.allow_blocks), max(self.requests, self.allow_requests)
 
+    def ended(self, blocks: int, requests: int, limits: Limits, pressured: bool) -> bool:
+        """A request ended: its tenant's requests hold `blocks` and `requests` now. True
+        when that must be written through at once: the claim was above the allowance
+        (a store-granted charge the others' claims wait on) or the tenant is under
+        pressure (a charge elsewhere is checked against what it holds)."""
+        above = self.blocks > self.allow_blocks or (
+            limits.max_requests is not None and self.requests > self.allow_requests)
+        self.blocks, self.requests = max(0, blocks), max(0, requests)
+        return above or pressured
+
 
 class PoolStore:
     """One sidecar's side of the pool-wide ledger. Thread-safe: the claims sit under a
@@ -117,20 +127,14 @@ class PoolStore:
         self._publishing = False
         # What the event loop synced while the lock was held (applied on the next take).
         self._synced: dict[str, tuple[int, int]] = {}
-        # Tenants whose holdings moved since the store last heard them (on `io`).
-        self._dirty: set[str] = set()
-        self._write_queued = False
-        # HOLD round trips: holdings written as they moved, behind the admissions and
-        # releases (not in `round_trips`, the checked scripts a decision waits on).
-        self.writes = 0
         self._io = threading.RLock()  # one round trip at a time, in order
         self.io = io
         self._charge = client.register_script(scripts.CHARGE)
         self._publish = client.register_script(scripts.PUBLISH)
-        self._hold = client.register_script(scripts.HOLD)
+        self._release = client.register_script(scripts.RELEASE)
         self._lean = client.register_script(scripts.LEAN)
         # Tenants the store's last answer said are under pressure (a sidecar was refused
-        # for them within one TTL).
+        # for them within one TTL): their releases are written through.
         self._pressured: set[str] = set()
         self.reachable = False  # the last round trip succeeded (the sidecar's status)
         self.warming = False
@@ -186,13 +190,9 @@ class PoolStore:
         if not self._try_lock():
             return False
         try:
-            taken = self._take_locked(tenant, blocks, limits, requests)
+            return self._take_locked(tenant, blocks, limits, requests)
         finally:
             self._lock.release()
-        if taken:
-            self._dirty.add(tenant)  # the store hears it, behind the admission on `io`
-            self._write_soon()
-        return taken
 
     def _take_locked(self, tenant: str, blocks: int, limits: Limits, requests: int) -> bool:
         self._limits[tenant] = limits
@@ -220,9 +220,6 @@ class PoolStore:
         """Set what this sidecar's requests of `tenant` hold, as its own ledger counts
         them now (it moves as requests decode and finish); no round trip: the next
         charge or refresh writes it. Never waits: applied by whoever takes the lock next."""
-        if self.held(tenant) != (max(0, blocks), max(0, requests)):
-            self._moved(tenant, blocks, requests)  # the store hears it too
-            return
         self._synced[tenant] = (max(0, blocks), max(0, requests))
         if self._try_lock():
             self._lock.release()
@@ -236,12 +233,8 @@ class PoolStore:
         included, stays within its pool-wide guarantee (always a round trip: the
         allowance says nothing of what the others hold)."""
         with self._locked():
-            local = not within_guarantee and self._take_locked(tenant, blocks, limits, requests)
-        if local:
-            self._dirty.add(tenant)
-            self._write_soon()
-            return Outcome.LOCAL
-        with self._locked():
+            if not within_guarantee and self._take_locked(tenant, blocks, limits, requests):
+                return Outcome.LOCAL
             self._charging[tenant] = self._charging.get(tenant, 0) + 1
         try:
             return self._charge_now(tenant, blocks, requests, limits, within_guarantee)
@@ -377,68 +370,53 @@ class PoolStore:
         sync API, as the tests' threads use it)."""
         with self._locked():
             claim = self._claims.setdefault(tenant, Claim())
-            held = claim.blocks - blocks, claim.requests - requests
-        return self._moved(tenant, *held)
+            write = self._ended_locked(tenant, claim.blocks - blocks, claim.requests - requests)
+        return write and self._write_held(tenant)
 
     def released(self, tenant: str, blocks: int, requests: int) -> bool:
         """A request of `tenant` ended: its requests hold `blocks` and `requests` now.
-        Written through (`_moved`). True: written (on `io`: sent)."""
-        return self._moved(tenant, blocks, requests)
-
-    def _moved(self, tenant: str, blocks: int, requests: int) -> bool:
-        """What `tenant`'s requests hold here moved (an admission, a release, a joint
-        bound that shrank): the store hears it, on `io` behind whatever the store thread
-        is doing (one HOLD per turn for every tenant that moved since the last: no wait
-        on the loop), else at once. So a guarantee check or a take-back elsewhere reads
-        what is held now, not what was last refreshed."""
-        held = max(0, blocks), max(0, requests)
-        if self._try_lock():
-            try:
-                claim = self._claims.setdefault(tenant, Claim())
-                claim.blocks, claim.requests = held
-            finally:
-                self._lock.release()
-        else:
-            self._synced[tenant] = held
-        self._dirty.add(tenant)
-        return self._write_soon()
-
-    def _write_soon(self) -> bool:
+        Written through (one round trip, on `io`) when the claim was above the
+        allowance (a store-granted charge the others' claims wait on) or the store last
+        said the tenant is under pressure (a charge elsewhere is checked against what it
+        holds); else the next refresh writes it. True: written (or, on `io`, sent).
+        On `io` while a store thread holds the claims, it is written through anyway."""
         if self.io is None:
-            return self._write_held()
-        if not self._write_queued:
-            self._write_queued = True
-            self.io.run(self._write_held)
-        return True
+            with self._locked():
+                write = self._ended_locked(tenant, blocks, requests)
+            return write and self._write_held(tenant)
+        if not self._try_lock():
+            self._synced[tenant] = (max(0, blocks), max(0, requests))
+            self.io.run(lambda: self._write_held(tenant))
+            return True
+        try:
+            write = self._ended_locked(tenant, blocks, requests)
+        finally:
+            self._lock.release()
+        if write:
+            self.io.run(lambda: self._write_held(tenant))
+        return write
 
-    def _write_held(self) -> bool:
-        """Write what this sidecar's requests hold now of every tenant that moved (HOLD).
-        False: the store did not answer (the refresh writes it) or lost this hash."""
-        self._write_queued = False  # a move from now on queues another write
+    def _ended_locked(self, tenant: str, blocks: int, requests: int) -> bool:
+        claim, limits = self._claims.get(tenant), self._limits.get(tenant)
+        return claim is not None and limits is not None and claim.ended(
+            blocks, requests, limits, tenant in self._pressured)
+
+    def _write_held(self, tenant: str) -> bool:
+        """Write what this sidecar's requests of `tenant` hold now (RELEASE)."""
         with self._io:
             with self._locked():
-                tenants: list[str] = []
-                args: list[Any] = self._argv()
-                while self._dirty:
-                    tenant = self._dirty.pop()
-                    claim = self._claims.setdefault(tenant, Claim())
-                    tenants.append(tenant)
-                    args += [tenant, claim.blocks, claim.requests]
-            if not tenants:
-                return True
+                claim = self._claims.setdefault(tenant, Claim())
+                held = claim.blocks, claim.requests
             try:
-                marks = [int(mark) for mark in self._hold(keys=self._keys, args=args)]
+                pressured = int(self._release(keys=self._keys, args=[
+                    *self._argv(), tenant, *held]))
             except Exception:  # the next refresh writes it
                 self.reachable = False
                 return False
-            self.writes += 1
+            self.round_trips += 1
             self.reachable = True
-            if marks == [-2]:
-                self._publish_now()
-                return False
-            for tenant, mark in zip(tenants, marks, strict=True):
-                self._note_pressure(tenant, mark == 1)
-            return True
+            self._note_pressure(tenant, pressured == 1)
+            return pressured != -2
 
     def _note_pressure(self, tenant: str, pressured: bool) -> None:
         with self._locked():

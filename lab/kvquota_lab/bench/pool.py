@@ -760,7 +760,6 @@ class PoolRun:
         return {
             "admittedLocally": outcomes["local"], "admittedByStore": outcomes["pool"],
             "refusedByStore": outcomes["refused"], "roundTrips": self.ledger.round_trips,
-            "holdWrites": self.ledger.writes,
             "takeBacks": self.ledger.take_backs, "withinGuarantee": within,
             "storeShare": round(share, 4),
             "p99AddedSeconds": trips * self.ledger.rtt_s if share > 0.01 else 0.0,

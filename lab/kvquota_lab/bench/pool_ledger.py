@@ -1,10 +1,9 @@
 """The pool-wide ledger in the twin: the shared store's rule (`pool_store`'s Lua scripts)
 over one in-memory table, shared by the pool's engines.
 
-Same claims as on the store, published when the store would see them: what a sidecar's
-requests hold as each admission, release and sync moves it (the sidecar's store thread
-writes it behind the request; here at once), allowances at a charge that needs the
-store and at the refresh, so the others decide on the same numbers: a
+Same claims as on the store, published when the store would see them (a charge that
+needs it, a refresh, a release while the claim was above the allowance or the tenant
+marked as the store last said), so the others decide on the same stale numbers: a
 sidecar's claim on a tenant is the more of what its requests hold and its allowance
 (what it admits with no round trip: its split, lowered to charge + margin on refresh for
 a TTL after a refusal for the tenant); a claim grows only within what the others' claims
@@ -33,7 +32,6 @@ class TwinLedger:
     rtt_s: float = DEFAULT_RTT_S
     claims: dict[str, dict[str, Claim]] = field(default_factory=dict)
     round_trips: int = 0
-    writes: int = 0  # holdings written as they moved (behind the request: no wait)
     pressure: dict[str, float] = field(default_factory=dict)  # tenant -> refused at
     now: float = 0.0  # virtual time, set by the pool
     # The sidecars, each listening for requests to lean (all answer at once here).
@@ -76,6 +74,7 @@ class TwinPoolStore:
         self.claims: dict[str, Claim] = {}  # this sidecar's own books
         self.limits: dict[str, Limits] = {}
         self.pressured: set[str] = set()  # as the store's last answer said
+        self.releases_written = 0
 
     def _publish(self, tenant: str) -> None:
         claim = self.claims[tenant]
@@ -84,19 +83,7 @@ class TwinPoolStore:
 
     def sync(self, tenant: str, blocks: int, requests: int) -> None:
         claim = self.claims.setdefault(tenant, Claim())
-        held = max(0, blocks), max(0, requests)
-        if (claim.blocks, claim.requests) != held:
-            claim.blocks, claim.requests = held
-            self._write_held(tenant)
-
-    def _write_held(self, tenant: str) -> None:
-        """What is held moved: the store hears it (`PoolStore._moved`, a HOLD behind the
-        admission or release on the store thread; here at once, one round trip each)."""
-        claim = self.claims[tenant]
-        self.ledger.writes += 1
-        mine = self.published.setdefault(tenant, Claim())
-        mine.blocks, mine.requests = claim.blocks, claim.requests
-        self._note_pressure(tenant)
+        claim.blocks, claim.requests = max(0, blocks), max(0, requests)
 
     def _note_pressure(self, tenant: str) -> None:
         if self.ledger.pressured(tenant):
@@ -115,10 +102,17 @@ class TwinPoolStore:
         self._note_pressure(tenant)
 
     def released(self, tenant: str, blocks: int, requests: int) -> bool:
-        """As `PoolStore.released` on its store thread: always written through."""
-        claim = self.claims.setdefault(tenant, Claim())
-        claim.blocks, claim.requests = max(0, blocks), max(0, requests)
-        self._write_held(tenant)
+        """As `PoolStore.released`: written through when the claim was above the
+        allowance or the store last said the tenant is under pressure."""
+        claim, limits = self.claims.get(tenant), self.limits.get(tenant)
+        if claim is None or limits is None or not claim.ended(
+                blocks, requests, limits, tenant in self.pressured):
+            return False
+        self.ledger.round_trips += 1
+        self.releases_written += 1
+        mine = self.published.setdefault(tenant, Claim())
+        mine.blocks, mine.requests = claim.blocks, claim.requests
+        self._note_pressure(tenant)
         return True
 
     def allows(self, tenant: str, blocks: int, limits: Limits, requests: int = 1) -> bool:
@@ -132,7 +126,6 @@ class TwinPoolStore:
         if not claim.allows(blocks, requests, limits):
             return False
         claim.blocks, claim.requests = claim.blocks + blocks, claim.requests + requests
-        self._write_held(tenant)
         return True
 
     def charge(self, tenant: str, blocks: int, limits: Limits, requests: int = 1, *,
