@@ -7,8 +7,12 @@ or the kubelet's probes.
 
 uvicorn has no deadline for a request head on httptools, and httptools buffers a header
 of any length, so `GuardedHttpToolsProtocol` bounds the head in time and size (408 /
-431, then closed). The connection limit, keep-alive timeout and the event loop (uvloop
-where installed: it costs less per chunk) are uvicorn's; docs/gateway.md lists them.
+431, then closed), answers a request it cannot parse (400 INVALID_REQUEST, closed)
+and keeps the connection limit (503 TOO_MANY_CONNECTIONS), in
+place of uvicorn's `limit_concurrency`, so that refusal, like the 408 and 431, is the
+sidecar's JSON error with `x-request-id`. The keep-alive timeout and the event loop
+(uvloop where installed: it costs less per chunk) are uvicorn's; docs/gateway.md lists
+them.
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import uvicorn
+from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from engine_sidecar.gateway import errors
+from engine_sidecar.gateway import errors, request_id
 from engine_sidecar.gateway.errors import ApiError
 from engine_sidecar.gateway.telemetry.pause_probe import probe_from_env
 
@@ -58,13 +63,15 @@ class ConnectionLimits:
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with a deadline and a size bound on each request
-    head. Subclassed per server by `guarded_protocol` (uvicorn builds protocols from
-    the class alone)."""
+    head, and the connection limit. Subclassed per server by `guarded_protocol`
+    (uvicorn builds protocols from the class alone)."""
 
     limits: ClassVar[ConnectionLimits] = ConnectionLimits()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._served = self.app
+        self.app = self._within_limit  # what each request's ASGI task runs
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_bytes = 0
         self._head_begun = False  # a byte of the awaited head arrived
@@ -121,15 +128,47 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             f"the request line and headers did not arrive within "
             f"{self.limits.head_timeout:g}s"))
 
+    def send_400_response(self, msg: str) -> None:
+        """A request that is not valid HTTP (httptools could not parse it): the
+        sidecar's JSON 400, with `x-request-id`, in place of uvicorn's plain text."""
+        self._refuse(ApiError(400, errors.INVALID_REQUEST,
+                              "the request is not valid HTTP/1.1; nothing was read"))
+
+    async def _within_limit(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The server's app, or 503 TOO_MANY_CONNECTIONS beyond the limit: more than
+        `limits.connections()` connections open (this one included), or as many
+        requests running besides this one (what uvicorn's `limit_concurrency` of one
+        more refused). Then the connection closes (a descriptor back); the body is left
+        to uvicorn."""
+        limit = self.limits.connections()
+        if scope["type"] != "http" or (len(self.connections) <= limit
+                                       and len(self.tasks) <= limit + 1):
+            await self._served(scope, receive, send)
+            return
+        logger.warning("refused a request: %d connections open, %d requests running "
+                       "(limit %d)", len(self.connections), len(self.tasks) - 1, limit)
+        error = ApiError(503, errors.TOO_MANY_CONNECTIONS,
+                         f"the sidecar has more than its {limit} connections open; retry "
+                         "shortly", retry_after=1)
+        body = error.body()
+        raw_id = request_id.chosen(scope["headers"]).encode("ascii")
+        await send({"type": "http.response.start", "status": error.status, "headers": [
+            *error.raw_headers(), (request_id.HEADER, raw_id), (b"connection", b"close"),
+            (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
     def _refuse(self, error: ApiError) -> None:
         """Answer and close, unless a response is going out on this connection (a
-        pipelined request's head): then only close."""
+        pipelined request's head): then only close. The answer's `x-request-id` is the
+        client's when it came with the headers read so far, else a new one."""
         self._head_done()
         if self.cycle is None or self.cycle.response_complete:
             body = error.body()
             phrase = http.HTTPStatus(error.status).phrase.encode()
+            raw_id = request_id.chosen(self.headers or []).encode("ascii")
             head = [b"HTTP/1.1 %d %s\r\n" % (error.status, phrase)]
-            head += [name + b": " + value + b"\r\n" for name, value in error.raw_headers()]
+            head += [name + b": " + value + b"\r\n" for name, value in
+                     [*error.raw_headers(), (request_id.HEADER, raw_id)]]
             head.append(b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body))
             self.transport.write(b"".join(head) + body)
         self.transport.close()
@@ -149,7 +188,7 @@ def server_config(
         interface="asgi3", log_level=log_level, access_log=access_log, server_header=False,
         proxy_headers=False,  # client addresses are not used; skip the middleware
         timeout_keep_alive=limits.keep_alive_timeout,
-        limit_concurrency=limits.connections() + 1,
+        limit_concurrency=None,  # the guarded protocol keeps the limit (its own 503)
         timeout_graceful_shutdown=timeout_graceful_shutdown,
     )
 

@@ -9,6 +9,7 @@ without the deadline never closes, so the margin decides nothing but speed.
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 import time
@@ -89,12 +90,14 @@ def test_a_client_trickling_its_headers_gets_408_and_is_closed(
     harness, stub = stub_sidecar(limits=ConnectionLimits(head_timeout=DEADLINE_S))
     with _connect(harness) as sock:
         started = time.monotonic()
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: sidecar\r\n")
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: sidecar\r\n"
+                     b"X-Request-Id: slow-1\r\n")
         answer, closed = _trickle(sock, b"X-Slow: " + b"a" * 200, DEADLINE_S + MARGIN_S)
         elapsed = time.monotonic() - started
     assert closed, f"still open after {elapsed:.1f}s"
     assert _status(answer) == 408, answer
     assert b"REQUEST_TIMEOUT" in answer
+    assert b"\r\nx-request-id: slow-1\r\n" in answer  # the client's, from what came
     assert DEADLINE_S * 0.9 <= elapsed <= DEADLINE_S + MARGIN_S
     assert not stub.received
 
@@ -127,6 +130,25 @@ def test_an_oversized_head_is_431(stub_sidecar: StubFactory) -> None:
         sock.sendall(b"GET /healthz HTTP/1.1\r\nX-Big: " + b"a" * 32 * 1024)
         answer, closed = _read_until_closed(sock, 10)
     assert closed and _status(answer) == 431, answer
+    assert re.search(rb"\r\nx-request-id: [0-9a-f]{32}\r\n", answer), answer  # a new one
+
+
+def test_a_request_that_is_not_http_gets_the_sidecars_400_with_a_request_id(
+    stub_sidecar: StubFactory,
+) -> None:
+    """httptools cannot parse it, so it never reaches the app; the answer is the
+    sidecar's JSON 400 and still carries an x-request-id (a new one: the parser stops
+    before it hands over the headers it has read)."""
+    harness, stub = stub_sidecar()
+    for garbage in (b"GET /healthz HTTP/1.1\r\nX-Request-Id: bad-1\r\nNo colon\r\n\r\n",
+                    b"\x16\x03\x01 not http\r\n\r\n"):  # a header without a colon; TLS
+        with _connect(harness) as sock:
+            sock.sendall(garbage)
+            answer, closed = _read_until_closed(sock, 10)
+        assert closed and _status(answer) == 400, answer
+        assert b'"code":"INVALID_REQUEST"' in answer
+        assert re.search(rb"\r\nx-request-id: [0-9a-f]{32}\r\n", answer), answer
+    assert not stub.received
 
 
 def test_a_client_trickling_its_body_gets_408_and_is_closed(
@@ -208,9 +230,14 @@ def test_beyond_the_connection_limit_new_requests_get_a_fast_503(
     try:
         wait_for(lambda: len(connections) == 4, WAIT, "the idle connections were not accepted")
         started = time.monotonic()
-        refused = http_post(url, json={"prompt": "x"}, headers=headers, timeout=10)
+        refused = http_post(url, json={"prompt": "x"}, timeout=10,
+                            headers={**headers, "X-Request-Id": "over-the-limit-1"})
         elapsed = time.monotonic() - started
         assert refused.status_code == 503, refused.text
+        # The sidecar's own refusal, not uvicorn's plain text: OpenAI's shape, the id.
+        assert refused.json()["error"]["code"] == "TOO_MANY_CONNECTIONS"
+        assert refused.headers["x-request-id"] == "over-the-limit-1"
+        assert refused.headers["retry-after"] == "1"
         assert elapsed < 5, f"the refusal took {elapsed:.1f}s"
     finally:
         stub.release()
