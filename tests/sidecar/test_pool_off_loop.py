@@ -149,6 +149,15 @@ class _Engine:
                 self.queue.pump()
 
 
+async def _published(*engines: _Engine) -> None:
+    """Each engine has refreshed past the new store's grace: its claims are on the store."""
+    for engine in engines:
+        await engine.refreshed()
+    await asyncio.sleep(TTL_S)  # the new store's grace
+    for engine in engines:
+        await engine.refreshed()
+
+
 async def test_a_store_outage_keeps_each_engine_to_its_claim_and_recovers_within_a_ttl(
         server: RedisServer) -> None:
     policy = make_policy(
@@ -158,11 +167,8 @@ async def test_a_store_outage_keeps_each_engine_to_its_claim_and_recovers_within
         pool_store=PoolStorePolicy(address=server.address, ttl_seconds=TTL_S, timeout_ms=50))
     a, b = _Engine("engine-a", policy), _Engine("engine-b", policy)
     try:
+        await _published(a, b)
         for engine in (a, b):
-            await engine.refreshed()
-        await asyncio.sleep(TTL_S)  # the new store's grace
-        for engine in (a, b):
-            await engine.refreshed()
             assert await asyncio.to_thread(engine.store.subscribed.wait, 10)
         # Up: routing sends acme to a, which borrows b's idle share through the store.
         on_a = await a.submit(15)
@@ -180,11 +186,8 @@ async def test_a_store_outage_keeps_each_engine_to_its_claim_and_recovers_within
             assert ticket.reservation is not None
             ticket.reservation.release("completed")
         server.start()  # back, empty: one TTL of grace while the sidecars republish
+        await _published(a, b)
         for engine in (a, b):
-            await engine.refreshed()
-        await asyncio.sleep(TTL_S)
-        for engine in (a, b):
-            await engine.refreshed()
             # listening again (it retries within a quarter of a TTL): a take-back needs it
             assert await asyncio.to_thread(engine.store.subscribed.wait, 10)
         # Pool-wide again: b's waiting requests go in, and b borrows a's idle share.
@@ -209,11 +212,7 @@ async def test_a_request_past_its_deadline_is_refused_on_the_stores_no(
         pool_store=PoolStorePolicy(address=server.address, ttl_seconds=TTL_S, timeout_ms=50))
     a, b = _Engine("engine-a", policy), _Engine("engine-b", policy)
     try:
-        for engine in (a, b):
-            await engine.refreshed()
-        await asyncio.sleep(TTL_S)  # the new store's grace
-        for engine in (a, b):
-            await engine.refreshed()
+        await _published(a, b)
         assert all(t.admitted for t in await b.submit(10) + await a.submit(10))
         [late] = await a.submit(1)
         assert not late.settled  # waits: the store said no
